@@ -1,0 +1,41 @@
+# make setup | make demo | make test | make test-gpu | make bench
+# Every target creates .venv (idempotently) and installs what it needs; nothing is assumed installed.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# torch is always named in the same pip command as anything depending on it (the CPU build on disk).
+TORCH := torch==2.13.0
+PLUGIN_DIRS := $(sort $(patsubst %/pyproject.toml,%,$(shell find plugins -mindepth 2 -maxdepth 3 -name pyproject.toml)))
+STAMP := $(VENV)/.rlplat-installed
+PYTEST_ARGS ?=
+
+export RAY_AUTH_MODE := disabled
+export RAY_USAGE_STATS_ENABLED := 0
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test test-gpu bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt Makefile $(addsuffix /pyproject.toml,$(PLUGIN_DIRS))
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -c constraints.txt $(TORCH) -e '.[test]' $(addprefix -e ,$(PLUGIN_DIRS))
+	touch $@
+
+demo: setup
+	$(VENV)/bin/rlplat plugins list
+
+test: setup
+	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+test-gpu: setup
+	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
+
+bench: setup
+	@echo "no benchmarks yet"
+
+clean:
+	rm -rf $(VENV)

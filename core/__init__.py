@@ -1,0 +1,50 @@
+"""rlplat: reinforcement-learning post-training of language models.
+
+The public names are resolved lazily (PEP 562) so that ``import rlplat`` and plugin discovery import
+no torch, Ray or tensordict; each name imports its module on first access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "Algorithm",
+    "EngineRegistry",
+    "RewardManager",
+    "RolloutEngine",
+    "TrainingEngine",
+    "__version__",
+    "hookimpl",
+    "registry",
+]
+
+# public name -> (module, attribute); attribute None means the module itself.
+_LAZY_NAMES: dict[str, tuple[str, str | None]] = {
+    "registry": ("rlplat.registry", None),
+    "EngineRegistry": ("rlplat.registry", "EngineRegistry"),
+    "hookimpl": ("rlplat.hookspecs", "hookimpl"),
+    "TrainingEngine": ("rlplat.contracts.engine", "TrainingEngine"),
+    "RolloutEngine": ("rlplat.contracts.rollout", "RolloutEngine"),
+    "RewardManager": ("rlplat.contracts.reward", "RewardManager"),
+    "Algorithm": ("rlplat.contracts.algorithm", "Algorithm"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        from importlib.metadata import version
+
+        return version("rlplat")
+    if name not in _LAZY_NAMES:
+        raise AttributeError(f"module 'rlplat' has no attribute {name!r}")
+    module_name, attribute = _LAZY_NAMES[name]
+    module = importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

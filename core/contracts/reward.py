@@ -1,0 +1,60 @@
+"""Rewards: a scorer judges one response; a reward manager turns a batch into token-level scores."""
+
+from __future__ import annotations
+
+import abc
+import numbers
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Union
+
+if TYPE_CHECKING:
+    from rlplat.protocol import DataProto
+
+ScoreResult = Union[float, int, bool, Mapping[str, Any]]
+
+
+class RewardScorer(Protocol):
+    """``score(data_source, solution_str, ground_truth, extra_info) -> float | dict``.
+
+    ``solution_str`` is the decoded response (special tokens removed); ``ground_truth`` comes from the
+    row's ``reward_model["ground_truth"]``; ``extra_info`` is the row's ``extra_info`` dict or None and
+    must not be modified. Returns a number, or a dict with a numeric ``"score"`` plus any extra fields
+    (``acc``, ``pred``, ...) that the reward manager carries into metrics. Deterministic; may be
+    ``async def``. Must be importable by reference (it is sent to reward workers).
+    """
+
+    def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None) -> ScoreResult: ...
+
+
+class RewardManager(abc.ABC):
+    """Scores a batch. Built by the registry factory from ``(scorer, tokenizer, config)``.
+
+    Reads ``responses`` and ``response_mask`` [B, R] and the non-tensor ``data_source``,
+    ``reward_model`` (a dict with ``ground_truth``) and ``extra_info``. Returns a new DataProto with
+    ``token_level_scores`` [B, R] float32: the score at the last valid response token, 0 elsewhere;
+    each extra field a scorer returned as a non-tensor column of the same name; and
+    ``meta_info["reward_metrics"]`` (floats such as ``reward/errors``).
+    """
+
+    @abc.abstractmethod
+    def __call__(self, batch: "DataProto") -> "DataProto":
+        """Score every row of ``batch``; see the class docstring for the keys."""
+
+
+def split_score(result: ScoreResult, *, where: str = "scorer") -> tuple[float, dict[str, Any]]:
+    """Normalise a scorer's return value to ``(score, extra_fields)``.
+
+    Accepts a number (bools count as 0/1) or a mapping with a numeric ``"score"``; anything else raises
+    a ``TypeError`` that names ``where`` (e.g. ``"reward scorer 'gsm8k'"``) and what came back.
+    """
+    if isinstance(result, Mapping):
+        if "score" not in result:
+            raise TypeError(f"{where} returned a dict without a 'score' key (keys: {sorted(result)})")
+        extras = {key: value for key, value in result.items() if key != "score"}
+        score, _ = split_score(result["score"], where=where)
+        return score, extras
+    if isinstance(result, numbers.Real):  # bool, int, float and numpy's scalars
+        value = float(result)
+        if value != value:
+            raise TypeError(f"{where} returned NaN")
+        return value, {}
+    raise TypeError(f"{where} must return a number or a dict with a numeric 'score', got {type(result).__name__}: {result!r:.80}")

@@ -1,0 +1,91 @@
+"""The rollout-engine contract: generation with the current policy weights.
+
+Prompts arrive left padded; responses leave right padded. ``B`` prompts, ``n`` samples per prompt,
+``P`` prompt tokens, ``R`` = ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlplat.protocol import DataProto
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``top_k=0`` and ``top_p=1.0`` disable those filters; ``greedy`` ignores the
+    temperature and takes the arg-max; ``seed`` makes sampling reproducible on the same engine."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    greedy: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.n < 1:
+            problems.append(f"n must be >= 1, got {self.n}")
+        if self.temperature <= 0 and not self.greedy:
+            problems.append(f"temperature must be > 0 (or set greedy=True), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            problems.append(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if problems:
+            raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenOutput:
+    """Result of :meth:`RolloutEngine.generate_tokens`: the new tokens (stop token included when one
+    ended generation), the log-probability of each under the sampling distribution, and why it ended
+    (``"stop"`` or ``"length"``)."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: str
+
+
+class RolloutEngine(abc.ABC):
+    """Generates responses with the policy's current weights; lives in the same process as the
+    training engine (hybrid) or in its own. Built by the registry factory from ``(config, **kwargs)``."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: "DataProto", sampling: SamplingParams) -> "DataProto":
+        """Sample ``sampling.n`` responses per prompt.
+
+        Reads ``input_ids``, ``attention_mask``, ``position_ids`` [B, P] (left padded). Returns a new
+        DataProto of ``B * n`` rows, the samples of one prompt adjacent (interleaved repeat), with
+        ``prompts`` [B*n, P], ``responses`` [B*n, R] (right padded with the pad token), ``response_mask``
+        [B*n, R] (1 up to and including the EOS/stop token), ``rollout_log_probs`` [B*n, R] (log-probs
+        of the sampled tokens under the distribution actually sampled from, 0 where masked), and the
+        full ``input_ids`` / ``attention_mask`` / ``position_ids`` [B*n, P+R]. ``non_tensor_batch`` is
+        repeated alongside.
+        """
+
+    @abc.abstractmethod
+    async def generate_tokens(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> TokenOutput:
+        """Token in, token out, one sample (``sampling.n`` must be 1), for agent loops."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        """Load full tensors in Hugging Face naming (may be called once per bucket)."""
+
+    @abc.abstractmethod
+    def sleep(self) -> None:
+        """Free the weights and the KV cache so the training engine can use the memory."""
+
+    @abc.abstractmethod
+    def wake_up(self) -> None:
+        """Restore what :meth:`sleep` freed; weights must be updated again before generating."""

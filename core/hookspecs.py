@@ -1,0 +1,122 @@
+"""Every extension point of rlplat, one hook per kind of plugin.
+
+A plugin is a module (or any object) named in the ``rlplat`` entry-point group of its distribution::
+
+    [project.entry-points.rlplat]
+    my-reward = "my_package.plugin"
+
+and implements some of the hooks below with ``@rlplat.hookimpl``. Every hook receives a ``register``
+callback owned by core; the hook calls it once per thing it provides and returns nothing. Its signature::
+
+    register(name, factory, *, description="", requires=(), install_hint=None,
+             config_schema=None, metadata=None)
+
+``name``
+    Unique within the kind (``"fsdp2"``, ``"grpo"``, ``"gsm8k"``). A second plugin registering the same
+    name makes the name unusable until one is removed; the error names both distributions.
+``factory``
+    The object itself, or a dotted path ``"package.module:attribute"`` resolved only when the entry is
+    used, so that listing plugins imports nothing heavy. Prefer the dotted path.
+``description``
+    One line shown by ``rlplat plugins list`` and ``--help``.
+``requires``
+    Import names of optional dependencies (``("vllm",)``). If one cannot be found the entry is listed
+    as ``unavailable: vllm is not installed`` and using it raises that message with ``install_hint``.
+``install_hint``
+    What to run to install them, e.g. ``"pip install rlplat-rollout-vllm[vllm]"``.
+``config_schema``
+    A structured-config dataclass (or its dotted path) describing the entry's config node.
+``metadata``
+    Anything else a consumer of this kind documents (e.g. an algorithm's ``needs_critic``).
+
+Hooks are called once per plugin, in load order; none of them returns a value, so no answer "wins".
+New arguments may be added to a hook later; an implementation may accept any subset of them.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT_NAME = "rlplat"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def register_engines(register):
+    """Register training engines (kind ``engine``).
+
+    The factory builds a :class:`rlplat.contracts.engine.TrainingEngine` from ``(config, **kwargs)``.
+    """
+
+
+@hookspec
+def register_rollouts(register):
+    """Register rollout engines (kind ``rollout``).
+
+    The factory builds a :class:`rlplat.contracts.rollout.RolloutEngine` from ``(config, **kwargs)``.
+    """
+
+
+@hookspec
+def register_reward_managers(register):
+    """Register reward managers (kind ``reward_manager``).
+
+    The factory builds a :class:`rlplat.contracts.reward.RewardManager` from ``(scorer, config)``.
+    """
+
+
+@hookspec
+def register_reward_scorers(register):
+    """Register rule-based reward functions (kind ``reward_scorer``).
+
+    The factory *is* the scorer: a callable following :class:`rlplat.contracts.reward.RewardScorer`,
+    ``score(data_source, solution_str, ground_truth, extra_info) -> float | dict``.
+    """
+
+
+@hookspec
+def register_advantage_estimators(register):
+    """Register advantage estimators (kind ``advantage_estimator``).
+
+    The factory *is* the estimator, following :class:`rlplat.contracts.algorithm.AdvantageEstimator`,
+    ``fn(token_level_rewards, response_mask, index, values=None, config=None) -> (advantages, returns)``.
+    """
+
+
+@hookspec
+def register_policy_losses(register):
+    """Register policy losses (kind ``policy_loss``).
+
+    The factory *is* the loss, following :class:`rlplat.contracts.algorithm.PolicyLoss`,
+    ``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config) -> (loss, metrics)``.
+    """
+
+
+@hookspec
+def register_algorithms(register):
+    """Register whole algorithms (kind ``algorithm``).
+
+    The factory returns an :class:`rlplat.contracts.algorithm.Algorithm`: which estimator and loss it
+    uses, whether it needs a critic or a reference model, its default config and its loop hooks.
+    """
+
+
+@hookspec
+def register_dispatch_modes(register):
+    """Register dispatch modes for worker-group calls (kind ``dispatch_mode``).
+
+    The factory returns the mode object that splits a driver call's arguments over workers and merges
+    their results; ``@register(dispatch_mode="name")`` on a worker method selects it by name.
+    """
+
+
+@hookspec
+def register_commands(register):
+    """Register ``rlplat`` sub-commands (kind ``command``).
+
+    The factory returns a ``typer.Typer`` (mounted as ``rlplat NAME ...``) or a plain function (mounted
+    as the single command ``rlplat NAME``). Keep the module that holds it light: the CLI resolves
+    command factories at start-up.
+    """

@@ -1,0 +1,41 @@
+"""Test kits for plugin authors: conformance suites (one per kind) and pytest fixtures.
+
+A plugin's tests subclass a suite and provide its factory fixture::
+
+    from rlplat.testing import RewardScorerConformance, ScorerCase
+
+    class TestMyScorer(RewardScorerConformance):
+        @pytest.fixture
+        def scorer(self):
+            return my_package.score
+
+        @pytest.fixture
+        def scorer_cases(self):
+            return [ScorerCase("my_task", "42", "42", None, 1.0), ScorerCase("my_task", "7", "42", None, 0.0)]
+
+The fixtures of :mod:`rlplat.testing.pytest_plugin` (``register_temporary_plugin``,
+``isolated_registry``) reach every repository that installs rlplat, through a ``pytest11`` entry point.
+Suites for kinds that need torch import it only when their module is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY_NAMES = {
+    "RewardScorerConformance": "rlplat.testing.scorers",
+    "ScorerCase": "rlplat.testing.scorers",
+    "AdvantageEstimatorConformance": "rlplat.testing.estimators",
+    "PolicyLossConformance": "rlplat.testing.losses",
+    "AlgorithmConformance": "rlplat.testing.algorithms",
+    "CommandConformance": "rlplat.testing.commands",
+}
+
+__all__ = sorted(_LAZY_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY_NAMES:
+        raise AttributeError(f"module 'rlplat.testing' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY_NAMES[name]), name)

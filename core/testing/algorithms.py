@@ -1,0 +1,45 @@
+"""Conformance suite for algorithm specs (kind ``algorithm``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pytest
+
+from rlplat.contracts.algorithm import Algorithm
+
+
+class AlgorithmConformance:
+    """Fixture to provide: ``algorithm`` (what the registered factory returns). Optional:
+    ``registered_name``. The estimator and loss it names must be registered in the process-wide
+    registry, so install the plugins that provide them."""
+
+    @pytest.fixture
+    def registered_name(self) -> str | None:
+        return None
+
+    def test_is_an_algorithm_with_a_name(self, algorithm):
+        assert isinstance(algorithm, Algorithm)
+        assert isinstance(algorithm.name, str) and algorithm.name
+
+    def test_names_a_registered_estimator_and_loss(self, algorithm):
+        from rlplat import registry
+
+        assert callable(registry.get("advantage_estimator", algorithm.adv_estimator))
+        assert callable(registry.get("policy_loss", algorithm.policy_loss))
+
+    def test_declares_its_needs_as_booleans(self, algorithm):
+        assert isinstance(algorithm.needs_critic, bool)
+        assert isinstance(algorithm.needs_reference, bool)
+
+    def test_default_config_is_a_mapping_of_plain_values(self, algorithm):
+        assert isinstance(algorithm.default_config, Mapping)
+        for key in algorithm.default_config:
+            assert isinstance(key, str)
+
+    def test_registered_name_matches_the_spec(self, algorithm, registered_name):
+        if registered_name is None:
+            pytest.skip("the subclass names no registered_name")
+        from rlplat import registry
+
+        assert registry.get("algorithm", registered_name)().name == algorithm.name

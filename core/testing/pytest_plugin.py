@@ -1,0 +1,34 @@
+"""pytest fixtures offered to every repository that installs rlplat (entry point ``pytest11``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from rlplat.plugins import ENV_DISABLE_AUTOLOAD
+from rlplat.registry import Registry
+
+
+@pytest.fixture
+def isolated_registry() -> Registry:
+    """A new, empty registry that loads no entry point; fill it with ``register_plugin``."""
+    return Registry(environ={ENV_DISABLE_AUTOLOAD: "1"})
+
+
+@pytest.fixture
+def register_temporary_plugin() -> Iterator[Callable[..., Any]]:
+    """``register_temporary_plugin(plugin, name=None)`` registers a plugin object or module in the
+    process-wide registry for the duration of one test and returns its record."""
+    from rlplat import registry
+
+    registered: list[str] = []
+
+    def register(plugin: Any, name: str | None = None, **kwargs: Any):
+        record = registry.register_plugin(plugin, name=name, **kwargs)
+        registered.append(record.name)
+        return record
+
+    yield register
+    for name in reversed(registered):
+        registry.unregister_plugin(name)

@@ -1,0 +1,1 @@
+"""A template rlplat plugin providing the reward scorer ``example_exact_match``."""

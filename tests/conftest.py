@@ -1,0 +1,91 @@
+"""Helpers for the tests of core and cli: fake plugin distributions on disk, subprocess runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ("pytester",)
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+def write_distribution(
+    site: Path, name: str, version: str, entry_points: dict[str, str], modules: dict[str, str]
+) -> Path:
+    """Write an installed-looking distribution into ``site``: ``<name>.dist-info`` with METADATA and
+    ``entry_points.txt`` (group ``rlplat``), and the given modules (dotted name -> source).
+
+    importlib.metadata discovers it exactly like a pip-installed one once ``site`` is on the path.
+    """
+    dist_info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    lines = ["[rlplat]"] + [f"{ep} = {target}" for ep, target in entry_points.items()]
+    (dist_info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    for dotted, source in modules.items():
+        path = site.joinpath(*dotted.split(".")).with_suffix(".py")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(source))
+    return site
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch) -> Path:
+    """A directory on ``sys.path`` (this process) for fake distributions."""
+    directory = tmp_path / "site"
+    directory.mkdir()
+    monkeypatch.syspath_prepend(str(directory))
+    return directory
+
+
+@pytest.fixture
+def write_dist(site):
+    """``write_dist(name, version, entry_points, modules)``: a fake distribution in ``site``."""
+    return lambda *args, **kwargs: write_distribution(site, *args, **kwargs)
+
+
+def subprocess_environment(pythonpath: Path | None, env: dict[str, str] | None) -> dict[str, str]:
+    environment = dict(os.environ)
+    environment.pop("RLPLAT_PLUGINS", None)
+    environment.pop("RLPLAT_DISABLE_PLUGIN_AUTOLOAD", None)
+    if pythonpath is not None:
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), environment.get("PYTHONPATH")]))
+    environment.update(env or {})
+    return environment
+
+
+def run_python(code: str, *, pythonpath: Path | None = None, env: dict[str, str] | None = None, timeout: float = 120):
+    """Run ``code`` in a fresh interpreter of this venv; returns the CompletedProcess (text)."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, env=subprocess_environment(pythonpath, env), timeout=timeout, cwd=ROOT,
+    )
+
+
+def run_cli(*args: str, pythonpath: Path | None = None, env: dict[str, str] | None = None, timeout: float = 120):
+    """Run the installed ``rlplat`` console script, as a user would."""
+    script = VENV_BIN / "rlplat"
+    assert script.exists(), f"{script} is missing: install rlplat into this venv first (make setup)"
+    return subprocess.run(
+        [str(script), *args],
+        capture_output=True, text=True, env=subprocess_environment(pythonpath, env), timeout=timeout, cwd=ROOT,
+    )
+
+
+@pytest.fixture
+def python_run():
+    """``python_run(code, pythonpath=None, env=None)``: run code in a fresh interpreter of this venv."""
+    return run_python
+
+
+@pytest.fixture
+def cli_run():
+    """``cli_run(*args, pythonpath=None, env=None)``: run the installed ``rlplat`` console script."""
+    return run_cli

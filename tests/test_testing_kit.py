@@ -1,0 +1,199 @@
+"""The conformance suites of rlplat.testing pass a correct implementation and catch broken ones.
+
+Each case writes a plugin author's test module with pytester and runs it in a subprocess (torch
+cannot be imported twice in one process, which pytester's in-process runs would do).
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+SCORER_SUITE = """
+    import pytest
+    from rlplat.testing import RewardScorerConformance, ScorerCase
+
+    def good(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": float(solution_str.strip() == ground_truth), "acc": solution_str.strip() == ground_truth}
+
+    def broken(data_source, solution_str, ground_truth, extra_info=None):
+        if extra_info is not None:
+            extra_info["seen"] = True
+        return "right" if solution_str == ground_truth else "wrong"
+
+    class TestScorer(RewardScorerConformance):
+        @pytest.fixture
+        def scorer(self):
+            return IMPLEMENTATION
+
+        @pytest.fixture
+        def scorer_cases(self):
+            return [ScorerCase("t", "4", "4", {"id": 1}, 1.0), ScorerCase("t", "5", "4", None, 0.0)]
+"""
+
+ESTIMATOR_SUITE = """
+    import pytest
+    import torch
+    from rlplat.testing import AdvantageEstimatorConformance
+
+    def good(token_level_rewards, response_mask, index, values=None, config=None):
+        if token_level_rewards.shape != response_mask.shape:
+            raise ValueError(f"shape mismatch: {tuple(token_level_rewards.shape)} vs {tuple(response_mask.shape)}")
+        scores = token_level_rewards.sum(-1)
+        baseline = torch.stack([scores[torch.from_numpy(index == group)].mean() for group in index])
+        advantages = (scores - baseline)[:, None] * response_mask
+        return advantages, advantages.clone()
+
+    def broken(token_level_rewards, response_mask, index, values=None, config=None):
+        scores = token_level_rewards.sum(-1)
+        advantages = (scores - scores.mean())[:, None].expand_as(token_level_rewards).clone()
+        return advantages, advantages
+
+    class TestEstimator(AdvantageEstimatorConformance):
+        @pytest.fixture
+        def estimator(self):
+            return IMPLEMENTATION
+
+        @pytest.fixture
+        def estimator_config(self):
+            return None
+"""
+
+LOSS_SUITE = """
+    import pytest
+    import torch
+    from rlplat.testing import PolicyLossConformance
+
+    def aggregate(loss_mat, mask, mode):
+        if mode == "token-mean":
+            return (loss_mat * mask).sum() / mask.sum()
+        if mode == "seq-mean-token-sum":
+            return (loss_mat * mask).sum(-1).mean()
+        if mode == "seq-mean-token-mean":
+            return ((loss_mat * mask).sum(-1) / mask.sum(-1)).mean()
+        if mode == "seq-mean-token-sum-norm":
+            return (loss_mat * mask).sum() / mask.shape[-1]
+        raise ValueError(f"unknown loss_agg_mode {mode!r}")
+
+    def good(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config):
+        ratio = torch.exp(log_prob - old_log_prob)
+        loss = aggregate(-advantages * ratio, response_mask, loss_agg_mode)
+        return loss, {"actor/ratio_mean": float(ratio.detach().mean())}
+
+    def broken(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config):
+        ratio = torch.exp(log_prob - old_log_prob)
+        return (-advantages * ratio).mean(), {"actor/ratio_mean": ratio.mean()}
+
+    class TestLoss(PolicyLossConformance):
+        @pytest.fixture
+        def policy_loss(self):
+            return IMPLEMENTATION
+
+        @pytest.fixture
+        def policy_loss_config(self):
+            return {}
+"""
+
+ALGORITHM_SUITE = """
+    import pytest
+    from rlplat import hookimpl
+    from rlplat.contracts.algorithm import Algorithm
+    from rlplat.testing import AlgorithmConformance
+
+    class Parts:
+        @hookimpl
+        def register_advantage_estimators(self, register):
+            register("kit_estimator", "json:dumps")
+
+        @hookimpl
+        def register_policy_losses(self, register):
+            register("kit_loss", "json:loads")
+
+    def good():
+        return Algorithm(name="kit", adv_estimator="kit_estimator", policy_loss="kit_loss", default_config={"gamma": 1.0})
+
+    def broken():
+        return Algorithm(name="kit", adv_estimator="kit_estimatr", policy_loss="kit_loss", needs_critic="yes")
+
+    class TestAlgorithm(AlgorithmConformance):
+        @pytest.fixture(autouse=True)
+        def parts(self, register_temporary_plugin):
+            register_temporary_plugin(Parts(), name="kit-parts")
+
+        @pytest.fixture
+        def algorithm(self):
+            return IMPLEMENTATION()
+"""
+
+COMMAND_SUITE = """
+    import pytest
+    import typer
+    from rlplat.testing import CommandConformance
+
+    good = typer.Typer(help="Things.")
+
+    @good.command()
+    def show():
+        typer.echo("shown")
+
+    broken = "not a command"
+
+    class TestCommand(CommandConformance):
+        @pytest.fixture
+        def command(self):
+            return IMPLEMENTATION
+
+        @pytest.fixture
+        def command_name(self):
+            return "things"
+"""
+
+
+def run_suite(pytester, template: str, implementation: str):
+    pytester.makepyfile(test_suite=textwrap.dedent(template.replace("IMPLEMENTATION", implementation)))
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
+
+
+def test_scorer_suite(pytester):
+    run_suite(pytester, SCORER_SUITE, "good").assert_outcomes(passed=8, skipped=1)
+    broken = run_suite(pytester, SCORER_SUITE, "broken")
+    broken.assert_outcomes(passed=2, failed=6, skipped=1)
+    broken.stdout.fnmatch_lines(["*test_does_not_modify_its_inputs*", "*test_cases_score_as_expected*"])
+
+
+def test_estimator_suite(pytester):
+    run_suite(pytester, ESTIMATOR_SUITE, "good").assert_outcomes(passed=6)
+    broken = run_suite(pytester, ESTIMATOR_SUITE, "broken")
+    broken.assert_outcomes(passed=4, failed=2)
+    broken.stdout.fnmatch_lines(["*test_is_zero_where_the_response_mask_is_zero*", "*test_mismatched_shapes_raise*"])
+
+
+def test_policy_loss_suite(pytester):
+    run_suite(pytester, LOSS_SUITE, "good").assert_outcomes(passed=11)
+    broken = run_suite(pytester, LOSS_SUITE, "broken")
+    broken.stdout.fnmatch_lines(["*test_masked_tokens_get_no_gradient*", "*test_unknown_aggregation_mode*"])
+    assert broken.ret != 0
+
+
+def test_algorithm_suite_and_the_temporary_plugin_fixture(pytester):
+    run_suite(pytester, ALGORITHM_SUITE, "good").assert_outcomes(passed=4, skipped=1)
+    broken = run_suite(pytester, ALGORITHM_SUITE, "broken")
+    broken.assert_outcomes(passed=2, failed=2, skipped=1)
+    broken.stdout.fnmatch_lines(["*Did you mean 'kit_estimator'*"])
+
+
+def test_command_suite(pytester):
+    run_suite(pytester, COMMAND_SUITE, "good").assert_outcomes(passed=2)
+    run_suite(pytester, COMMAND_SUITE, "broken").assert_outcomes(failed=2)
+
+
+def test_isolated_registry_starts_empty_and_temporary_plugins_are_removed(isolated_registry, register_temporary_plugin):
+    from rlplat import hookimpl, registry
+
+    class Plugin:
+        @hookimpl
+        def register_reward_scorers(self, register):
+            register("kit_temporary_scorer", "json:dumps")
+
+    assert all(isolated_registry.names(kind) == [] for kind in ("engine", "reward_scorer", "algorithm"))
+    register_temporary_plugin(Plugin(), name="kit-temporary")
+    assert "kit_temporary_scorer" in registry.names("reward_scorer")
