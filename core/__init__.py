@@ -11,6 +11,7 @@ from typing import Any
 
 __all__ = [
     "Algorithm",
+    "DataProto",
     "EngineRegistry",
     "RewardManager",
     "RolloutEngine",
@@ -23,6 +24,7 @@ __all__ = [
 # public name -> (module, attribute); attribute None means the module itself.
 _LAZY_NAMES: dict[str, tuple[str, str | None]] = {
     "registry": ("rlplat.registry", None),
+    "DataProto": ("rlplat.protocol", "DataProto"),
     "EngineRegistry": ("rlplat.registry", "EngineRegistry"),
     "hookimpl": ("rlplat.hookspecs", "hookimpl"),
     "TrainingEngine": ("rlplat.contracts.engine", "TrainingEngine"),
