@@ -138,13 +138,20 @@ class Registry:
     """Holds every entry of every kind and the record of every plugin.
 
     ``environ`` is read when plugins are first loaded (defaults to ``os.environ``); ``group`` is the
-    entry-point group searched. A fresh ``Registry`` is independent of the process-wide one, which
-    is what the tests of rlplat and of plugins use.
+    entry-point group searched. rlplat's own entries (:mod:`rlplat.builtin_plugin`) are loaded first
+    unless ``include_builtins`` is False. A fresh ``Registry`` is independent of the process-wide one,
+    which is what the tests of rlplat and of plugins use.
     """
 
-    def __init__(self, group: str = plugin_loading.ENTRY_POINT_GROUP, environ: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        group: str = plugin_loading.ENTRY_POINT_GROUP,
+        environ: Mapping[str, str] | None = None,
+        include_builtins: bool = True,
+    ):
         self.group = group
         self._environ = environ
+        self._include_builtins = include_builtins
         self._lock = threading.RLock()
         self._loaded = False
         self._manager = plugin_loading.new_plugin_manager()
@@ -160,6 +167,14 @@ class Registry:
             if self._loaded:
                 return
             self._loaded = True
+            if self._include_builtins:
+                from importlib.metadata import version
+
+                from rlplat import builtin_plugin
+
+                record = PluginRecord("rlplat", builtin_plugin.__name__, "rlplat", version("rlplat"))
+                self._plugins[record.name] = record
+                self._activate(builtin_plugin, record)
             environ = os.environ if self._environ is None else self._environ
             autoload_disabled = plugin_loading.is_truthy(environ.get(plugin_loading.ENV_DISABLE_AUTOLOAD))
             allowed = plugin_loading.allow_list(environ)

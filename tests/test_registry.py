@@ -83,6 +83,13 @@ def test_unknown_kind_names_the_kinds():
         Registry(environ={"RLPLAT_DISABLE_PLUGIN_AUTOLOAD": "1"}).names("engines")
 
 
+def test_rlplat_registers_its_dispatch_modes_like_any_plugin_even_with_autoload_off():
+    registry = Registry(environ={"RLPLAT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert registry.names("dispatch_mode") == ["ALL_TO_ALL", "DP_COMPUTE_PROTO", "DP_MESH", "ONE_TO_ALL", "RANK_ZERO"]
+    entry = registry.entry("dispatch_mode", "DP_COMPUTE_PROTO")
+    assert (entry.plugin, entry.distribution) == ("rlplat", "rlplat")
+
+
 def test_missing_optional_dependency_makes_the_entry_unavailable_with_the_install_hint(write_dist):
     module = unique("optional")
     source = f"""
@@ -172,7 +179,7 @@ def test_disable_autoload_loads_no_entry_point(write_dist):
     write_dist("off-dist", "1.0", {"off": module}, scorer_plugin(module))
     registry = Registry(environ={"RLPLAT_DISABLE_PLUGIN_AUTOLOAD": "1"})
     assert registry.names("reward_scorer") == []
-    assert all(record.status == "disabled" for record in registry.plugins())
+    assert {record.name for record in registry.plugins() if record.status != "disabled"} == {"rlplat"}
     assert module not in sys.modules
 
 

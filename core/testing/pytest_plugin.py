@@ -12,8 +12,9 @@ from rlplat.registry import Registry
 
 @pytest.fixture
 def isolated_registry() -> Registry:
-    """A new, empty registry that loads no entry point; fill it with ``register_plugin``."""
-    return Registry(environ={ENV_DISABLE_AUTOLOAD: "1"})
+    """A new, empty registry (no entry point, not even rlplat's own entries); fill it with
+    ``register_plugin``."""
+    return Registry(environ={ENV_DISABLE_AUTOLOAD: "1"}, include_builtins=False)
 
 
 @pytest.fixture

@@ -1,0 +1,1 @@
+"""The single controller: workers, dispatch, worker groups and their Ray and in-process backends."""

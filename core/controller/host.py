@@ -1,0 +1,145 @@
+"""``WorkerHost``: the process-side runtime that holds one or more role workers (colocation).
+
+Under Ray each host is an actor; in process it is a plain object. It sets the process environment
+(rank, world size), sets up ``torch.distributed`` once per process, builds each role's worker, and
+runs calls: fetching :class:`Shard` arguments from the object store itself and counting the padding
+rows of its data-parallel outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from datetime import timedelta
+from typing import Any, Callable
+
+from rlplat.controller.dispatch import Shard, WholeValue, padding_in_parts, trim
+from rlplat.controller.worker import ENV_ROLE
+from rlplat.protocol import DataProto
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """A worker class with the arguments to build it: ``WorkerSpec(ActorWorker, config)``."""
+
+    cls: type
+    args: tuple = ()
+    kwargs: dict = dataclasses.field(default_factory=dict)
+
+    def __init__(self, cls: type, *args: Any, **kwargs: Any):
+        object.__setattr__(self, "cls", cls)
+        object.__setattr__(self, "args", args)
+        object.__setattr__(self, "kwargs", kwargs)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def node_address() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+class WorkerHost:
+    """See the module docstring. ``fetch`` turns object references into values (``ray.get`` under Ray)."""
+
+    def __init__(self, rank: int, world_size: int, local_rank: int = 0, fetch: Callable[[list], list] | None = None):
+        self.rank, self.world_size = rank, world_size
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
+        self.fetch = fetch or (lambda values: list(values))
+        self.workers: dict[str, Any] = {}
+        self.owns_process_group = False
+
+    def address(self) -> tuple[str, int, int]:
+        """``(ip, free port, pid)`` of this process: rank 0's becomes the rendezvous address."""
+        return node_address(), free_port(), os.getpid()
+
+    def init_distributed(self, master_address: str, master_port: int, use_gpu: bool, timeout_s: float = 600) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return
+        os.environ.update(MASTER_ADDR=master_address, MASTER_PORT=str(master_port))
+        if use_gpu:
+            import torch
+
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) if torch.cuda.device_count() > 1 else 0)
+        dist.init_process_group(
+            backend="nccl" if use_gpu else "gloo",
+            init_method=f"tcp://{master_address}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        self.owns_process_group = True
+
+    def create(self, role: str, spec: WorkerSpec) -> None:
+        if role in self.workers:
+            raise ValueError(f"role {role!r} already lives in this process")
+        os.environ[ENV_ROLE] = role
+        self.workers[role] = spec.cls(*spec.args, **spec.kwargs)
+
+    def dispatch_info(self, role: str) -> tuple[int, int, bool]:
+        return self.workers[role].dispatch_info()
+
+    def call(self, role: str, method: str, args: tuple, kwargs: dict, pad_rows: int | None = None) -> Any:
+        """Run ``role.method``. For a data-parallel call (``pad_rows`` not None) returns
+        ``(output, padding rows at its end)``: the output keeps the padding so that a chained call gets
+        equal shards; whoever materialises the result drops the padding rows."""
+        learned: list[int] = []
+        args = tuple(self.resolve(value, learned) for value in args)
+        kwargs = {key: self.resolve(value, learned) for key, value in kwargs.items()}
+        output = getattr(self.workers[role], method)(*args, **kwargs)
+        if pad_rows is None:
+            return output
+        pad_in = learned[0] if pad_rows == -1 and learned else max(pad_rows, 0)
+        if not pad_in or not isinstance(output, DataProto):
+            return output, 0
+        rows_in = next(len(v) for v in (*args, *kwargs.values()) if isinstance(v, DataProto))
+        if len(output) % rows_in:
+            raise ValueError(
+                f"{role}.{method} returned {len(output)} rows for {rows_in} input rows; a data-parallel "
+                "method must return a whole number of rows per input row so that padding can be removed"
+            )
+        return output, pad_in * (len(output) // rows_in)
+
+    def resolve(self, value: Any, learned: list[int]) -> Any:
+        """Fetch a Shard or WholeValue argument here, in the worker, never through the driver."""
+        if isinstance(value, WholeValue):
+            return value.merge(self.fetch(value.results))
+        if not isinstance(value, Shard):
+            return value
+        sources = self.fetch(value.sources)
+        pads = [pad if isinstance(pad, int) else None for pad in value.pads]
+        if any(pad is None for pad in pads):
+            pads = self.fetch(value.pads)
+        if value.part is None:
+            learned.append(pads[0])
+            return sources[0]
+        whole = DataProto.concat([trim(source, pad) for source, pad in zip(sources, pads)])
+        index, count = value.part
+        padded, _ = whole.pad_to_divisor(count)
+        learned.append(padding_in_parts(len(whole), len(padded), count)[index])
+        return padded.chunk(count)[index]
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        """Destroy the process group this host created (before the process is killed)."""
+        if self.owns_process_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.owns_process_group = False
