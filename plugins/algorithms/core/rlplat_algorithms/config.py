@@ -129,10 +129,10 @@ def read_config(config: Any, schema: type[ConfigT], *, where: str = "config") ->
     """
     if config is None:
         return schema()
-    if isinstance(config, schema):
-        return config
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        config = dataclasses.asdict(config)
+        if isinstance(config, schema) and _nested_fields_are_typed(config):
+            return config
+        config = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
     if not isinstance(config, Mapping):
         raise TypeError(
             f"{where} must be a {schema.__name__}, a mapping or None, got {type(config).__name__}: {config!r:.80}"
@@ -148,6 +148,15 @@ def read_config(config: Any, schema: type[ConfigT], *, where: str = "config") ->
             value = read_config(value, nested, where=f"{where}.{field.name}")
         values[field.name] = value
     return schema(**values)
+
+
+def _nested_fields_are_typed(config: Any) -> bool:
+    hints = typing.get_type_hints(type(config))
+    return all(
+        isinstance(getattr(config, field.name), hints[field.name])
+        for field in dataclasses.fields(config)
+        if isinstance(hints[field.name], type) and dataclasses.is_dataclass(hints[field.name])
+    )
 
 
 def with_global_counts(config: Any, schema: type[ConfigT], meta_info: Mapping[str, Any]) -> ConfigT:
