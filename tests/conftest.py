@@ -89,3 +89,17 @@ def python_run():
 def cli_run():
     """``cli_run(*args, pythonpath=None, env=None)``: run the installed ``rlplat`` console script."""
     return run_cli
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray cluster for one test module (dashboard off, 127.0.0.1, token auth off), then stopped."""
+    import ray
+
+    from rlplat.controller.ray_backend import start_ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    start_ray(num_cpus=8)
+    yield ray
+    ray.shutdown()

@@ -54,11 +54,17 @@ class WorkerHost:
     """See the module docstring. ``fetch`` turns object references into values (``ray.get`` under Ray)."""
 
     def __init__(self, rank: int, world_size: int, local_rank: int = 0, fetch: Callable[[list], list] | None = None):
-        self.rank, self.world_size = rank, world_size
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.set_environment()
         self.fetch = fetch or (lambda values: list(values))
         self.workers: dict[str, Any] = {}
         self.owns_process_group = False
+
+    def set_environment(self, role: str | None = None) -> None:
+        """The variables :class:`Worker` and ``torch.distributed`` read (set again before each role is built)."""
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank))
+        if role is not None:
+            os.environ[ENV_ROLE] = role
 
     def address(self) -> tuple[str, int, int]:
         """``(ip, free port, pid)`` of this process: rank 0's becomes the rendezvous address."""
@@ -86,7 +92,7 @@ class WorkerHost:
     def create(self, role: str, spec: WorkerSpec) -> None:
         if role in self.workers:
             raise ValueError(f"role {role!r} already lives in this process")
-        os.environ[ENV_ROLE] = role
+        self.set_environment(role)
         self.workers[role] = spec.cls(*spec.args, **spec.kwargs)
 
     def dispatch_info(self, role: str) -> tuple[int, int, bool]:

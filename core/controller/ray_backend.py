@@ -8,6 +8,7 @@ process on each, in a rank order that is stable across restarts (sorted by node 
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Any, Mapping, Sequence
 
 import ray
@@ -71,7 +72,7 @@ class ResourcePool:
         if self._slots is None:
             start_ray()
             groups = [
-                placement_group([self.bundle()] * count, strategy="STRICT_PACK", name=f"{self.name_prefix}_{index}_{os.getpid()}")
+                placement_group([self.bundle()] * count, strategy="STRICT_PACK", name=f"{self.name_prefix}_{uuid.uuid4().hex[:8]}_{index}")
                 for index, count in enumerate(self.process_on_nodes)
             ]
             ready, _ = ray.wait([group.ready() for group in groups], num_returns=len(groups), timeout=PLACEMENT_TIMEOUT_S)

@@ -30,6 +30,9 @@ _LAZY_NAMES = {
     "PolicyLossConformance": "rlplat.testing.losses",
     "AlgorithmConformance": "rlplat.testing.algorithms",
     "CommandConformance": "rlplat.testing.commands",
+    "RewardManagerConformance": "rlplat.testing.reward_managers",
+    "word_tokenizer": "rlplat.testing.reward_managers",
+    "reward_batch": "rlplat.testing.reward_managers",
 }
 
 __all__ = sorted(_LAZY_NAMES)
