@@ -1,0 +1,274 @@
+"""Reward managers (kind ``reward_manager``): decode a batch, score it, write ``token_level_scores``.
+
+Each is built by its registered factory from ``(scorer, tokenizer, config)`` (``config`` the ``reward``
+node, see :class:`~rlplat_rewards.config.RewardManagerConfig`) and called with a DataProto. It reads
+``responses`` and ``response_mask`` [B, R] and the non-tensor ``data_source``, ``reward_model`` (a dict
+with ``ground_truth``; a plain ``ground_truth`` column also works) and ``extra_info``; the response is
+decoded up to its last valid token with special tokens skipped. It returns a *new* DataProto holding
+only what it computed (the caller unions it into the batch):
+
+* ``token_level_scores`` [B, R] float32: the score at the last token where ``response_mask`` is 1, 0
+  elsewhere (a row without valid tokens gets no score);
+* one non-tensor column per extra field the scorer returned (``acc``, ``pred``, ...; ``None`` on rows
+  that did not return it);
+* ``meta_info["reward_metrics"]``: ``reward/errors``, ``reward/timeouts`` and ``reward/<field>/mean`` of
+  every numeric or boolean extra field.
+
+A scorer that raises (or returns something that is not a score, or overruns ``timeout_s``) on a
+sample gives that sample ``fallback_score`` and no extra fields, is counted in ``reward/errors`` (and
+``reward/timeouts``), and the first such traceback of the call is logged; with ``raise_on_error`` the
+call raises instead, naming the row. A sync scorer that times out keeps running in a daemon thread
+(Python cannot stop it); async scorers are cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import threading
+import traceback
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from rlplat.contracts.reward import RewardManager, split_score
+from rlplat_rewards.config import RewardManagerConfig, read_config
+
+logger = logging.getLogger("rlplat_rewards")
+
+
+@dataclasses.dataclass
+class Sample:
+    """One row, ready for a scorer."""
+
+    data_source: str
+    solution_str: str
+    ground_truth: Any
+    extra_info: Mapping[str, Any] | None
+    last_token: int
+    """Index of the last valid response token, -1 when there is none."""
+
+    @property
+    def length(self) -> int:
+        """Response tokens up to and including the last valid one (tool spans inside count)."""
+        return self.last_token + 1
+
+
+def _column(batch: Any, key: str, row: int, default: Any = None) -> Any:
+    column = batch.non_tensor_batch.get(key)
+    return default if column is None else column[row]
+
+
+def decode_samples(batch: Any, tokenizer: Any) -> list[Sample]:
+    """The rows of ``batch`` as :class:`Sample` objects (see the module docstring for the keys read)."""
+    responses, mask = batch.batch["responses"], batch.batch["response_mask"]
+    if responses.shape != mask.shape:
+        raise ValueError(f"responses {tuple(responses.shape)} and response_mask {tuple(mask.shape)} differ in shape")
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last_tokens = torch.where(mask.bool(), positions, torch.full_like(positions, -1)).max(dim=1).values.tolist()
+    texts = tokenizer.batch_decode(
+        [responses[row, : last + 1].tolist() for row, last in enumerate(last_tokens)], skip_special_tokens=True
+    )
+    samples = []
+    for row, (text, last) in enumerate(zip(texts, last_tokens)):
+        reward_model = _column(batch, "reward_model", row)
+        if isinstance(reward_model, Mapping):
+            ground_truth = reward_model.get("ground_truth")
+        else:
+            ground_truth = _column(batch, "ground_truth", row)
+        samples.append(Sample(_column(batch, "data_source", row, ""), text, ground_truth, _column(batch, "extra_info", row), last))
+    return samples
+
+
+def resolve(result: Any) -> Any:
+    """Await ``result`` if it is awaitable (in a fresh event loop, on a helper thread if one is running)."""
+    if not inspect.isawaitable(result):
+        return result
+
+    async def wait():
+        return await result
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(wait())
+    return call_with_timeout(lambda: asyncio.run(wait()), None, force_thread=True)
+
+
+def call_with_timeout(function: Callable[[], Any], timeout: float | None, force_thread: bool = False) -> Any:
+    """``resolve(function())``, raising ``TimeoutError`` after ``timeout`` seconds (None: no limit)."""
+    if timeout is None and not force_thread:
+        return resolve(function())
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = resolve(function())
+        except BaseException as error:  # handed to the caller's thread below
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True, name="rlplat-reward-scorer")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"the scorer took longer than reward.timeout_s={timeout}")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+class FailureTracker:
+    """Counts failed samples for one call, logs the first traceback, or raises when configured to."""
+
+    def __init__(self, settings: RewardManagerConfig, scorer_name: str):
+        self.settings = settings
+        self.scorer_name = scorer_name
+        self.errors = 0
+        self.timeouts = 0
+
+    def failed(self, rows: str, data_source: str, error: Exception) -> float:
+        """Record a failure on ``rows`` (a description) and return the fallback score."""
+        where = f"reward scorer {self.scorer_name} failed on {rows} (data_source {data_source!r})"
+        if self.settings.raise_on_error:
+            raise RuntimeError(f"{where}: {type(error).__name__}: {error}") from error
+        self.errors += 1
+        self.timeouts += isinstance(error, TimeoutError)
+        if self.errors == 1:
+            details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            logger.error(
+                "%s; it gets reward.fallback_score=%s and is counted in reward/errors (set "
+                "reward.raise_on_error=true to stop instead). First traceback of this batch:\n%s",
+                where, self.settings.fallback_score, details,
+            )
+        return float(self.settings.fallback_score)
+
+
+def scorer_name(scorer: Any) -> str:
+    """``module.function`` for a function, the ``repr`` of anything else (e.g. a CustomScorer)."""
+    if inspect.isroutine(scorer):
+        return f"{scorer.__module__}.{scorer.__qualname__}"
+    return repr(scorer)
+
+
+def build_output(samples: list[Sample], scores: list[float], extras: list[dict[str, Any]], width: int,
+                 tracker: FailureTracker) -> Any:
+    """The DataProto the module docstring describes."""
+    from rlplat.protocol import DataProto
+
+    token_level_scores = torch.zeros(len(samples), width, dtype=torch.float32)
+    for row, (sample, score) in enumerate(zip(samples, scores)):
+        if sample.last_token >= 0:
+            token_level_scores[row, sample.last_token] = score
+    keys = list(dict.fromkeys(key for fields in extras for key in fields))
+    columns = {key: [fields.get(key) for fields in extras] for key in keys}
+    metrics = {"reward/errors": float(tracker.errors), "reward/timeouts": float(tracker.timeouts)}
+    for key, values in columns.items():
+        present = [value for value in values if value is not None]
+        if present and all(isinstance(value, (bool, int, float, np.number)) for value in present):
+            metrics[f"reward/{key}/mean"] = float(np.mean(np.asarray(present, dtype=np.float64)))
+    return DataProto.from_dict(
+        tensors={"token_level_scores": token_level_scores}, non_tensors=columns, meta_info={"reward_metrics": metrics}
+    )
+
+
+class NaiveRewardManager(RewardManager):
+    """Scores one sample at a time with ``scorer(data_source, solution_str, ground_truth, extra_info)``,
+    each within ``reward.timeout_s``."""
+
+    def __init__(self, scorer: Callable[..., Any], tokenizer: Any, config: Any = None):
+        self.scorer = scorer
+        self.tokenizer = tokenizer
+        self.settings = read_config(config, RewardManagerConfig)
+
+    def __call__(self, batch: Any) -> Any:
+        samples = decode_samples(batch, self.tokenizer)
+        tracker = FailureTracker(self.settings, scorer_name(self.scorer))
+        scores, extras = [], []
+        width = batch.batch["responses"].shape[1]
+        for row, sample in enumerate(samples):
+            try:
+                result = call_with_timeout(
+                    lambda: self.scorer(
+                        data_source=sample.data_source,
+                        solution_str=sample.solution_str,
+                        ground_truth=sample.ground_truth,
+                        extra_info=sample.extra_info,
+                    ),
+                    self.settings.timeout_s,
+                )
+                score, fields = split_score(result, where=f"reward scorer {tracker.scorer_name}")
+                score, fields = self.shape(sample, score, fields, width)
+            except Exception as error:
+                score, fields = tracker.failed(f"row {row}", sample.data_source, error), {}
+            scores.append(score)
+            extras.append(fields)
+        return build_output(samples, scores, extras, width, tracker)
+
+    def shape(self, sample: Sample, score: float, fields: dict[str, Any], width: int) -> tuple[float, dict[str, Any]]:
+        """Adjust a successfully scored sample (the DAPO manager adds its length penalty here)."""
+        return score, fields
+
+
+class BatchRewardManager(RewardManager):
+    """One vectorised call per batch: ``scorer(data_sources=[...], solution_strs=[...],
+    ground_truths=[...], extra_infos=[...])`` returning one score (number or dict) per row, as verl's
+    batch manager. If the call itself fails, every row falls back (and counts as an error)."""
+
+    def __init__(self, scorer: Callable[..., Any], tokenizer: Any, config: Any = None):
+        self.scorer = scorer
+        self.tokenizer = tokenizer
+        self.settings = read_config(config, RewardManagerConfig)
+
+    def __call__(self, batch: Any) -> Any:
+        samples = decode_samples(batch, self.tokenizer)
+        tracker = FailureTracker(self.settings, scorer_name(self.scorer))
+        width = batch.batch["responses"].shape[1]
+        try:
+            results = call_with_timeout(
+                lambda: self.scorer(
+                    data_sources=[s.data_source for s in samples],
+                    solution_strs=[s.solution_str for s in samples],
+                    ground_truths=[s.ground_truth for s in samples],
+                    extra_infos=[s.extra_info for s in samples],
+                ),
+                self.settings.timeout_s,
+            )
+            results = list(results)
+            if len(results) != len(samples):
+                raise TypeError(f"the batch scorer returned {len(results)} results for {len(samples)} rows")
+        except Exception as error:
+            fallback = tracker.failed("the whole batch", "several", error)
+            tracker.errors = len(samples)
+            tracker.timeouts = len(samples) if isinstance(error, TimeoutError) else 0
+            return build_output(samples, [fallback] * len(samples), [{} for _ in samples], width, tracker)
+        scores, extras = [], []
+        for row, (sample, result) in enumerate(zip(samples, results)):
+            try:
+                score, fields = split_score(result, where=f"reward scorer {tracker.scorer_name}")
+            except TypeError as error:
+                score, fields = tracker.failed(f"row {row}", sample.data_source, error), {}
+            scores.append(score)
+            extras.append(fields)
+        return build_output(samples, scores, extras, width, tracker)
+
+
+class DAPORewardManager(NaiveRewardManager):
+    """The naive manager plus DAPO's overlong shaping (when ``reward.overlong_buffer.enable``):
+    ``score += min(-(length - expected_len) / len * penalty_factor, 0)`` with
+    ``expected_len = max_resp_len - len`` (``max_resp_len`` defaults to the response width R) and
+    ``length`` the response's tokens up to its last valid one. With ``overlong_buffer.log`` the
+    columns ``overlong_reward`` and ``overlong`` are added. A failed sample gets the plain fallback."""
+
+    def shape(self, sample: Sample, score: float, fields: dict[str, Any], width: int) -> tuple[float, dict[str, Any]]:
+        buffer = self.settings.overlong_buffer
+        if not buffer.enable:
+            return score, fields
+        max_length = self.settings.max_resp_len if self.settings.max_resp_len is not None else width
+        expected_length = max_length - buffer.len
+        overlong_reward = min(-(sample.length - expected_length) / buffer.len * buffer.penalty_factor, 0)
+        if buffer.log:
+            fields = {**fields, "overlong_reward": overlong_reward, "overlong": overlong_reward < 0}
+        return score + overlong_reward, fields

@@ -1,0 +1,29 @@
+"""What rlplat-rewards registers. Only dotted paths: listing plugins imports no torch."""
+
+import rlplat
+
+_CONFIG = "rlplat_rewards.config:RewardManagerConfig"
+
+REWARD_SCORERS = {
+    "gsm8k": ("gsm8k:score", "GSM8K, strict: the last '#### <number>' must equal the answer (commas, $ ignored)."),
+    "gsm8k_flexible": ("gsm8k:score_flexible", "GSM8K, flexible: the last number in the response must equal the answer."),
+    "math": ("hendrycks_math:score", "MATH: the last \\boxed{} answer, equivalent after the benchmark's normalisation."),
+}
+
+REWARD_MANAGERS = {
+    "naive": ("managers:NaiveRewardManager", "One scorer call per sample, with a per-sample timeout."),
+    "batch": ("managers:BatchRewardManager", "One vectorised scorer call per batch (lists in, list out)."),
+    "dapo": ("managers:DAPORewardManager", "Per sample, plus DAPO's overlong penalty min(-(len - expected) / buffer * factor, 0)."),
+}
+
+
+@rlplat.hookimpl
+def register_reward_scorers(register):
+    for name, (target, description) in REWARD_SCORERS.items():
+        register(name, f"rlplat_rewards.{target}", description=description)
+
+
+@rlplat.hookimpl
+def register_reward_managers(register):
+    for name, (target, description) in REWARD_MANAGERS.items():
+        register(name, f"rlplat_rewards.{target}", description=description, config_schema=_CONFIG)
