@@ -176,3 +176,11 @@ def test_an_impossible_pool_fails_with_what_the_cluster_has(local_ray, monkeypat
     monkeypatch.setattr(ray_backend, "PLACEMENT_TIMEOUT_S", 2)
     with pytest.raises(RuntimeError, match="could not reserve \\[64\\] processes"):
         ResourcePool([64]).slots()
+
+
+def test_the_local_cluster_listens_on_loopback_without_a_dashboard(local_ray):
+    import ray._private.worker
+
+    assert {node["NodeManagerAddress"] for node in local_ray.nodes()} == {"127.0.0.1"}
+    assert local_ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+    assert not ray._private.worker.get_dashboard_url()

@@ -31,6 +31,12 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, num_gpus:
     if address:
         ray.init(address=address, log_to_driver=True)
         return
+    # Ray turns 127.0.0.1 into the machine's routable address unless cluster mode is off; the switch is
+    # an environment variable for the processes Ray starts, and a constant Ray read at import here.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
     ray.init(
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
