@@ -34,8 +34,19 @@ test: setup
 test-gpu: setup
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 
-bench: setup
-	@echo "no benchmarks yet"
+bench:
+	@# Its own environment (.venv-bench): what `make setup` installs, plus verl's DataProto to compare with.
+	@# verl comes without its dependencies: verl.protocol imports with rlplat's own (torch, ray, tensordict).
+	@set -e; venv=.venv-bench; stamp=$$venv/.rlplat-bench-installed; \
+	if [ ! -f $$stamp ] || [ -n "$$(find pyproject.toml constraints.txt Makefile $(addsuffix /pyproject.toml,$(PLUGIN_DIRS)) -newer $$stamp)" ]; then \
+		test -x $$venv/bin/python || $(PYTHON) -m venv $$venv; \
+		$$venv/bin/python -m pip install --quiet --upgrade pip; \
+		$$venv/bin/python -m pip install --quiet -c constraints.txt $(TORCH) -e . $(addprefix -e ,$(PLUGIN_DIRS)); \
+		$$venv/bin/python -m pip install --quiet --no-deps verl==0.9.1; \
+		touch $$stamp; \
+	fi
+	.venv-bench/bin/python bench/dataproto_vs_verl.py
+	.venv-bench/bin/python bench/dispatch_overhead.py
 
 clean:
 	rm -rf $(VENV)
