@@ -61,6 +61,8 @@ def check_shapes(
 
 def group_rows(index: Any) -> dict[Any, torch.Tensor]:
     """Group id -> the row numbers holding it, in order of first appearance."""
+    if index is None:
+        raise ValueError("this advantage estimator needs index, the group id (uid) of every row; got None")
     rows: dict[Any, list[int]] = {}
     for row, group in enumerate(np.asarray(index, dtype=object)):
         rows.setdefault(group, []).append(row)
