@@ -30,6 +30,8 @@ _LAZY_NAMES = {
     "PolicyLossConformance": "rlplat.testing.losses",
     "AlgorithmConformance": "rlplat.testing.algorithms",
     "CommandConformance": "rlplat.testing.commands",
+    "RolloutEngineConformance": "rlplat.testing.rollouts",
+    "left_padded_prompts": "rlplat.testing.rollouts",
     "RewardManagerConformance": "rlplat.testing.reward_managers",
     "word_tokenizer": "rlplat.testing.reward_managers",
     "reward_batch": "rlplat.testing.reward_managers",

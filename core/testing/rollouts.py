@@ -1,0 +1,141 @@
+"""Conformance suite for rollout engines (kind ``rollout``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from rlplat.contracts.rollout import SamplingParams
+from rlplat.protocol import DataProto
+
+OUTPUT_KEYS = ("prompts", "responses", "response_mask", "rollout_log_probs", "input_ids", "attention_mask", "position_ids")
+
+
+def left_padded_prompts(token_lists: list[list[int]], pad_token_id: int, uids: list[str] | None = None) -> DataProto:
+    """A prompt batch as the data loader makes it: left padding, positions counting real tokens."""
+    width = max(len(tokens) for tokens in token_lists)
+    input_ids = torch.full((len(token_lists), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, tokens in enumerate(token_lists):
+        input_ids[row, width - len(tokens):] = torch.tensor(tokens)
+        attention_mask[row, width - len(tokens):] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    uids = uids or [f"prompt-{row}" for row in range(len(token_lists))]
+    return DataProto.from_dict({"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}, {"uid": uids})
+
+
+class RolloutEngineConformance:
+    """Fixtures to provide: ``rollout`` (a ready engine with weights loaded), ``prompt_token_lists``
+    (a few prompts of different lengths as token-id lists), ``pad_token_id`` and ``stop_token_id`` (a
+    token that ends a response). Optional: ``eos_token_ids`` (tokens the engine stops at by itself),
+    ``named_weights`` (a list of ``(name, tensor)`` covering every weight, for the update/sleep tests;
+    default: none, those tests skip)."""
+
+    @pytest.fixture
+    def named_weights(self):
+        return None
+
+    @pytest.fixture
+    def eos_token_ids(self):
+        return ()
+
+    @pytest.fixture
+    def prompts(self, prompt_token_lists, pad_token_id) -> DataProto:
+        return left_padded_prompts(prompt_token_lists, pad_token_id)
+
+    def test_generate_returns_every_key_with_the_right_shapes_and_dtypes(self, rollout, prompts):
+        out = rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=5, seed=0))
+        rows, prompt_length = len(prompts) * 2, prompts.batch["input_ids"].shape[1]
+        assert len(out) == rows
+        for key in OUTPUT_KEYS:
+            assert key in out.batch.keys(), key
+        assert out.batch["responses"].shape == (rows, 5) and out.batch["responses"].dtype == torch.long
+        assert out.batch["response_mask"].shape == (rows, 5)
+        assert out.batch["rollout_log_probs"].shape == (rows, 5) and out.batch["rollout_log_probs"].dtype == torch.float32
+        for key in ("input_ids", "attention_mask", "position_ids"):
+            assert out.batch[key].shape == (rows, prompt_length + 5), key
+        assert torch.equal(out.batch["input_ids"], torch.cat([out.batch["prompts"], out.batch["responses"]], dim=1))
+
+    def test_samples_of_one_prompt_are_adjacent_and_carry_its_non_tensor_data(self, rollout, prompts):
+        out = rollout.generate(prompts, SamplingParams(n=3, max_new_tokens=2, seed=0))
+        expected = [uid for uid in prompts.non_tensor_batch["uid"] for _ in range(3)]
+        assert out.non_tensor_batch["uid"].tolist() == expected
+        assert torch.equal(out.batch["prompts"], prompts.batch["input_ids"].repeat_interleave(3, dim=0))
+
+    def test_the_response_mask_ends_at_the_first_stop_token_and_padding_follows(
+        self, rollout, prompts, pad_token_id, stop_token_id, eos_token_ids
+    ):
+        stops = {stop_token_id, *eos_token_ids}
+        out = rollout.generate(prompts, SamplingParams(n=4, max_new_tokens=8, seed=1, stop_token_ids=(stop_token_id,)))
+        lengths = []
+        for responses, mask in zip(out.batch["responses"].tolist(), out.batch["response_mask"].tolist()):
+            length = sum(mask)
+            lengths.append(length)
+            assert length >= 1 and mask == [1] * length + [0] * (len(mask) - length)
+            assert not stops & set(responses[: length - 1])
+            if length < len(mask):
+                assert responses[length - 1] in stops
+                assert responses[length:] == [pad_token_id] * (len(mask) - length)
+        assert min(lengths) < 8, "no response stopped early: choose a stop_token_id the model samples"
+
+    def test_log_probs_are_non_positive_and_zero_outside_the_mask(self, rollout, prompts):
+        out = rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=6, seed=2))
+        log_probs, mask = out.batch["rollout_log_probs"], out.batch["response_mask"]
+        assert (log_probs <= 0).all() and (log_probs[mask == 0] == 0).all()
+
+    def test_the_same_seed_gives_the_same_samples_and_another_seed_others(self, rollout, prompts):
+        first = rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=6, seed=7))
+        second = rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=6, seed=7))
+        third = rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=6, seed=8))
+        assert torch.equal(first.batch["responses"], second.batch["responses"])
+        assert torch.equal(first.batch["rollout_log_probs"], second.batch["rollout_log_probs"])
+        assert not torch.equal(first.batch["responses"], third.batch["responses"])
+
+    def test_greedy_samples_are_identical(self, rollout, prompts):
+        out = rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=4, greedy=True))
+        assert torch.equal(out.batch["responses"][0::2], out.batch["responses"][1::2])
+
+    def test_top_k_one_is_greedy(self, rollout, prompts):
+        greedy = rollout.generate(prompts, SamplingParams(max_new_tokens=4, greedy=True))
+        top_one = rollout.generate(prompts, SamplingParams(max_new_tokens=4, top_k=1, seed=3))
+        assert torch.equal(greedy.batch["responses"], top_one.batch["responses"])
+        mask = top_one.batch["response_mask"] == 1
+        assert (top_one.batch["rollout_log_probs"][mask] == 0).all()  # probability 1 after the filter
+
+    def test_generate_tokens_matches_generate_for_one_prompt(self, rollout, prompt_token_lists, pad_token_id):
+        sampling = SamplingParams(max_new_tokens=5, seed=11)
+        tokens = asyncio.run(rollout.generate_tokens(prompt_token_lists[0], sampling))
+        batch = rollout.generate(left_padded_prompts(prompt_token_lists[:1], pad_token_id), sampling)
+        length = int(batch.batch["response_mask"][0].sum())
+        assert tokens.token_ids == batch.batch["responses"][0, :length].tolist()
+        assert tokens.log_probs == pytest.approx(batch.batch["rollout_log_probs"][0, :length].tolist(), abs=1e-5)
+        assert tokens.finish_reason in ("stop", "length")
+
+    def test_missing_prompt_keys_are_named(self, rollout, prompts):
+        with pytest.raises(KeyError, match="position_ids"):
+            rollout.generate(prompts.select(batch_keys=["input_ids", "attention_mask"]), SamplingParams())
+
+    def test_updating_with_its_own_weights_changes_nothing(self, rollout, prompts, named_weights):
+        if named_weights is None:
+            pytest.skip("no named_weights fixture")
+        sampling = SamplingParams(n=2, max_new_tokens=5, seed=5)
+        before = rollout.generate(prompts, sampling)
+        rollout.update_weights(named_weights)
+        after = rollout.generate(prompts, sampling)
+        assert torch.equal(before.batch["responses"], after.batch["responses"])
+
+    def test_sleep_then_wake_and_update_reproduces_the_samples(self, rollout, prompts, named_weights):
+        if named_weights is None:
+            pytest.skip("no named_weights fixture")
+        sampling = SamplingParams(n=2, max_new_tokens=5, seed=9)
+        before = rollout.generate(prompts, sampling)
+        rollout.sleep()
+        with pytest.raises(RuntimeError, match="asleep"):
+            rollout.generate(prompts, sampling)
+        rollout.wake_up()
+        rollout.update_weights(named_weights)
+        after = rollout.generate(prompts, sampling)
+        assert torch.equal(before.batch["responses"], after.batch["responses"])
+        assert torch.equal(before.batch["rollout_log_probs"], after.batch["rollout_log_probs"])

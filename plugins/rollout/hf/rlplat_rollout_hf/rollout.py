@@ -1,0 +1,211 @@
+"""The ``hf`` rollout engine: a transformers causal LM sampled token by token with its KV cache."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from rlplat.contracts.rollout import RolloutEngine, SamplingParams, TokenOutput
+from rlplat.protocol import DataProto
+from rlplat_rollout_hf.config import HFRolloutConfig
+from rlplat_rollout_hf.sampling import choose
+
+PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(name)
+
+
+def build_model(config: HFRolloutConfig, device: torch.device):
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+    dtype = getattr(torch, config.dtype)
+    if config.model_path is not None:
+        from pathlib import Path
+
+        if not Path(config.model_path).is_dir():
+            raise FileNotFoundError(f"hf rollout: model_path {config.model_path!r} is not a directory (a local Hugging Face model folder is expected)")
+        if config.load_weights:
+            model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.model_path), dtype=dtype)
+    elif config.model_config is not None:
+        model_config = config.model_config
+        if not isinstance(model_config, PretrainedConfig):
+            values = dict(model_config)
+            model_config = AutoConfig.for_model(values.pop("model_type"), **values)
+        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+    else:
+        raise ValueError("hf rollout needs model_path (a local Hugging Face directory) or model_config")
+    return model.to(device).eval()
+
+
+class HFRollout(RolloutEngine):
+    """See the :class:`~rlplat.contracts.rollout.RolloutEngine` contract for the keys it reads and writes.
+
+    Sampling runs in slices of ``max_batch_rows`` rows; each call draws from its own generator seeded
+    with ``sampling.seed`` (or from the engine's generator, seeded once with ``config.seed``), so the same
+    seed, weights and prompts give the same samples.
+    """
+
+    def __init__(self, config: Any = None, **_: Any):
+        self.config = HFRolloutConfig.from_any(config)
+        self.device = resolve_device(self.config.device)
+        self.model = build_model(self.config, self.device)
+        model_config = self.model.config
+        eos = self.config.eos_token_ids or model_config.eos_token_id
+        self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        pad = self.config.pad_token_id if self.config.pad_token_id is not None else model_config.pad_token_id
+        self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
+        self.generator = torch.Generator(self.device).manual_seed(self.config.seed)
+        self.targets = dict(self.model.state_dict(keep_vars=True))
+        self.asleep = False
+        self.saved_buffers: dict[str, torch.Tensor] = {}
+        self.missing_weights: set[int] = set()
+
+    # -- generation ------------------------------------------------------------------------------------
+
+    def generate(self, prompts: DataProto, sampling: SamplingParams) -> DataProto:
+        self.check_ready()
+        missing = [key for key in PROMPT_KEYS if prompts.batch is None or key not in prompts.batch.keys()]
+        if missing:
+            raise KeyError(f"hf rollout: prompts lack {missing}; it needs left-padded {list(PROMPT_KEYS)}")
+        repeated = prompts.repeat(sampling.n, interleave=True) if sampling.n > 1 else prompts
+        generator = self.generator_for(sampling)
+        inputs = {key: repeated.batch[key].to(self.device) for key in PROMPT_KEYS}
+        parts = []
+        for start in range(0, len(repeated), self.config.max_batch_rows):
+            window = {key: value[start : start + self.config.max_batch_rows] for key, value in inputs.items()}
+            parts.append(self.sample(window["input_ids"], window["attention_mask"], window["position_ids"], sampling, generator))
+        responses = torch.cat([p[0] for p in parts]) if parts else torch.zeros(0, sampling.max_new_tokens, dtype=torch.long)
+        log_probs = torch.cat([p[1] for p in parts]) if parts else torch.zeros(0, sampling.max_new_tokens)
+        response_mask = torch.cat([p[2] for p in parts]) if parts else torch.zeros(0, sampling.max_new_tokens, dtype=torch.long)
+        prompt_ids, prompt_mask, prompt_positions = (inputs[key].cpu() for key in PROMPT_KEYS)
+        steps = torch.arange(1, responses.shape[1] + 1)
+        response_positions = prompt_positions[:, -1:] + steps
+        output = DataProto.from_dict(
+            tensors={
+                "prompts": prompt_ids,
+                "responses": responses.cpu(),
+                "response_mask": response_mask.cpu(),
+                "rollout_log_probs": log_probs.cpu(),
+                "input_ids": torch.cat([prompt_ids, responses.cpu()], dim=1),
+                "attention_mask": torch.cat([prompt_mask, response_mask.cpu()], dim=1),
+                "position_ids": torch.cat([prompt_positions, response_positions], dim=1),
+            },
+            non_tensors=repeated.non_tensor_batch,
+            meta_info=prompts.meta_info,
+        )
+        return output
+
+    def generator_for(self, sampling: SamplingParams) -> torch.Generator:
+        if sampling.seed is None:
+            return self.generator
+        return torch.Generator(self.device).manual_seed(sampling.seed)
+
+    @torch.no_grad()
+    def sample(self, input_ids, attention_mask, position_ids, sampling: SamplingParams, generator):
+        """Token-by-token sampling with the KV cache; returns responses, log-probs and the response mask
+        ([B, max_new_tokens] each), the mask 1 up to and including the first stop token."""
+        from transformers import DynamicCache
+
+        rows, length = input_ids.shape[0], sampling.max_new_tokens
+        stop = torch.tensor(sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids)), device=self.device, dtype=torch.long)
+        responses = torch.full((rows, length), self.pad_token_id, dtype=torch.long, device=self.device)
+        log_probs = torch.zeros(rows, length, dtype=torch.float32, device=self.device)
+        response_mask = torch.zeros(rows, length, dtype=torch.long, device=self.device)
+        finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        cache = DynamicCache()
+        mask = attention_mask
+        output = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True)
+        positions = position_ids[:, -1:]
+        for step in range(length):
+            tokens, token_log_probs = choose(output.logits[:, -1, :], sampling, generator)
+            active = ~finished
+            responses[:, step] = torch.where(active, tokens, responses[:, step])
+            log_probs[:, step] = torch.where(active, token_log_probs, log_probs[:, step])
+            response_mask[:, step] = active.long()
+            finished |= active & torch.isin(tokens, stop)
+            if finished.all() or step == length - 1:
+                break
+            mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype, device=self.device)], dim=1)
+            positions = positions + 1
+            output = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        return responses, log_probs, response_mask
+
+    async def generate_tokens(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> TokenOutput:
+        if sampling.n != 1:
+            raise ValueError(f"generate_tokens samples one response; got n={sampling.n}")
+        if not prompt_ids:
+            raise ValueError("generate_tokens needs at least one prompt token")
+        return await asyncio.to_thread(self.generate_tokens_now, list(prompt_ids), sampling)
+
+    def generate_tokens_now(self, prompt_ids: list[int], sampling: SamplingParams) -> TokenOutput:
+        self.check_ready()
+        input_ids = torch.tensor([prompt_ids], device=self.device)
+        attention_mask = torch.ones_like(input_ids)
+        position_ids = torch.arange(len(prompt_ids), device=self.device)[None]
+        responses, log_probs, mask = self.sample(input_ids, attention_mask, position_ids, sampling, self.generator_for(sampling))
+        count = int(mask[0].sum())
+        tokens = responses[0, :count].tolist()
+        stops = set(self.eos_token_ids) | set(sampling.stop_token_ids)
+        reason = "stop" if tokens and tokens[-1] in stops else "length"
+        return TokenOutput(tokens, log_probs[0, :count].tolist(), reason)
+
+    # -- weights and memory ----------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.asleep:
+            raise RuntimeError("hf rollout is asleep: call wake_up() before update_weights()")
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = self.targets.get(name)
+                if target is None:
+                    raise KeyError(f"hf rollout: the model has no weight named {name!r}")
+                if target.shape != tensor.shape:
+                    raise ValueError(f"hf rollout: weight {name!r} has shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
+                target.data.copy_(tensor.to(device=target.device, dtype=target.dtype, non_blocking=True))
+                self.missing_weights.discard(id(target))
+
+    def sleep(self) -> None:
+        """Release every parameter and buffer (the KV cache lives only inside ``generate``)."""
+        if self.asleep:
+            return
+        self.saved_buffers = {name: buffer.detach().to("cpu", copy=True) for name, buffer in self.model.named_buffers()}
+        self.model.to_empty(device="meta")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        """Allocate the weights again (their values must come from ``update_weights``) and restore buffers."""
+        if not self.asleep:
+            return
+        # moving off the meta device makes new Parameter objects: tie shared weights again and re-map names
+        self.model.to_empty(device=self.device)
+        self.model.tie_weights()
+        self.targets = dict(self.model.state_dict(keep_vars=True))
+        with torch.no_grad():
+            for name, buffer in self.model.named_buffers():
+                buffer.copy_(self.saved_buffers[name])
+        self.saved_buffers = {}
+        self.missing_weights = {id(parameter) for parameter in self.model.parameters()}
+        self.asleep = False
+
+    def check_ready(self) -> None:
+        if self.asleep:
+            raise RuntimeError("hf rollout is asleep: call wake_up() and update_weights() before generating")
+        if self.missing_weights:
+            raise RuntimeError(
+                f"hf rollout woke up but {len(self.missing_weights)} weight tensors were not updated since; "
+                "call update_weights() with the full weights before generating"
+            )
+
+    def parameter_bytes(self) -> int:
+        """Bytes of parameter storage held on real devices (0 while asleep)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.device.type != "meta")
