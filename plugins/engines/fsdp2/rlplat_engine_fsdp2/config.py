@@ -1,0 +1,151 @@
+"""The engine's typed config, ``FSDP2EngineConfig``, with verl's key names where verl has them.
+
+:func:`read_engine_config` accepts the dataclass, a plain ``Mapping`` or an OmegaConf ``DictConfig``.
+Unlike the algorithm plugin's readers it rejects keys it does not know: the node is the engine's own,
+so an unknown key is a misspelling, and the error names the closest field. This module imports no
+torch, so the registry can point at the class as a config schema cheaply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from typing import Any, Dict, List, Optional
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LR_SCHEDULES = ("constant", "cosine")
+
+
+@dataclasses.dataclass
+class FSDP2EngineConfig:
+    """Everything :class:`rlplat_engine_fsdp2.engine.FSDP2Engine` reads. Give exactly one of
+    ``model_path`` and ``model_config``."""
+
+    model_path: Optional[str] = None
+    """Local Hugging Face directory of the model (``config.json`` and weights); loaded with
+    ``AutoModelForCausalLM`` (or ``AutoModelForTokenClassification`` for a value model)."""
+    model_config: Optional[Dict[str, Any]] = None
+    """A Hugging Face config as a dict with ``model_type`` (``{"model_type": "qwen2", "vocab_size": 16, ...}``):
+    the model is built from it with fresh weights, under ``seed``."""
+    tokenizer_path: Optional[str] = None
+    """Directory of the tokenizer; defaults to ``model_path`` when that holds one. Only ``export_hf`` uses it."""
+    value_model: bool = False
+    """Build a critic: the transformer with a scalar value head (``AutoModelForTokenClassification``,
+    one label, as verl does); ``forward`` then returns ``values`` instead of log-probs."""
+    trust_remote_code: bool = False
+    """Passed to the Hugging Face ``Auto*`` loaders."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel of the Hugging Face model (``sdpa``, ``eager``, ``flash_attention_2`` on GPU)."""
+    seed: int = 1
+    """Seeds model initialisation (the same on every rank) and the RNGs the engine owns."""
+    dtype: str = "auto"
+    """Parameter dtype during forward and backward (FSDP2 ``MixedPrecisionPolicy.param_dtype``):
+    ``auto`` is bfloat16 on GPU and float32 on CPU. Master weights and optimizer state stay float32."""
+    reduce_dtype: str = "float32"
+    """Dtype of the gradient reduce-scatter (``MixedPrecisionPolicy.reduce_dtype``)."""
+    lr: float = 1e-6
+    """Peak learning rate of AdamW."""
+    betas: List[float] = dataclasses.field(default_factory=lambda: [0.9, 0.999])
+    """AdamW ``(beta1, beta2)``."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 (step ``s < warmup`` uses ``lr * s / warmup``, verl's rule)."""
+    lr_scheduler_type: str = "constant"
+    """After warm-up: ``constant``, or ``cosine`` decay to ``min_lr_ratio * lr`` at ``total_training_steps``."""
+    total_training_steps: int = 0
+    """Optimizer steps the cosine schedule spans (needed by ``cosine``)."""
+    min_lr_ratio: float = 0.0
+    """Floor of the cosine schedule, as a fraction of ``lr``."""
+    grad_clip: Optional[float] = 1.0
+    """Clip the global gradient norm to this value (None: no clipping; the norm is reported either way).
+    A step whose gradient norm is not finite is skipped."""
+    ppo_mini_batch_size: Optional[int] = None
+    """Rows of the *global* batch per optimizer step (each rank takes ``ppo_mini_batch_size / dp``);
+    ``meta_info["ppo_mini_batch_size"]`` of a batch overrides it; None takes the whole batch as one step."""
+    ppo_epochs: int = 1
+    """Passes over the batch in ``train_batch``; ``meta_info["ppo_epochs"]`` overrides it."""
+    micro_batch_size_per_gpu: int = 8
+    """Rows per micro-batch in ``train_batch`` when ``use_dynamic_bsz`` is off."""
+    forward_micro_batch_size_per_gpu: Optional[int] = None
+    """Rows per micro-batch in ``forward`` (None: ``micro_batch_size_per_gpu``)."""
+    use_dynamic_bsz: bool = False
+    """Form micro-batches by a token budget (``max_token_len_per_gpu``) instead of a row count, with a
+    balanced partition of the rows by their ``attention_mask`` token counts."""
+    max_token_len_per_gpu: int = 16384
+    """Token budget of one micro-batch under ``use_dynamic_bsz`` (sum of ``attention_mask`` of its rows)."""
+    logprob_chunk_size: int = 4096
+    """Tokens (rows x positions) whose float32 log-softmax is computed at once; bounds the memory of
+    log-probs and entropy instead of a whole ``[batch, response, vocab]`` float32 tensor."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (activation checkpointing)."""
+    param_offload: bool = False
+    """GPU only: keep parameters in CPU memory between phases (moved in for each call, out after)."""
+    optimizer_offload: bool = False
+    """GPU only: keep optimizer state in CPU memory between optimizer steps."""
+    reshard_after_forward: bool = True
+    """FSDP2: free the gathered parameters of a layer after its forward (re-gathered in backward)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if (self.model_path is None) == (self.model_config is None):
+            problems.append("give exactly one of model_path (a local Hugging Face directory) and model_config (a config dict)")
+        if self.model_config is not None and "model_type" not in self.model_config:
+            problems.append("model_config needs a 'model_type' key (e.g. 'qwen2')")
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
+        if self.reduce_dtype not in DTYPES[1:]:
+            problems.append(f"reduce_dtype {self.reduce_dtype!r} is not one of {list(DTYPES[1:])}")
+        if self.lr_scheduler_type not in LR_SCHEDULES:
+            problems.append(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of {list(LR_SCHEDULES)}")
+        if self.lr_scheduler_type == "cosine" and self.total_training_steps <= self.lr_warmup_steps:
+            problems.append(
+                f"lr_scheduler_type 'cosine' needs total_training_steps > lr_warmup_steps, got "
+                f"{self.total_training_steps} and {self.lr_warmup_steps}"
+            )
+        if len(self.betas) != 2:
+            problems.append(f"betas needs two values, got {list(self.betas)}")
+        for name in ("ppo_epochs", "micro_batch_size_per_gpu", "max_token_len_per_gpu", "logprob_chunk_size"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("ppo_mini_batch_size", "forward_micro_batch_size_per_gpu"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1 or None, got {getattr(self, name)}")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            problems.append(f"grad_clip must be positive or None, got {self.grad_clip}")
+        if problems:
+            raise ValueError("invalid fsdp2 engine config: " + "; ".join(problems))
+
+
+def read_engine_config(config: Any) -> FSDP2EngineConfig:
+    """``config`` (an :class:`FSDP2EngineConfig`, a Mapping or an OmegaConf DictConfig) -> the dataclass.
+
+    Raises ``ValueError`` naming an unknown key and the closest known one.
+    """
+    if isinstance(config, FSDP2EngineConfig):
+        return config
+    if config is None:
+        raise ValueError("the fsdp2 engine needs a config with model_path or model_config")
+    if not isinstance(config, Mapping) and type(config).__name__ == "DictConfig":
+        from omegaconf import OmegaConf
+
+        config = OmegaConf.to_container(config, resolve=True)
+    if not isinstance(config, Mapping):
+        raise TypeError(f"the fsdp2 engine config must be an FSDP2EngineConfig or a mapping, got {type(config).__name__}")
+    known = [field.name for field in dataclasses.fields(FSDP2EngineConfig)]
+    unknown = [key for key in config if key not in known]
+    if unknown:
+        hints = []
+        for key in unknown:
+            match = difflib.get_close_matches(str(key), known, n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {match[0]!r}?)" if match else ""))
+        raise ValueError(f"unknown fsdp2 engine config key(s): {', '.join(hints)}")
+    values = dict(config)
+    if values.get("model_config") is not None:
+        values["model_config"] = dict(values["model_config"])
+    if values.get("betas") is not None:
+        values["betas"] = [float(beta) for beta in values["betas"]]
+    return FSDP2EngineConfig(**values)

@@ -1,0 +1,400 @@
+"""``FSDP2Engine``: the :class:`rlplat.TrainingEngine` on PyTorch FSDP2.
+
+Sharding: ``fully_shard`` on every decoder layer and on the root, over one data-parallel mesh of the
+whole process group (gloo on CPU, NCCL on GPU). Master weights and AdamW state are float32 shards;
+forward and backward run in ``dtype`` (``MixedPrecisionPolicy``: bfloat16 with a float32 reduction on
+GPU, float32 on CPU unless asked).
+
+Gradients: the loss function returns each micro-batch's share of the mini-batch loss (normalised by
+the global token or sequence counts the engine puts in ``meta_info``), and the engine *sums* gradients
+over micro-batches and ranks. FSDP2's reduce-scatter averages over ranks, so each micro-batch loss is
+multiplied by the data-parallel size before backward (gloo has no pre-multiplied sum to do it in the
+collective). The result is the gradient of the unsplit mini-batch, however it was split.
+
+Every collective-bearing method (``init_model``, ``forward``, ``train_batch``, ``named_weights``,
+``save``, ``load``, ``export_hf``) must be called on every rank of the group, with batches of the same
+number of rows (the worker group's data-parallel dispatch guarantees both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from rlplat.contracts.engine import LossFunction, TrainingEngine
+from rlplat.protocol import DataProto
+from rlplat_engine_fsdp2 import checkpoint, modeling
+from rlplat_engine_fsdp2.config import FSDP2EngineConfig, read_engine_config
+from rlplat_engine_fsdp2.micro_batches import fixed_size_partition, token_budget_partition
+from rlplat_engine_fsdp2.schedule import WarmupSchedule
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "responses")
+
+
+class FSDP2Engine(TrainingEngine):
+    """See the module docstring. ``FSDP2Engine(config, **overrides)``: ``config`` is an
+    :class:`~rlplat_engine_fsdp2.config.FSDP2EngineConfig`, a mapping or an OmegaConf node; keyword
+    arguments override its fields (``FSDP2Engine(config, lr=1e-5)``)."""
+
+    def __init__(self, config: Any, **overrides: Any):
+        config = read_engine_config(config)
+        if overrides:
+            config = read_engine_config({**dataclasses.asdict(config), **overrides})
+        self.config: FSDP2EngineConfig = config
+        self.module: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.hf_config: Any = None
+        self.global_step = 0
+        self.params_offloaded = False
+        self.optimizer_offloaded = False
+
+    # -- building ----------------------------------------------------------------------------------
+
+    def init_model(self) -> None:
+        config = self.config
+        if not dist.is_initialized():
+            # A lone engine (a notebook, a test) gets a one-rank group of its own.
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.hf_config = modeling.hf_config(config)
+        model = modeling.build_model(config)
+        if config.enable_gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+        policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype(), reduce_dtype=modeling.TORCH_DTYPES[config.reduce_dtype])
+        for layer in modeling.decoder_layers(model):
+            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+        self.module = model
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay
+        )
+        schedule = WarmupSchedule(config.lr_scheduler_type, config.lr_warmup_steps, config.total_training_steps, config.min_lr_ratio)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        # Training-time randomness (dropout, if a model has it) may differ per rank, reproducibly.
+        torch.manual_seed(config.seed + self.rank)
+        if config.param_offload:
+            self.offload_parameters()
+
+    def compute_dtype(self) -> torch.dtype:
+        if self.config.dtype == "auto":
+            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        return modeling.TORCH_DTYPES[self.config.dtype]
+
+    def require_model(self, method: str) -> torch.nn.Module:
+        if self.module is None:
+            raise RuntimeError(f"FSDP2Engine.{method}() needs the model: call init_model() first")
+        return self.module
+
+    # -- forward -----------------------------------------------------------------------------------
+
+    def forward(self, batch: DataProto, *, temperature: float = 1.0, calculate_entropy: bool = False) -> DataProto:
+        model = self.require_model("forward")
+        self.check_inputs(batch, "forward")
+        self.onload_parameters()
+        model.eval()
+        size = self.config.forward_micro_batch_size_per_gpu or self.config.micro_batch_size_per_gpu
+        groups = self.plan_micro_batches(batch, size)
+        pieces: list[dict[str, torch.Tensor]] = []
+        with torch.no_grad():
+            for rows in groups:
+                outputs = self.run(self.micro_batch(batch, rows), temperature, calculate_entropy)
+                if rows:
+                    pieces.append({key: outputs[key].detach() for key in self.output_keys(calculate_entropy)})
+        self.offload_parameters_if_configured()
+        order = [row for rows in groups for row in rows]
+        restore = torch.empty(len(order), dtype=torch.long)
+        restore[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+        columns = {key: torch.cat([piece[key] for piece in pieces])[restore].cpu() for key in self.output_keys(calculate_entropy)}
+        return DataProto.from_dict(columns)
+
+    def output_keys(self, calculate_entropy: bool) -> list[str]:
+        if self.config.value_model:
+            return ["values"]
+        return ["log_probs", "entropy"] if calculate_entropy else ["log_probs"]
+
+    def check_inputs(self, batch: DataProto, method: str, extra: tuple[str, ...] = ()) -> None:
+        present = set(batch.tensor_keys())
+        missing = [key for key in (*MODEL_INPUTS, *extra) if key not in present]
+        if missing:
+            raise KeyError(
+                f"FSDP2Engine.{method}(): the batch has no {missing} (it holds {sorted(map(str, present))}); "
+                f"{method} reads input_ids, attention_mask and position_ids [B, T] and responses [B, R]"
+            )
+        if len(batch) == 0:
+            raise ValueError(f"FSDP2Engine.{method}(): the batch has no rows")
+
+    def run(self, micro_batch: DataProto, temperature: float, calculate_entropy: bool) -> modeling.ModelOutputs:
+        batch = micro_batch.batch
+        inputs = {key: batch[key].to(self.device) for key in MODEL_INPUTS}
+        position_ids = batch["position_ids"] if "position_ids" in batch.keys() else modeling.position_ids_from(batch["attention_mask"])
+        inputs["position_ids"] = position_ids.to(self.device)
+        return modeling.run_model(
+            self.module,
+            inputs,
+            value_model=self.config.value_model,
+            temperature=temperature,
+            chunk_tokens=self.config.logprob_chunk_size,
+            calculate_entropy=calculate_entropy,
+        )
+
+    @staticmethod
+    def micro_batch(batch: DataProto, rows: list[int]) -> DataProto:
+        # An empty group runs on a stand-in row so this rank joins the collectives; its result is dropped.
+        return batch.select_idxs(rows or [0])
+
+    # -- micro-batches -----------------------------------------------------------------------------
+
+    def plan_micro_batches(self, batch: DataProto, micro_batch_size: int) -> list[list[int]]:
+        """Row groups of ``batch``, as many on every rank (padded with empty groups where fewer)."""
+        if self.config.use_dynamic_bsz:
+            tokens = batch.batch["attention_mask"].sum(-1).tolist()
+            budget = self.config.max_token_len_per_gpu
+            groups = token_budget_partition(tokens, budget)
+            agreed = self.all_reduce_max(len(groups))
+            if agreed > len(groups):
+                groups = token_budget_partition(tokens, budget, min_parts=min(agreed, len(tokens)))
+        else:
+            groups = fixed_size_partition(len(batch), micro_batch_size)
+        agreed = self.all_reduce_max(len(groups))
+        return groups + [[] for _ in range(agreed - len(groups))]
+
+    def all_reduce_max(self, value: int) -> int:
+        if self.world_size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.long, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return int(tensor.item())
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    # -- training ----------------------------------------------------------------------------------
+
+    def train_batch(self, batch: DataProto, loss_fn: LossFunction) -> dict[str, float]:
+        model = self.require_model("train_batch")
+        self.check_inputs(batch, "train_batch")
+        meta = batch.meta_info
+        mini_batch_rows = self.local_mini_batch_rows(batch)
+        epochs = int(meta.get("ppo_epochs", self.config.ppo_epochs))
+        temperature = float(meta.get("temperature", 1.0))
+        calculate_entropy = bool(meta.get("calculate_entropy", False))
+        self.onload_parameters()
+        model.train()
+        steps = []
+        for _ in range(epochs):
+            for mini_batch in batch.split(mini_batch_rows):
+                steps.append(self.optimizer_step(mini_batch, loss_fn, temperature, calculate_entropy))
+        self.offload_parameters_if_configured()
+        keys = sorted({key for step in steps for key in step})
+        return {key: sum(step[key] for step in steps if key in step) / sum(key in step for step in steps) for key in keys}
+
+    def local_mini_batch_rows(self, batch: DataProto) -> int:
+        rows = len(batch)
+        low, high = -self.all_reduce_max(-rows), self.all_reduce_max(rows)
+        if low != high:
+            raise ValueError(f"train_batch: ranks hold different row counts ({low} to {high}); dispatch equal shards")
+        global_rows = batch.meta_info.get("ppo_mini_batch_size", self.config.ppo_mini_batch_size)
+        if global_rows is None:
+            return rows
+        global_rows = int(global_rows)
+        if global_rows % self.world_size or rows % (global_rows // self.world_size or 1) or global_rows < self.world_size:
+            raise ValueError(
+                f"train_batch: ppo_mini_batch_size={global_rows} rows of the global batch must split evenly over "
+                f"{self.world_size} data-parallel rank(s), and each rank's {rows} rows into mini-batches of "
+                f"{global_rows // self.world_size}"
+            )
+        return global_rows // self.world_size
+
+    def optimizer_step(self, mini_batch: DataProto, loss_fn: LossFunction, temperature: float, calculate_entropy: bool) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        response_mask = self.response_mask(mini_batch)
+        global_tokens, global_rows = self.all_reduce_sum([float(response_mask.sum()), float(len(mini_batch))])
+        meta_info = {**mini_batch.meta_info, "global_token_count": global_tokens, "global_sequence_count": int(global_rows)}
+        loss_total, loss_metrics = 0.0, []
+        for rows in self.plan_micro_batches(mini_batch, self.config.micro_batch_size_per_gpu):
+            micro_batch = self.micro_batch(mini_batch, rows).with_meta_info(meta_info)
+            outputs = self.run(micro_batch, temperature, calculate_entropy)
+            if rows:
+                loss, metrics = loss_fn(outputs, micro_batch)
+                loss_total += float(loss.detach())
+                loss_metrics.append(metrics)
+            else:
+                loss = sum(outputs[key].sum() for key in self.output_keys(False)) * 0.0
+            (loss * self.world_size).backward()
+        grad_norm = self.clip_gradients()
+        lr = self.optimizer.param_groups[0]["lr"]
+        if math.isfinite(grad_norm):
+            self.onload_optimizer()
+            self.optimizer.step()
+            self.offload_optimizer_if_configured()
+        self.lr_scheduler.step()
+        self.global_step += 1
+        summed = self.gather_metrics(loss_metrics)
+        (loss_total,) = self.all_reduce_sum([loss_total])
+        return {**summed, "loss": loss_total, "grad_norm": grad_norm, "lr": float(lr), "skipped_step": float(not math.isfinite(grad_norm))}
+
+    def response_mask(self, batch: DataProto) -> torch.Tensor:
+        if "response_mask" in batch.batch.keys():
+            return batch.batch["response_mask"]
+        response_length = batch.batch["responses"].shape[1]
+        return batch.batch["attention_mask"][:, -response_length:]
+
+    def clip_gradients(self) -> float:
+        max_norm = self.config.grad_clip if self.config.grad_clip is not None else math.inf
+        parameters = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm=max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def gather_metrics(self, metrics: list[dict[str, float]]) -> dict[str, float]:
+        """Mean of every loss-function metric over the micro-batches of every rank."""
+        gathered: list[Any] = [metrics]
+        if self.world_size > 1:
+            gathered = [None] * self.world_size
+            dist.all_gather_object(gathered, metrics)
+        values: dict[str, list[float]] = {}
+        for rank_metrics in gathered:
+            for entry in rank_metrics:
+                for key, value in entry.items():
+                    values.setdefault(key, []).append(float(value))
+        return {key: sum(items) / len(items) for key, items in values.items()}
+
+    # -- weights, checkpoints, export --------------------------------------------------------------
+
+    def named_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Every parameter (tied ones once) and persistent buffer, full and detached, in HF naming.
+        A collective: every rank must consume the whole generator."""
+        model = self.require_model("named_weights")
+        self.onload_parameters()
+        persistent = set(model.state_dict().keys())
+        named = list(model.named_parameters()) + [(name, buffer) for name, buffer in model.named_buffers() if name in persistent]
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in named:
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            full = full.detach()
+            nbytes = full.numel() * full.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, full))
+            size += nbytes
+        if bucket:
+            yield bucket
+        self.offload_parameters_if_configured()
+
+    def save(self, path: str) -> None:
+        self.require_model("save")
+        self.onload_parameters()
+        self.onload_optimizer()
+        facts = {"engine": "fsdp2", "global_step": self.global_step, "config": dataclasses.asdict(self.config)}
+        engine_state = {"lr_scheduler": self.lr_scheduler.state_dict(), "global_step": self.global_step}
+        checkpoint.save_checkpoint(path, self.module, self.optimizer, engine_state, facts)
+        self.offload_optimizer_if_configured()
+        self.offload_parameters_if_configured()
+
+    def load(self, path: str) -> None:
+        self.require_model("load")
+        self.onload_parameters()
+        self.onload_optimizer()
+        engine_state = checkpoint.load_checkpoint(path, self.module, self.optimizer)
+        self.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
+        self.global_step = int(engine_state["global_step"])
+        self.offload_optimizer_if_configured()
+        self.offload_parameters_if_configured()
+
+    def export_hf(self, path: str) -> None:
+        self.require_model("export_hf")
+        self.onload_parameters()
+        checkpoint.export_hf(path, self.module, self.hf_config, modeling.model_class(self.config), self.tokenizer_path())
+        self.offload_parameters_if_configured()
+
+    def tokenizer_path(self) -> str | None:
+        import os
+
+        if self.config.tokenizer_path is not None:
+            return self.config.tokenizer_path
+        path = self.config.model_path
+        markers = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        if path is not None and any(os.path.isfile(os.path.join(path, marker)) for marker in markers):
+            return path
+        return None
+
+    # -- offload -----------------------------------------------------------------------------------
+
+    def offload(self) -> None:
+        self.offload_parameters()
+        self.offload_optimizer()
+
+    def onload(self) -> None:
+        self.onload_parameters()
+        self.onload_optimizer()
+
+    def offload_parameters(self) -> None:
+        if self.device.type == "cpu" or self.params_offloaded:
+            return
+        self.module.to("cpu")
+        self.params_offloaded = True
+        torch.cuda.empty_cache()
+
+    def onload_parameters(self) -> None:
+        if self.params_offloaded:
+            self.module.to(self.device)
+            self.params_offloaded = False
+
+    def offload_optimizer(self) -> None:
+        if self.device.type == "cpu" or self.optimizer_offloaded:
+            return
+        move_optimizer_state(self.optimizer, torch.device("cpu"))
+        self.optimizer_offloaded = True
+        torch.cuda.empty_cache()
+
+    def onload_optimizer(self) -> None:
+        if self.optimizer_offloaded:
+            move_optimizer_state(self.optimizer, self.device)
+            self.optimizer_offloaded = False
+
+    def offload_parameters_if_configured(self) -> None:
+        if self.config.param_offload:
+            self.offload_parameters()
+
+    def offload_optimizer_if_configured(self) -> None:
+        if self.config.optimizer_offload:
+            self.offload_optimizer()
+
+    # -- facts -------------------------------------------------------------------------------------
+
+    def state(self) -> Mapping[str, Any]:
+        if self.module is None:
+            return {"step": self.global_step}
+        return {
+            "step": self.global_step,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "parameters": sum(parameter.numel() for parameter in self.module.parameters()),
+            "world_size": self.world_size,
+            "value_model": self.config.value_model,
+        }
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()

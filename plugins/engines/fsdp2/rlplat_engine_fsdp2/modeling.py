@@ -1,0 +1,173 @@
+"""The model side of the engine: building a Hugging Face model, and turning its outputs into per-token
+log-probs, entropy and values of the response tokens.
+
+Log-probs and entropy are computed a chunk of tokens at a time from ``logits / temperature`` in
+float32, so a float32 ``[batch, response, vocab]`` tensor never exists at once. With gradients each
+chunk is recomputed in backward (``torch.utils.checkpoint``), so autograd does not keep every
+chunk's float32 copy either. The temperature is applied exactly as Hugging Face ``generate`` and
+vLLM sample: the logits are cast to float32, then divided.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from rlplat_engine_fsdp2.config import FSDP2EngineConfig
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def hf_config(config: FSDP2EngineConfig) -> Any:
+    """The Hugging Face config of the model ``config`` describes (from ``model_path`` or ``model_config``)."""
+    from transformers import AutoConfig
+
+    if config.model_path is not None:
+        if not os.path.isfile(os.path.join(config.model_path, "config.json")):
+            raise FileNotFoundError(
+                f"model_path {config.model_path!r} is not a local Hugging Face model directory (no config.json "
+                "there); give the directory save_pretrained wrote, or model_config to build one from a config"
+            )
+        model_config = AutoConfig.from_pretrained(config.model_path, trust_remote_code=config.trust_remote_code)
+    else:
+        settings = dict(config.model_config)
+        model_config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    if config.value_model:
+        model_config.num_labels = 1
+        model_config.classifier_dropout = 0.0  # as verl's critic: a value head without dropout
+    return model_config
+
+
+def model_class(config: FSDP2EngineConfig) -> Any:
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    return AutoModelForTokenClassification if config.value_model else AutoModelForCausalLM
+
+
+def build_model(config: FSDP2EngineConfig) -> torch.nn.Module:
+    """The full (unsharded) float32 model on CPU, identical on every rank: weights from ``model_path``
+    or fresh ones drawn under ``seed`` (a value head on a causal-LM checkpoint is drawn under it too)."""
+    model_config = hf_config(config)
+    loader = model_class(config)
+    options = dict(dtype=torch.float32, attn_implementation=config.attn_implementation, trust_remote_code=config.trust_remote_code)
+    torch.manual_seed(config.seed)
+    if config.model_path is not None:
+        return loader.from_pretrained(config.model_path, config=model_config, **options)
+    return loader.from_config(model_config, **options)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules Hugging Face marks as not to be split (``_no_split_modules``: the decoder layers),
+    each of which gets its own ``fully_shard``."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [module for module in model.modules() if type(module).__name__ in names]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} names no decoder-layer class in _no_split_modules ({sorted(names)}); "
+            "the fsdp2 engine shards per decoder layer and cannot tell what they are"
+        )
+    return layers
+
+
+def response_log_probs(logits: torch.Tensor, responses: torch.Tensor, temperature: float, chunk_tokens: int) -> torch.Tensor:
+    """float32 ``log softmax(logits / temperature)`` at ``responses``: logits ``[B, R, V]`` (position ``t``
+    predicting ``responses[:, t]``) -> ``[B, R]``."""
+
+    def chunk_log_probs(chunk: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        scaled = chunk.float() / temperature
+        return scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - scaled.logsumexp(-1)
+
+    return over_chunks(chunk_log_probs, logits, responses, chunk_tokens)
+
+
+def response_entropy(logits: torch.Tensor, temperature: float, chunk_tokens: int) -> torch.Tensor:
+    """float32 entropy of ``softmax(logits / temperature)`` per position: ``[B, R, V]`` -> ``[B, R]``."""
+
+    def chunk_entropy(chunk: torch.Tensor) -> torch.Tensor:
+        scaled = chunk.float() / temperature
+        return scaled.logsumexp(-1) - (scaled.softmax(-1) * scaled).sum(-1)
+
+    return over_chunks(chunk_entropy, logits, None, chunk_tokens)
+
+
+def over_chunks(function: Callable[..., torch.Tensor], logits: torch.Tensor, tokens: torch.Tensor | None, chunk_tokens: int) -> torch.Tensor:
+    """``function`` over windows of positions holding about ``chunk_tokens`` tokens each, concatenated;
+    under autograd each window is recomputed in backward instead of kept."""
+    rows, positions = logits.shape[:2]
+    width = max(1, chunk_tokens // max(rows, 1))
+    pieces = []
+    for start in range(0, positions, width):
+        arguments = [logits[:, start : start + width]]
+        if tokens is not None:
+            arguments.append(tokens[:, start : start + width])
+        if torch.is_grad_enabled() and logits.requires_grad:
+            pieces.append(checkpoint(function, *arguments, use_reentrant=False))
+        else:
+            pieces.append(function(*arguments))
+    if not pieces:
+        return logits.new_zeros(rows, 0, dtype=torch.float32)
+    return torch.cat(pieces, dim=1)
+
+
+class ModelOutputs(Mapping):
+    """What the loss function receives: ``log_probs`` (or ``values``), with ``entropy`` computed only
+    if the loss function reads it. Values keep their gradients."""
+
+    def __init__(self, values: dict[str, torch.Tensor], logits: torch.Tensor | None, temperature: float, chunk_tokens: int):
+        self._values = values
+        self._logits = logits
+        self._temperature = temperature
+        self._chunk_tokens = chunk_tokens
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key == "entropy" and key not in self._values and self._logits is not None:
+            self._values["entropy"] = response_entropy(self._logits, self._temperature, self._chunk_tokens)
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        keys = list(self._values)
+        if self._logits is not None and "entropy" not in keys:
+            keys.append("entropy")
+        return iter(keys)
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+
+def run_model(
+    model: torch.nn.Module,
+    inputs: Mapping[str, torch.Tensor],
+    *,
+    value_model: bool,
+    temperature: float,
+    chunk_tokens: int,
+    calculate_entropy: bool,
+) -> ModelOutputs:
+    """One forward of ``model`` on ``input_ids``, ``attention_mask``, ``position_ids`` and
+    ``responses`` (``[B, R]``, the last ``R`` tokens of ``input_ids``)."""
+    response_length = inputs["responses"].shape[1]
+    arguments = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"], use_cache=False)
+    if value_model:
+        with warnings.catch_warnings():
+            # The value head's nn.Linear returns a view of its 2-D matmul; nothing here modifies it in place.
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+            values = model(**arguments).logits[:, -response_length - 1 : -1, 0].float()
+        return ModelOutputs({"values": values}, None, temperature, chunk_tokens)
+    # Only the logits that predict response tokens: positions T-R-1 .. T-2.
+    logits = model(**arguments, logits_to_keep=response_length + 1).logits[:, :-1]
+    outputs = ModelOutputs(
+        {"log_probs": response_log_probs(logits, inputs["responses"], temperature, chunk_tokens)}, logits, temperature, chunk_tokens
+    )
+    if calculate_entropy:
+        outputs["entropy"]
+    return outputs
+
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    """verl's rule for left-padded rows: count of attended tokens before each position, 0 on padding."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

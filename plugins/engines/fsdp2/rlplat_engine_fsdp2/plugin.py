@@ -1,0 +1,13 @@
+"""What rlplat-engine-fsdp2 registers. Only dotted paths: listing plugins imports no torch."""
+
+import rlplat
+
+
+@rlplat.hookimpl
+def register_engines(register):
+    register(
+        "fsdp2",
+        "rlplat_engine_fsdp2.engine:FSDP2Engine",
+        description="PyTorch FSDP2 (fully_shard per decoder layer): policy or value model, gloo on CPU, NCCL on GPU.",
+        config_schema="rlplat_engine_fsdp2.config:FSDP2EngineConfig",
+    )
