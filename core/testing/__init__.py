@@ -33,6 +33,7 @@ _LAZY_NAMES = {
     "RolloutEngineConformance": "rlplat.testing.rollouts",
     "left_padded_prompts": "rlplat.testing.rollouts",
     "RewardManagerConformance": "rlplat.testing.reward_managers",
+    "TrainingEngineConformance": "rlplat.testing.engines",
     "word_tokenizer": "rlplat.testing.reward_managers",
     "reward_batch": "rlplat.testing.reward_managers",
 }
