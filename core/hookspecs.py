@@ -63,7 +63,7 @@ def register_rollouts(register):
 def register_reward_managers(register):
     """Register reward managers (kind ``reward_manager``).
 
-    The factory builds a :class:`rlplat.contracts.reward.RewardManager` from ``(scorer, config)``.
+    The factory builds a :class:`rlplat.contracts.reward.RewardManager` from ``(scorer, tokenizer, config)``.
     """
 
 

@@ -21,8 +21,8 @@ class LossFunction(Protocol):
     ``outputs`` holds what :meth:`TrainingEngine.forward` would return for the micro-batch, with
     gradients: ``log_probs`` [b, R], and ``entropy`` [b, R] when asked, ``values`` [b, R] for a value
     model. ``micro_batch.meta_info`` carries ``global_token_count`` (valid response tokens of the whole
-    mini-batch summed over every data-parallel rank) and ``global_sequence_count`` (its rows over every
-    rank), so the returned loss can be normalised globally: the engine *sums* gradients over
+    mini-batch summed over every data-parallel rank) and ``global_sequence_count`` (its rows with at
+    least one valid response token, over every rank), so the returned loss can be normalised globally: the engine *sums* gradients over
     micro-batches and ranks, which makes every aggregation mode independent of how the mini-batch was
     split. Returns ``(loss, metrics)``: a scalar tensor and a dict of floats for logging.
     """
