@@ -108,8 +108,16 @@ ALGORITHM_SUITE = """
         def register_policy_losses(self, register):
             register("kit_loss", "json:loads")
 
+    class SumLoss:
+        def __init__(self, config):
+            self.config = config
+
+        def __call__(self, outputs, micro_batch):
+            return outputs["log_probs"].sum(), {}
+
     def good():
-        return Algorithm(name="kit", adv_estimator="kit_estimator", policy_loss="kit_loss", default_config={"gamma": 1.0})
+        return Algorithm(name="kit", adv_estimator="kit_estimator", policy_loss="kit_loss", default_config={"gamma": 1.0},
+                         actor_loss=SumLoss)
 
     def broken():
         return Algorithm(name="kit", adv_estimator="kit_estimatr", policy_loss="kit_loss", needs_critic="yes")
@@ -175,9 +183,9 @@ def test_policy_loss_suite(pytester):
 
 
 def test_algorithm_suite_and_the_temporary_plugin_fixture(pytester):
-    run_suite(pytester, ALGORITHM_SUITE, "good").assert_outcomes(passed=4, skipped=1)
+    run_suite(pytester, ALGORITHM_SUITE, "good").assert_outcomes(passed=6, skipped=1)
     broken = run_suite(pytester, ALGORITHM_SUITE, "broken")
-    broken.assert_outcomes(passed=2, failed=2, skipped=1)
+    broken.assert_outcomes(passed=2, failed=4, skipped=1)
     broken.stdout.fnmatch_lines(["*Did you mean 'kit_estimator'*"])
 
 

@@ -67,7 +67,10 @@ class Algorithm:
     ``adv_estimator`` and ``policy_loss`` name registry entries of kinds ``advantage_estimator`` and
     ``policy_loss``. ``needs_critic`` makes the loop build a critic and compute ``values``;
     ``needs_reference`` a reference model and ``ref_log_prob``. ``default_config`` is merged under the
-    user's ``algorithm`` config node. Subclasses override the hooks below to change a step of the
+    user's ``algorithm`` config node. ``actor_loss`` and ``critic_loss`` build the per-micro-batch
+    :class:`~rlplat.contracts.engine.LossFunction` the workers hand to ``TrainingEngine.train_batch``:
+    each is a callable ``(config) -> LossFunction`` (or its ``"module:attribute"`` path) taking the
+    ``actor`` / ``critic`` config node. Subclasses override the hooks below to change a step of the
     loop; the defaults leave the loop as it is.
     """
 
@@ -78,6 +81,19 @@ class Algorithm:
     needs_reference: bool = False
     default_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     description: str = ""
+    actor_loss: Any = None
+    critic_loss: Any = None
+
+    def build_loss(self, which: str, config: Any) -> Any:
+        """The loss function for ``which`` (``"actor"`` or ``"critic"``) built from its config node."""
+        factory = {"actor": self.actor_loss, "critic": self.critic_loss}[which]
+        if factory is None:
+            raise ValueError(f"algorithm {self.name!r} defines no {which} loss (its spec sets {which}_loss=None)")
+        if isinstance(factory, str):
+            from rlplat.registry import resolve_dotted_path
+
+            factory = resolve_dotted_path(factory)
+        return factory(config)
 
     def after_generate(self, batch: "DataProto", generate: GenerateFunction, sampling: "SamplingParams") -> "DataProto":
         """Called with the freshly generated batch; may add rows or columns using ``generate``

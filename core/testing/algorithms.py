@@ -37,6 +37,15 @@ class AlgorithmConformance:
         for key in algorithm.default_config:
             assert isinstance(key, str)
 
+    def test_builds_its_actor_loss_from_its_default_actor_config(self, algorithm):
+        assert callable(algorithm.build_loss("actor", algorithm.default_config.get("actor")))
+
+    def test_builds_a_critic_loss_exactly_when_it_needs_a_critic(self, algorithm):
+        if algorithm.needs_critic:
+            assert callable(algorithm.build_loss("critic", algorithm.default_config.get("critic")))
+        else:
+            assert algorithm.critic_loss is None
+
     def test_registered_name_matches_the_spec(self, algorithm, registered_name):
         if registered_name is None:
             pytest.skip("the subclass names no registered_name")

@@ -59,6 +59,8 @@ def make_spec(cls: type[Algorithm] = Algorithm, *, name: str, description: str, 
         needs_reference=needs_reference,
         default_config={**algorithm, "actor": actor, **sibling_nodes},
         description=description,
+        actor_loss="rlplat_algorithms.loss_functions:ActorLoss",
+        critic_loss="rlplat_algorithms.loss_functions:CriticLoss" if needs_critic else None,
     )
 
 
