@@ -1,0 +1,1 @@
+"""Role workers built only on the contracts: any engine and rollout plugin works with them."""

@@ -1,0 +1,180 @@
+"""The hybrid worker: the policy's training engine, its rollout engine and the reference model.
+
+Each role is optional (``config.roles``): all three in one process is HybridFlow's colocated layout,
+where weights move from the engine to the rollout inside the process, bucket by bucket. With the rollout
+in its own worker group, the driver chains ``export_weights`` of the actor group into ``load_weights``
+of the rollout group, and the buckets travel through the object store, not through the driver.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlplat.contracts.rollout import SamplingParams
+from rlplat.controller.decorator import Dispatch, register
+from rlplat.controller.worker import Worker
+from rlplat.protocol import DataProto
+from rlplat.registry import EngineRegistry
+from rlplat.workers.config import ActorRolloutRefConfig, read_worker_config
+
+SAMPLING_KEYS = {field.name for field in dataclasses.fields(SamplingParams)}
+
+
+def log_prob_mismatch(batch: DataProto) -> dict[str, float]:
+    """How far the engine's ``old_log_probs`` are from the rollout's ``rollout_log_probs`` on valid
+    response tokens: the health metric of a weight sync (both come from the same weights and tokens)."""
+    mask = batch.batch["response_mask"].bool()
+    difference = (batch.batch["old_log_probs"] - batch.batch["rollout_log_probs"]).abs()[mask]
+    if difference.numel() == 0:
+        return {"rollout/log_prob_diff_max": 0.0, "rollout/log_prob_diff_mean": 0.0}
+    return {"rollout/log_prob_diff_max": float(difference.max()), "rollout/log_prob_diff_mean": float(difference.mean())}
+
+
+class ActorRolloutRefWorker(Worker):
+    """See the module docstring. Methods read and write verl's DataProto keys."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config: ActorRolloutRefConfig = read_worker_config(config, ActorRolloutRefConfig)
+        self.actor = self.rollout = self.reference = None
+        self.actor_loss = None
+
+    def has(self, role: str) -> bool:
+        return role in self.config.roles
+
+    def require(self, role: str, method: str) -> Any:
+        engine = {"actor": self.actor, "rollout": self.rollout, "ref": self.reference}[role]
+        if engine is None:
+            state = "is not one of this worker's roles" if not self.has(role) else "is not built yet: call init_model() first"
+            raise RuntimeError(f"{method}() needs the {role} role, which {state} (roles: {list(self.config.roles)})")
+        return engine
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """Build the roles' engines; a colocated rollout then takes the actor's weights."""
+        config = self.config
+        if self.has("actor"):
+            self.actor = EngineRegistry("engine").build(config.engine, config.engine_config)
+            self.actor.init_model()
+            from rlplat import registry
+
+            algorithm = registry.get("algorithm", config.algorithm)()
+            actor_node = config.actor if config.actor is not None else algorithm.default_config.get("actor")
+            self.actor_loss = algorithm.build_loss("actor", actor_node)
+            self.entropy_needed = float(dict(actor_node or {}).get("entropy_coeff", 0.0)) != 0.0
+        if self.has("ref"):
+            self.reference = EngineRegistry("engine").build(config.engine, config.reference_engine_config or config.engine_config)
+            self.reference.init_model()
+        if self.has("rollout"):
+            self.rollout = EngineRegistry("rollout").build(config.rollout, config.rollout_config)
+            if self.actor is not None:
+                self.sync_weights()
+
+    # -- rollout -----------------------------------------------------------------------------------
+
+    def sampling_for(self, meta_info: dict) -> SamplingParams:
+        values = {**self.config.sampling, **{k: v for k, v in meta_info.items() if k in SAMPLING_KEYS}}
+        if values.get("seed") is not None:
+            values["seed"] = int(values["seed"]) + 1_000_003 * self.rank  # ranks must not draw the same stream
+        if "stop_token_ids" in values:
+            values["stop_token_ids"] = tuple(values["stop_token_ids"])
+        return SamplingParams(**values)
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Prompts (left-padded ``input_ids``, ``attention_mask``, ``position_ids``) -> the rollout's
+        output (see ``RolloutEngine.generate``); sampling from ``config.sampling`` and ``meta_info``."""
+        rollout = self.require("rollout", "generate_sequences")
+        sampling = self.sampling_for(prompts.meta_info)
+        started = time.perf_counter()
+        output = rollout.generate(prompts, sampling)
+        if self.config.free_rollout_between_phases:
+            rollout.sleep()
+        return output.with_meta_info({**output.meta_info, "metrics": {"timing_s/generate_worker": time.perf_counter() - started}})
+
+    # -- log-probs ---------------------------------------------------------------------------------
+
+    def temperature(self, batch: DataProto) -> float:
+        return float(batch.meta_info.get("temperature", self.config.sampling.get("temperature", 1.0)))
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, batch: DataProto) -> DataProto:
+        """``old_log_probs`` and ``entropys`` [B, R] of ``responses`` under the actor, at the rollout's
+        temperature."""
+        actor = self.require("actor", "compute_log_prob")
+        outputs = actor.forward(batch, temperature=self.temperature(batch), calculate_entropy=True)
+        return DataProto.from_dict({"old_log_probs": outputs.batch["log_probs"], "entropys": outputs.batch["entropy"]})
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
+        """``ref_log_prob`` [B, R] of ``responses`` under the reference model."""
+        reference = self.require("ref", "compute_ref_log_prob")
+        outputs = reference.forward(batch, temperature=self.temperature(batch))
+        return DataProto.from_dict({"ref_log_prob": outputs.batch["log_probs"]})
+
+    # -- training ----------------------------------------------------------------------------------
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, batch: DataProto) -> DataProto:
+        """One actor update on ``batch`` with the algorithm's actor loss (reads ``responses``,
+        ``response_mask``, ``old_log_probs``, ``advantages`` and ``ref_log_prob`` with a KL loss).
+        Returns no rows; ``meta_info["metrics"]`` holds the engine's and the loss's metrics."""
+        actor = self.require("actor", "update_actor")
+        meta = {"temperature": self.temperature(batch), "calculate_entropy": self.entropy_needed, **batch.meta_info}
+        started = time.perf_counter()
+        metrics = actor.train_batch(batch.with_meta_info(meta), self.actor_loss)
+        metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()}
+        metrics["timing_s/update_actor_worker"] = time.perf_counter() - started
+        return DataProto(meta_info={"metrics": metrics})
+
+    # -- weights -----------------------------------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sync_weights(self) -> dict[str, float]:
+        """Engine -> colocated rollout, one bucket at a time (never a second full copy of the model)."""
+        actor, rollout = self.require("actor", "sync_weights"), self.require("rollout", "sync_weights")
+        started, moved = time.perf_counter(), 0
+        rollout.wake_up()
+        for bucket in actor.named_weights(self.config.weight_bucket_bytes):
+            rollout.update_weights(bucket)
+            moved += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+        return {"timing_s/sync_weights": time.perf_counter() - started, "sync/bytes": float(moved)}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def export_weights(self) -> list[list[tuple[str, torch.Tensor]]] | None:
+        """The actor's full weights as buckets, from rank 0 (every rank takes part in gathering them),
+        for a rollout in another worker group; chain the future into its ``load_weights``."""
+        actor = self.require("actor", "export_weights")
+        buckets = list(actor.named_weights(self.config.weight_bucket_bytes))
+        return buckets if self.rank == 0 else None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_weights(self, exported: list) -> None:
+        """Load what ``export_weights`` produced (the result of a ONE_TO_ALL call: one entry per actor rank)."""
+        rollout = self.require("rollout", "load_weights")
+        rollout.wake_up()
+        for bucket in next(part for part in exported if part is not None):
+            rollout.update_weights(bucket)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sleep_rollout(self) -> None:
+        self.require("rollout", "sleep_rollout").sleep()
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """The actor's resumable checkpoint under ``path/actor``."""
+        self.require("actor", "save_checkpoint").save(str(Path(path) / "actor"))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore ``path/actor``; a colocated rollout then takes the restored weights."""
+        self.require("actor", "load_checkpoint").load(str(Path(path) / "actor"))
+        if self.rollout is not None:
+            self.sync_weights()

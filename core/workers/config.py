@@ -1,0 +1,87 @@
+"""Configs of the role workers: which plugins to build, with which nodes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from rlplat.contracts.rollout import SamplingParams
+
+
+@dataclasses.dataclass
+class ActorRolloutRefConfig:
+    """What :class:`~rlplat.workers.actor_rollout_ref.ActorRolloutRefWorker` builds in its process."""
+
+    roles: tuple[str, ...] = ("actor", "rollout", "ref")
+    """Which of ``actor``, ``rollout``, ``ref`` live in this worker (colocated); the others are absent."""
+
+    engine: str = "fsdp2"
+    """Registered training engine (kind ``engine``) of the actor and the reference."""
+
+    engine_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The engine's own config node (model, optimizer, micro-batches)."""
+
+    reference_engine_config: Mapping[str, Any] | None = None
+    """The reference model's engine node; None reuses ``engine_config`` (same initial weights)."""
+
+    rollout: str = "hf"
+    """Registered rollout engine (kind ``rollout``)."""
+
+    rollout_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The rollout's own config node."""
+
+    algorithm: str = "grpo"
+    """Registered algorithm whose actor loss ``update_actor`` uses."""
+
+    actor: Mapping[str, Any] | None = None
+    """The ``actor`` node given to the algorithm's actor loss (None: the algorithm's default)."""
+
+    sampling: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Default :class:`SamplingParams` fields; a batch's ``meta_info`` overrides them per call."""
+
+    weight_bucket_bytes: int = 256 << 20
+    """Size bound of one bucket of weights moved from the engine to the rollout."""
+
+    free_rollout_between_phases: bool = False
+    """Put the rollout to sleep after generating and wake it for the next weight sync (frees memory)."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.roles) - {"actor", "rollout", "ref"})
+        if unknown or not self.roles:
+            raise ValueError(f"roles must be a non-empty subset of actor, rollout, ref; got {list(self.roles)}")
+        SamplingParams(**self.sampling)
+
+
+@dataclasses.dataclass
+class CriticConfig:
+    """What :class:`~rlplat.workers.critic.CriticWorker` builds: a value-model engine and its loss."""
+
+    engine: str = "fsdp2"
+    engine_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The engine node; the worker asks the engine for a value model (``value_model: true``)."""
+
+    algorithm: str = "ppo"
+    """Registered algorithm whose critic loss ``update_critic`` uses."""
+
+    critic: Mapping[str, Any] | None = None
+    """The ``critic`` node given to the algorithm's critic loss (None: the algorithm's default)."""
+
+
+def read_worker_config(config: Any, cls: type) -> Any:
+    """``config`` as ``cls``: the dataclass itself, a mapping or an OmegaConf node; unknown keys are named."""
+    if isinstance(config, cls):
+        return config
+    if config is None:
+        return cls()
+    if not isinstance(config, Mapping):
+        from omegaconf import OmegaConf
+
+        config = OmegaConf.to_container(config, resolve=True)
+    fields = {field.name for field in dataclasses.fields(cls)}
+    unknown = sorted(set(config) - fields)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown key(s) {unknown}; known keys: {sorted(fields)}")
+    values = dict(config)
+    if "roles" in values:
+        values["roles"] = tuple(values["roles"])
+    return cls(**values)
