@@ -62,7 +62,8 @@ class FSDP2EngineConfig:
     """Floor of the cosine schedule, as a fraction of ``lr``."""
     grad_clip: Optional[float] = 1.0
     """Clip the global gradient norm to this value (None: no clipping; the norm is reported either way).
-    A step whose gradient norm is not finite is skipped."""
+    A step whose gradient norm is not finite is skipped: no update, and the LR schedule and step count
+    do not advance (Megatron's rule)."""
     ppo_mini_batch_size: Optional[int] = None
     """Rows of the *global* batch per optimizer step (each rank takes ``ppo_mini_batch_size / dp``);
     ``meta_info["ppo_mini_batch_size"]`` of a batch overrides it; None takes the whole batch as one step."""

@@ -226,7 +226,7 @@ class FSDP2Engine(TrainingEngine):
         meta_info = {**mini_batch.meta_info, "global_token_count": global_tokens, "global_sequence_count": int(global_rows)}
         loss_total, loss_metrics = 0.0, []
         for rows in self.plan_micro_batches(mini_batch, self.config.micro_batch_size_per_gpu):
-            micro_batch = self.micro_batch(mini_batch, rows).with_meta_info(meta_info)
+            micro_batch = self.micro_batch(mini_batch, rows).with_meta_info(meta_info).to(self.device)
             outputs = self.run(micro_batch, temperature, calculate_entropy)
             if rows:
                 loss, metrics = loss_fn(outputs, micro_batch)
@@ -241,8 +241,10 @@ class FSDP2Engine(TrainingEngine):
             self.onload_optimizer()
             self.optimizer.step()
             self.offload_optimizer_if_configured()
-        self.lr_scheduler.step()
-        self.global_step += 1
+            self.lr_scheduler.step()
+            self.global_step += 1
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         summed = self.gather_metrics(loss_metrics)
         (loss_total,) = self.all_reduce_sum([loss_total])
         return {**summed, "loss": loss_total, "grad_norm": grad_norm, "lr": float(lr), "skipped_step": float(not math.isfinite(grad_norm))}

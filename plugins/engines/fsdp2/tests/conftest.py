@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import pytest
@@ -72,6 +73,15 @@ def ray_cluster():
 
     if ray.is_initialized():
         ray.shutdown()
-    start_ray(num_cpus=4)
+    # A cluster of our own: without this, ray.init joins one that `ray start` or other tests announced.
+    previous = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = "local"
+    try:
+        start_ray(num_cpus=4)
+    finally:
+        if previous is None:
+            os.environ.pop("RAY_ADDRESS")
+        else:
+            os.environ["RAY_ADDRESS"] = previous
     yield ray
     ray.shutdown()

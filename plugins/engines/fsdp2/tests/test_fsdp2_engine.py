@@ -1,0 +1,232 @@
+"""The engine's parts and single-rank behaviour: micro-batch plans, the LR schedule, chunked log-probs,
+config errors, registration, checkpoint details, loading from a local Hugging Face directory."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from rlplat_engine_fsdp2.config import FSDP2EngineConfig, read_engine_config
+from rlplat_engine_fsdp2.engine import FSDP2Engine
+from rlplat_engine_fsdp2.micro_batches import balanced_partition, fixed_size_partition, token_budget_partition
+from rlplat_engine_fsdp2.modeling import response_entropy, response_log_probs
+from rlplat_engine_fsdp2.schedule import WarmupSchedule
+
+
+class SumOfLogProbs:
+    """``-sum(advantages * log_probs * mask) / global_token_count``."""
+
+    def __call__(self, outputs, micro_batch):
+        batch = micro_batch.batch
+        loss = -(batch["advantages"] * outputs["log_probs"] * batch["response_mask"]).sum() / micro_batch.meta_info["global_token_count"]
+        return loss, {}
+
+
+def built(config: dict, **overrides) -> FSDP2Engine:
+    engine = FSDP2Engine(config, **overrides)
+    engine.init_model()
+    return engine
+
+
+def full_gradients(engine: FSDP2Engine) -> dict[str, torch.Tensor]:
+    return {name: parameter.grad.full_tensor() for name, parameter in engine.module.named_parameters()}
+
+
+# -- micro-batch plans --------------------------------------------------------------------------------
+
+
+def test_fixed_size_micro_batches_are_consecutive_rows():
+    assert fixed_size_partition(5, 2) == [[0, 1], [2, 3], [4]]
+
+
+def test_balanced_partition_puts_each_row_heaviest_first_on_the_lightest_group():
+    # 5->A, 4->B, 3->B (7), 3->A (8), 2->B (9), 1->A (9): both groups weigh 9.
+    assert balanced_partition([5, 4, 3, 3, 2, 1], 2) == [[0, 3, 5], [1, 2, 4]]
+
+
+def test_a_token_budget_takes_the_fewest_groups_that_fit():
+    assert token_budget_partition([5, 4, 3, 3, 2, 1], budget=9) == [[0, 3, 5], [1, 2, 4]]
+    # ceil(18 / 8) = 3 groups of 6 tokens each.
+    assert token_budget_partition([5, 4, 3, 3, 2, 1], budget=8) == [[0, 5], [1, 4], [2, 3]]
+    assert token_budget_partition([5, 4], budget=9, min_parts=3) == [[0], [1], []]
+
+
+def test_a_row_longer_than_the_token_budget_is_an_error_naming_it():
+    with pytest.raises(ValueError, match="row 2 has 12 tokens, more than max_token_len_per_gpu=10"):
+        token_budget_partition([3, 4, 12], budget=10)
+
+
+# -- LR schedule --------------------------------------------------------------------------------------
+
+
+def test_warmup_is_linear_from_zero_then_constant():
+    schedule = WarmupSchedule("constant", warmup_steps=4)
+    assert [schedule(step) for step in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+
+
+def test_cosine_decays_from_the_end_of_warmup_to_the_floor():
+    schedule = WarmupSchedule("cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
+    # progress 0, 1/2 and 1 of the 4 decay steps: 1, 0.1 + 0.9 * 0.5, 0.1; held at 0.1 afterwards.
+    assert [schedule(step) for step in (1, 2, 4, 6, 9)] == pytest.approx([0.5, 1.0, 0.55, 0.1, 0.1])
+
+
+def test_train_batch_reports_the_lr_each_step_used(tiny_config, batch_of):
+    engine = built(tiny_config, lr_warmup_steps=2)
+    batch = batch_of(8).with_meta_info({"ppo_mini_batch_size": 4})
+    metrics = engine.train_batch(batch, SumOfLogProbs())  # two steps: lr 0, then lr 1e-3 / 2
+    assert metrics["lr"] == pytest.approx((0.0 + 5e-4) / 2)
+    assert engine.state()["step"] == 2 and engine.state()["lr"] == pytest.approx(1e-3)
+
+
+# -- log-probs and entropy -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 6, 1000])
+def test_chunked_log_probs_and_entropy_equal_the_whole_log_softmax(chunk_tokens):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 11, generator=generator, dtype=torch.float64).float().requires_grad_(True)
+    tokens = torch.randint(0, 11, (3, 5), generator=generator)
+    temperature = 0.7
+    log_softmax = (logits / temperature).log_softmax(-1)
+    expected = log_softmax.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    expected_entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    chunked = response_log_probs(logits, tokens, temperature, chunk_tokens)
+    torch.testing.assert_close(chunked, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(response_entropy(logits, temperature, chunk_tokens), expected_entropy, atol=1e-6, rtol=0)
+    (expected_gradient,) = torch.autograd.grad(expected.sum(), logits)
+    (chunked_gradient,) = torch.autograd.grad(chunked.sum(), logits)
+    torch.testing.assert_close(chunked_gradient, expected_gradient, atol=1e-6, rtol=0)
+
+
+def test_entropy_is_computed_for_the_loss_function_only_when_it_reads_it(tiny_config, batch_of):
+    seen = {}
+
+    def loss_fn(outputs, micro_batch):
+        seen["keys"] = sorted(outputs)
+        seen["entropy"] = outputs["entropy"]
+        return -outputs["entropy"].sum() / micro_batch.meta_info["global_token_count"], {}
+
+    built(tiny_config).train_batch(batch_of(4), loss_fn)
+    assert seen["keys"] == ["entropy", "log_probs"] and seen["entropy"].requires_grad
+
+
+# -- config -------------------------------------------------------------------------------------------
+
+
+def test_an_unknown_config_key_names_the_closest_field():
+    with pytest.raises(ValueError, match="'micro_batch_size' \\(did you mean 'micro_batch_size_per_gpu'\\?\\)"):
+        read_engine_config({"model_path": "/models/x", "micro_batch_size": 4})
+
+
+def test_the_model_source_must_be_exactly_one_of_path_and_config():
+    with pytest.raises(ValueError, match="exactly one of model_path"):
+        FSDP2EngineConfig()
+    with pytest.raises(ValueError, match="exactly one of model_path"):
+        FSDP2EngineConfig(model_path="/models/x", model_config={"model_type": "qwen2"})
+
+
+def test_an_omegaconf_node_and_keyword_overrides_are_accepted(tiny_config):
+    from omegaconf import OmegaConf
+
+    engine = FSDP2Engine(OmegaConf.create(tiny_config), lr=5e-5, betas=(0.8, 0.9))
+    assert engine.config.lr == 5e-5 and engine.config.betas == [0.8, 0.9]
+    assert engine.config.model_config["vocab_size"] == 16
+
+
+def test_the_engine_is_registered_as_fsdp2_with_its_config_schema(tiny_config):
+    from rlplat import EngineRegistry, registry
+
+    entry = registry.entry("engine", "fsdp2")
+    assert entry.config_schema == "rlplat_engine_fsdp2.config:FSDP2EngineConfig"
+    assert isinstance(EngineRegistry().build("fsdp2", tiny_config), FSDP2Engine)
+
+
+def test_a_model_path_that_is_not_a_model_directory_says_so(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a local Hugging Face model directory"):
+        built({"model_path": str(tmp_path / "missing")})
+
+
+# -- training details ---------------------------------------------------------------------------------
+
+
+def test_a_mini_batch_size_that_does_not_divide_the_batch_is_refused(tiny_config, batch_of):
+    with pytest.raises(ValueError, match="ppo_mini_batch_size=3"):
+        built(tiny_config).train_batch(batch_of(8).with_meta_info({"ppo_mini_batch_size": 3}), SumOfLogProbs())
+
+
+def test_activation_checkpointing_does_not_change_the_gradient(tiny_config, batch_of):
+    batch = batch_of(4)
+    plain, checkpointed = built(tiny_config, grad_clip=None), built(tiny_config, grad_clip=None, enable_gradient_checkpointing=True)
+    plain.train_batch(batch, SumOfLogProbs())
+    checkpointed.train_batch(batch, SumOfLogProbs())
+    expected, actual = full_gradients(plain), full_gradients(checkpointed)
+    assert max(float((expected[name] - actual[name]).abs().max()) for name in expected) <= 1e-6
+
+
+def test_a_non_finite_gradient_skips_the_step(tiny_config, batch_of):
+    engine = built(tiny_config)
+    before = {name: tensor.clone() for bucket in engine.named_weights() for name, tensor in bucket}
+    metrics = engine.train_batch(batch_of(4), lambda outputs, micro_batch: (outputs["log_probs"].sum() * float("nan"), {}))
+    assert metrics["skipped_step"] == 1.0 and math.isnan(metrics["grad_norm"])
+    assert engine.state()["step"] == 0
+    assert all(torch.equal(tensor, before[name]) for bucket in engine.named_weights() for name, tensor in bucket)
+
+
+# -- checkpoints --------------------------------------------------------------------------------------
+
+
+def test_load_restores_the_random_number_generators(tiny_config, tmp_path):
+    engine = built(tiny_config)
+    engine.save(str(tmp_path / "checkpoint"))
+    drawn = (torch.rand(3), random.random(), np.random.rand())
+    engine.load(str(tmp_path / "checkpoint"))
+    assert torch.equal(torch.rand(3), drawn[0]) and random.random() == drawn[1] and np.random.rand() == drawn[2]
+
+
+def test_a_checkpoint_whose_save_did_not_finish_is_refused(tiny_config, tmp_path):
+    engine = built(tiny_config)
+    engine.save(str(tmp_path / "checkpoint"))
+    (tmp_path / "checkpoint" / "checkpoint.json").unlink()
+    with pytest.raises(FileNotFoundError, match="save did not finish"):
+        engine.load(str(tmp_path / "checkpoint"))
+
+
+def test_saving_again_replaces_the_checkpoint_and_leaves_no_partial_directory(tiny_config, batch_of, tmp_path):
+    engine = built(tiny_config)
+    engine.save(str(tmp_path / "checkpoint"))
+    engine.train_batch(batch_of(4), SumOfLogProbs())
+    engine.save(str(tmp_path / "checkpoint"))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint"]
+    assert '"global_step": 1' in (tmp_path / "checkpoint" / "checkpoint.json").read_text()
+
+
+# -- a local Hugging Face directory -------------------------------------------------------------------
+
+
+def character_tokenizer(directory):
+    """DEMO_NOTES' character-level tokenizer: 16 ids, ``[PAD] [BOS] [EOS] [UNK] 0-9 + =``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocabulary = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, "[UNK]": 3, **{str(digit): 4 + digit for digit in range(10)}, "+": 14, "=": 15}
+    backend = Tokenizer(models.WordLevel(vocabulary, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]", unk_token="[UNK]")
+    tokenizer.save_pretrained(str(directory))
+
+
+def test_an_engine_built_from_a_local_directory_exports_model_and_tokenizer(tiny_config, batch_of, tmp_path):
+    from transformers import AutoTokenizer
+
+    source = built(tiny_config)
+    source.export_hf(str(tmp_path / "model"))
+    character_tokenizer(tmp_path / "model")
+    loaded = built({"model_path": str(tmp_path / "model"), "dtype": "float32"})
+    batch = batch_of(4)
+    assert torch.equal(loaded.forward(batch).batch["log_probs"], source.forward(batch).batch["log_probs"])
+    loaded.export_hf(str(tmp_path / "exported"))
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "exported"))("12+3=")["input_ids"] == [5, 6, 14, 7, 15]
