@@ -112,13 +112,17 @@ class TrainingEngineConformance:
         assert not torch.equal(engine.forward(engine_batch).batch["log_probs"], before)
 
     def test_the_loss_function_sees_the_mini_batch_token_and_sequence_counts(self, engine, engine_batch):
+        mask = engine_batch.batch["response_mask"].clone()
+        mask[0] = 0  # a row without a valid response token is not a sequence the loss averages over
+        columns = {key: engine_batch.batch[key] for key in engine_batch.tensor_keys() if key != "response_mask"}
+        batch = DataProto.from_dict({**columns, "response_mask": mask}, meta_info={**engine_batch.meta_info, "ppo_mini_batch_size": len(engine_batch)})
         loss = TokenMeanNLL()
-        engine.train_batch(engine_batch.with_meta_info({**engine_batch.meta_info, "ppo_mini_batch_size": len(engine_batch)}), loss)
+        engine.train_batch(batch, loss)
         assert loss.seen, "train_batch never called the loss function"
-        tokens = float(engine_batch.batch["response_mask"].sum())
+        tokens, rows_with_tokens = float(mask.sum()), len(engine_batch) - 1
         for meta_info in loss.seen:
             assert meta_info["global_token_count"] == pytest.approx(tokens)
-            assert meta_info["global_sequence_count"] == len(engine_batch)
+            assert meta_info["global_sequence_count"] == rows_with_tokens
 
     def test_named_weights_respect_the_bucket_bound(self, engine):
         sizes = [tensor.numel() * tensor.element_size() for bucket in engine.named_weights() for _, tensor in bucket]

@@ -222,7 +222,8 @@ class FSDP2Engine(TrainingEngine):
     def optimizer_step(self, mini_batch: DataProto, loss_fn: LossFunction, temperature: float, calculate_entropy: bool) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         response_mask = self.response_mask(mini_batch)
-        global_tokens, global_rows = self.all_reduce_sum([float(response_mask.sum()), float(len(mini_batch))])
+        rows_with_tokens = float((response_mask.sum(-1) > 0).sum())
+        global_tokens, global_rows = self.all_reduce_sum([float(response_mask.sum()), rows_with_tokens])
         meta_info = {**mini_batch.meta_info, "global_token_count": global_tokens, "global_sequence_count": int(global_rows)}
         loss_total, loss_metrics = 0.0, []
         for rows in self.plan_micro_batches(mini_batch, self.config.micro_batch_size_per_gpu):
