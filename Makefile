@@ -9,6 +9,8 @@ PIP := $(PY) -m pip
 TORCH := torch==2.13.0
 PLUGIN_DIRS := $(sort $(patsubst %/pyproject.toml,%,$(shell find plugins -mindepth 2 -maxdepth 3 -name pyproject.toml)))
 STAMP := $(VENV)/.rlplat-installed
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.rlplat-bench-installed
 PYTEST_ARGS ?=
 
 export RAY_AUTH_MODE := disabled
@@ -34,19 +36,19 @@ test: setup
 test-gpu: setup
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 
-bench:
-	@# Its own environment (.venv-bench): what `make setup` installs, plus verl's DataProto to compare with.
-	@# verl comes without its dependencies: verl.protocol imports with rlplat's own (torch, ray, tensordict).
-	@set -e; venv=.venv-bench; stamp=$$venv/.rlplat-bench-installed; \
-	if [ ! -f $$stamp ] || [ -n "$$(find pyproject.toml constraints.txt Makefile $(addsuffix /pyproject.toml,$(PLUGIN_DIRS)) -newer $$stamp)" ]; then \
-		test -x $$venv/bin/python || $(PYTHON) -m venv $$venv; \
-		$$venv/bin/python -m pip install --quiet --upgrade pip; \
-		$$venv/bin/python -m pip install --quiet -c constraints.txt $(TORCH) -e . $(addprefix -e ,$(PLUGIN_DIRS)); \
-		$$venv/bin/python -m pip install --quiet --no-deps verl==0.9.1; \
-		touch $$stamp; \
-	fi
-	.venv-bench/bin/python bench/dataproto_vs_verl.py
-	.venv-bench/bin/python bench/dispatch_overhead.py
+# The benchmarks' own environment: what `make setup` installs, plus the baselines they compare with.
+# verl comes without its dependencies: verl.protocol imports with rlplat's own (torch, ray, tensordict).
+$(BENCH_STAMP): pyproject.toml constraints.txt Makefile $(addsuffix /pyproject.toml,$(PLUGIN_DIRS))
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/python -m pip install --quiet -c constraints.txt $(TORCH) -e . $(addprefix -e ,$(PLUGIN_DIRS))
+	$(BENCH_VENV)/bin/python -m pip install --quiet --no-deps verl==0.9.1
+	touch $@
+
+bench: $(BENCH_STAMP)
+	$(BENCH_VENV)/bin/python bench/dataproto_vs_verl.py
+	$(BENCH_VENV)/bin/python bench/dispatch_overhead.py
+	$(BENCH_VENV)/bin/python bench/hf_rollout.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(BENCH_VENV)

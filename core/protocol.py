@@ -312,14 +312,17 @@ class DataProto:
             if batch is None:
                 batch = other.batch
             else:
-                batch = batch.clone(recurse=False)
+                present = set(batch.keys(include_nested=True, leaves_only=True))
+                added = {}
                 for key in other.batch.keys(include_nested=True, leaves_only=True):
                     value = other.batch.get(key)
-                    if key in batch.keys(include_nested=True, leaves_only=True):
-                        if not torch.equal(batch.get(key), value):
-                            raise ValueError(f"union: batch key {key!r} is in both DataProtos with different values")
-                        continue
-                    batch.set(key, value)
+                    if key not in present:
+                        added[key] = value
+                    elif not torch.equal(batch.get(key), value):
+                        raise ValueError(f"union: batch key {key!r} is in both DataProtos with different values")
+                if added:
+                    batch = batch.clone(recurse=False)
+                    batch.update(added)
         non_tensor = dict(self.non_tensor_batch)
         for key, value in other.non_tensor_batch.items():
             if key in non_tensor:

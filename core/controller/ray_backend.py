@@ -38,6 +38,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, num_gpus:
 
     ray_constants.ENABLE_RAY_CLUSTER = False
     ray.init(
+        address="local",  # a new cluster even if another one on this machine is recorded as current
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         num_cpus=num_cpus,
