@@ -69,13 +69,17 @@ def list_plugins(
         console.print("No rlplat plugins are installed (entry-point group 'rlplat').")
         return
     table = Table(title="rlplat plugins", show_lines=True)
-    for column in ("plugin", "distribution", "version", "registers", "status"):
-        table.add_column(column, overflow="fold")
+    table.add_column("plugin", no_wrap=True)
+    table.add_column("distribution", no_wrap=True)
+    table.add_column("version", no_wrap=True)
+    table.add_column("registers", overflow="fold", ratio=3)
+    table.add_column("status", overflow="fold", ratio=1)
     for record in records:
-        lines = []
+        by_kind: dict[str, list[str]] = {}
         for kind, name, status in registrations_of(record.name):
-            suffix = "" if status == "ok" else f"  [{status_style(status)}]({escape(status)})[/]"
-            lines.append(f"{kind}: {escape(name)}{suffix}")
+            label = escape(name) if status == "ok" else f"{escape(name)} [{status_style(status)}]({escape(status)})[/]"
+            by_kind.setdefault(kind, []).append(label)
+        lines = [f"{kind}: {', '.join(names)}" for kind, names in by_kind.items()]
         status = plugin_status(record)
         table.add_row(
             escape(record.name),
