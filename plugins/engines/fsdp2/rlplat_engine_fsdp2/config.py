@@ -89,6 +89,10 @@ class FSDP2EngineConfig:
     """GPU only: keep optimizer state in CPU memory between optimizer steps."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters of a layer after its forward (re-gathered in backward)."""
+    gradient_sync_every_micro_batch: bool = True
+    """Reduce-scatter gradients after every micro-batch's backward (least memory). False keeps unsharded
+    gradients until the mini-batch's last micro-batch and reduces once: fewer collectives (faster over
+    gloo or a slow network), a full gradient's memory on every rank. Same gradient either way."""
 
     def __post_init__(self) -> None:
         problems = []

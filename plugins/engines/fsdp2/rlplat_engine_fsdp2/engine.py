@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -210,14 +211,13 @@ class FSDP2Engine(TrainingEngine):
         global_rows = batch.meta_info.get("ppo_mini_batch_size", self.config.ppo_mini_batch_size)
         if global_rows is None:
             return rows
-        global_rows = int(global_rows)
-        if global_rows % self.world_size or rows % (global_rows // self.world_size or 1) or global_rows < self.world_size:
+        per_rank, remainder = divmod(int(global_rows), self.world_size)
+        if remainder or per_rank == 0 or rows % per_rank:
             raise ValueError(
                 f"train_batch: ppo_mini_batch_size={global_rows} rows of the global batch must split evenly over "
-                f"{self.world_size} data-parallel rank(s), and each rank's {rows} rows into mini-batches of "
-                f"{global_rows // self.world_size}"
+                f"{self.world_size} data-parallel rank(s), and each rank's {rows} rows into mini-batches of {per_rank}"
             )
-        return global_rows // self.world_size
+        return per_rank
 
     def optimizer_step(self, mini_batch: DataProto, loss_fn: LossFunction, temperature: float, calculate_entropy: bool) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
@@ -226,7 +226,10 @@ class FSDP2Engine(TrainingEngine):
         global_tokens, global_rows = self.all_reduce_sum([float(response_mask.sum()), rows_with_tokens])
         meta_info = {**mini_batch.meta_info, "global_token_count": global_tokens, "global_sequence_count": int(global_rows)}
         loss_total, loss_metrics = 0.0, []
-        for rows in self.plan_micro_batches(mini_batch, self.config.micro_batch_size_per_gpu):
+        groups = self.plan_micro_batches(mini_batch, self.config.micro_batch_size_per_gpu)
+        for index, rows in enumerate(groups):
+            if not self.config.gradient_sync_every_micro_batch:
+                self.module.set_requires_gradient_sync(index == len(groups) - 1)
             micro_batch = self.micro_batch(mini_batch, rows).with_meta_info(meta_info).to(self.device)
             outputs = self.run(micro_batch, temperature, calculate_entropy)
             if rows:
@@ -328,8 +331,6 @@ class FSDP2Engine(TrainingEngine):
         self.offload_parameters_if_configured()
 
     def tokenizer_path(self) -> str | None:
-        import os
-
         if self.config.tokenizer_path is not None:
             return self.config.tokenizer_path
         path = self.config.model_path

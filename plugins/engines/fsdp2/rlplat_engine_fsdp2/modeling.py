@@ -126,8 +126,11 @@ class ModelOutputs(Mapping):
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key == "entropy" and key not in self._values and self._logits is not None:
-            self._values["entropy"] = response_entropy(self._logits, self._temperature, self._chunk_tokens)
+            self.compute_entropy()
         return self._values[key]
+
+    def compute_entropy(self) -> None:
+        self._values["entropy"] = response_entropy(self._logits, self._temperature, self._chunk_tokens)
 
     def __iter__(self) -> Iterator[str]:
         keys = list(self._values)
@@ -164,7 +167,7 @@ def run_model(
         {"log_probs": response_log_probs(logits, inputs["responses"], temperature, chunk_tokens)}, logits, temperature, chunk_tokens
     )
     if calculate_entropy:
-        outputs["entropy"]
+        outputs.compute_entropy()
     return outputs
 
 

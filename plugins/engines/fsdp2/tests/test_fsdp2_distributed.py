@@ -175,6 +175,13 @@ def test_a_token_budget_does_not_change_the_gradient(two_ranks, batch_of):
     assert difference <= 1e-6
 
 
+def test_reducing_gradients_once_per_mini_batch_does_not_change_the_gradient(two_ranks, batch_of):
+    batch = one_step_batch(batch_of)
+    every = gradient_after_one_step(two_ranks, "micro1", {"micro_batch_size_per_gpu": 1}, batch)
+    once = gradient_after_one_step(two_ranks, "sync_once", {"micro_batch_size_per_gpu": 1, "gradient_sync_every_micro_batch": False}, batch)
+    assert max_difference(once, every) <= 1e-6
+
+
 def test_token_budget_forward_returns_rows_in_their_original_order(two_ranks, batch_of):
     batch = batch_of(8, seed=3)
     two_ranks.build("fixed", {"micro_batch_size_per_gpu": 1})
