@@ -49,6 +49,7 @@ bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python bench/dataproto_vs_verl.py
 	$(BENCH_VENV)/bin/python bench/dispatch_overhead.py
 	$(BENCH_VENV)/bin/python bench/hf_rollout.py
+	$(BENCH_VENV)/bin/python bench/fsdp2_scaling.py
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV)

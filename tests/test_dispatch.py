@@ -62,6 +62,13 @@ class RowWorker(Worker):
     def drop_a_row(self, data: DataProto) -> DataProto:
         return data[1:]
 
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def weights(self, data: DataProto) -> DataProto:
+        """Each row's weight once padding is discounted, as a training method sees it."""
+        from rlplat.controller.worker import without_padding_weight
+
+        return DataProto.from_dict({"weight": without_padding_weight(data, self.padding_rows).batch["response_mask"][:, 0]})
+
     @register(Dispatch.DP_MESH)
     def tag_mesh(self, data: DataProto) -> DataProto:
         return self.tag(data)
@@ -94,6 +101,17 @@ def test_ten_rows_over_four_workers_come_back_as_exactly_those_rows_in_order():
     result = group(4).tag(rows(10))
     assert result.batch["row"].tolist() == list(range(10))
     assert result.batch["rank"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
+
+
+def test_workers_are_told_how_many_of_their_rows_are_padding():
+    workers = group(4)
+    data = DataProto.from_dict({"response_mask": torch.ones(5, 2, dtype=torch.long)})
+    # 5 rows padded to 8: ranks 2 and 3 hold 1 and 2 padding rows, which get weight 0 there
+    seen = [host.call("rows", "weights", (part,), {}, pad)[0] for host, part, pad in
+            zip(workers.backend.hosts, data.pad_to_divisor(4)[0].chunk(4), [0, 0, 1, 2])]
+    assert [p.batch["weight"].tolist() for p in seen] == [[1, 1], [1, 1], [1, 0], [0, 0]]
+    assert workers.weights(data).batch["weight"].tolist() == [1, 1, 1, 1, 1]
+    assert all(host.workers["rows"].padding_rows == 0 for host in workers.backend.hosts)
 
 
 def test_padding_counts_per_part():

@@ -105,10 +105,15 @@ class WorkerHost:
         learned: list[int] = []
         args = tuple(self.resolve(value, learned) for value in args)
         kwargs = {key: self.resolve(value, learned) for key, value in kwargs.items()}
-        output = getattr(self.workers[role], method)(*args, **kwargs)
+        pad_in = 0 if pad_rows is None else (learned[0] if pad_rows == -1 and learned else max(pad_rows, 0))
+        worker = self.workers[role]
+        worker.padding_rows = pad_in
+        try:
+            output = getattr(worker, method)(*args, **kwargs)
+        finally:
+            worker.padding_rows = 0
         if pad_rows is None:
             return output
-        pad_in = learned[0] if pad_rows == -1 and learned else max(pad_rows, 0)
         if not pad_in or not isinstance(output, DataProto):
             return output, 0
         rows_in = next(len(v) for v in (*args, *kwargs.values()) if isinstance(v, DataProto))

@@ -13,6 +13,10 @@ class Worker:
 
     Methods marked with :func:`rlplat.controller.decorator.register` become callable on the worker
     group from the driver. The same class runs under the Ray backend and the in-process one.
+
+    During a data-parallel call, ``padding_rows`` says how many trailing rows of this worker's DataProto
+    input are padding (copies of real rows added so every rank gets as many rows); a method that trains
+    on its input must give them no weight (see :func:`without_padding_weight`). It is 0 otherwise.
     """
 
     def __init__(self) -> None:
@@ -21,6 +25,7 @@ class Worker:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.role = os.environ.get(ENV_ROLE, "worker")
         self._dispatch_info = (self.rank, self.world_size, True)
+        self.padding_rows = 0
 
     @property
     def device(self) -> str:
@@ -38,3 +43,18 @@ class Worker:
 
     def dispatch_info(self) -> tuple[int, int, bool]:
         return self._dispatch_info
+
+
+
+def without_padding_weight(batch, padding_rows: int):
+    """``batch`` with ``response_mask`` zeroed on its last ``padding_rows`` rows, so that padding added
+    by dispatch keeps every rank's shapes equal but adds nothing to a loss or its token counts."""
+    if not padding_rows:
+        return batch
+    from rlplat.protocol import DataProto
+
+    mask = batch.batch["response_mask"].clone()
+    mask[len(batch) - padding_rows :] = 0
+    tensors = batch.batch.clone(recurse=False)
+    tensors.set("response_mask", mask)
+    return DataProto(tensors, batch.non_tensor_batch, batch.meta_info)

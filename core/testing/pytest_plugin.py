@@ -9,6 +9,9 @@ import pytest
 from rlplat.plugins import ENV_DISABLE_AUTOLOAD
 from rlplat.registry import Registry
 
+# Plugin authors check that a conformance suite catches a broken implementation with pytester.
+pytest_plugins = ["pytester"]
+
 
 @pytest.fixture
 def isolated_registry() -> Registry:

@@ -17,7 +17,7 @@ import torch
 
 from rlplat.contracts.rollout import SamplingParams
 from rlplat.controller.decorator import Dispatch, register
-from rlplat.controller.worker import Worker
+from rlplat.controller.worker import Worker, without_padding_weight
 from rlplat.protocol import DataProto
 from rlplat.registry import EngineRegistry
 from rlplat.workers.config import ActorRolloutRefConfig, read_worker_config
@@ -127,6 +127,7 @@ class ActorRolloutRefWorker(Worker):
         actor = self.require("actor", "update_actor")
         meta = {"temperature": self.temperature(batch), "calculate_entropy": self.entropy_needed, **batch.meta_info}
         started = time.perf_counter()
+        batch = without_padding_weight(batch, self.padding_rows)
         metrics = actor.train_batch(batch.with_meta_info(meta), self.actor_loss)
         metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()}
         metrics["timing_s/update_actor_worker"] = time.perf_counter() - started

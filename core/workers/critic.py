@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rlplat.controller.decorator import Dispatch, register
-from rlplat.controller.worker import Worker
+from rlplat.controller.worker import Worker, without_padding_weight
 from rlplat.protocol import DataProto
 from rlplat.registry import EngineRegistry
 from rlplat.workers.config import CriticConfig, read_worker_config
@@ -47,6 +47,7 @@ class CriticWorker(Worker):
         """One critic update (reads ``values``, ``returns``, ``response_mask`` and the model inputs);
         returns no rows and ``meta_info["metrics"]``."""
         started = time.perf_counter()
+        batch = without_padding_weight(batch, self.padding_rows)
         metrics = self.require_engine("update_critic").train_batch(batch, self.loss)
         metrics = {f"critic/{k}" if "/" not in k else k: v for k, v in metrics.items()}
         metrics["timing_s/update_critic_worker"] = time.perf_counter() - started
