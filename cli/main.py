@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from rlplat.cli import config as config_command
 from rlplat.cli import plugins as plugins_command
 
 HELP = "rlplat: reinforcement-learning post-training of language models (PPO, GRPO and their family)."
@@ -32,6 +33,7 @@ def build_app() -> typer.Typer:
         """rlplat: reinforcement-learning post-training of language models."""
 
     app.add_typer(plugins_command.app, name="plugins")
+    app.add_typer(config_command.app, name="config")
     add_plugin_commands(app)
     return app
 
@@ -40,7 +42,7 @@ def add_plugin_commands(app: typer.Typer) -> None:
     """Mount every registered ``command`` entry; one that fails to load is reported, not fatal."""
     from rlplat import registry
 
-    built_in = {"plugins"}
+    built_in = {"plugins", "config"}
     for entry in registry.entries("command"):
         if entry.name in built_in:
             typer.echo(f"rlplat: ignoring command {entry.name!r} from {entry.origin}: the name is built in", err=True)
