@@ -41,7 +41,7 @@ test-gpu: setup
 $(BENCH_STAMP): pyproject.toml constraints.txt Makefile $(addsuffix /pyproject.toml,$(PLUGIN_DIRS))
 	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(BENCH_VENV)/bin/python -m pip install --quiet -c constraints.txt $(TORCH) -e . $(addprefix -e ,$(PLUGIN_DIRS))
+	$(BENCH_VENV)/bin/python -m pip install --quiet -c constraints.txt $(TORCH) -e '.[test]' $(addprefix -e ,$(PLUGIN_DIRS))
 	$(BENCH_VENV)/bin/python -m pip install --quiet --no-deps verl==0.9.1
 	touch $@
 
