@@ -37,6 +37,15 @@ import torch
 from rlplat.contracts.reward import RewardManager, split_score
 from rlplat_rewards.config import RewardManagerConfig, read_config
 
+
+def scorer_from_config(config: Any) -> Callable[..., Any]:
+    """With ``scorer=None`` a manager takes the scorer its ``reward`` node selects (the custom function
+    when ``custom_function.path`` is set, else the registered ``scorer``), so a driver that cannot import
+    this plugin still gets custom functions."""
+    from rlplat_rewards.custom import scorer_from_config as select
+
+    return select(config)
+
 logger = logging.getLogger("rlplat_rewards")
 
 
@@ -179,7 +188,7 @@ class NaiveRewardManager(RewardManager):
     each within ``reward.timeout_s``."""
 
     def __init__(self, scorer: Callable[..., Any], tokenizer: Any, config: Any = None):
-        self.scorer = scorer
+        self.scorer = scorer if scorer is not None else scorer_from_config(config)
         self.tokenizer = tokenizer
         self.settings = read_config(config, RewardManagerConfig)
 
@@ -218,7 +227,7 @@ class BatchRewardManager(RewardManager):
     batch manager. If the call itself fails, every row falls back (and counts as an error)."""
 
     def __init__(self, scorer: Callable[..., Any], tokenizer: Any, config: Any = None):
-        self.scorer = scorer
+        self.scorer = scorer if scorer is not None else scorer_from_config(config)
         self.tokenizer = tokenizer
         self.settings = read_config(config, RewardManagerConfig)
 

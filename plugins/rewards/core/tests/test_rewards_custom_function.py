@@ -87,3 +87,12 @@ def test_without_a_custom_function_the_reward_node_names_a_registered_scorer():
     from rlplat_rewards import hendrycks_math
 
     assert scorer_from_config({"scorer": "math"}) is hendrycks_math.score
+
+
+def test_a_manager_given_no_scorer_takes_the_custom_function_its_config_names(tmp_path):
+    from rlplat import registry
+
+    user_file = tmp_path / "my_reward.py"
+    user_file.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.75\n")
+    manager = registry.get("reward_manager", "naive")(None, None, {"custom_function": {"path": str(user_file)}})
+    assert isinstance(manager.scorer, CustomScorer) and manager.scorer.path == str(user_file)
