@@ -25,6 +25,11 @@ class LossFunction(Protocol):
     least one valid response token, over every rank), so the returned loss can be normalised globally: the engine *sums* gradients over
     micro-batches and ranks, which makes every aggregation mode independent of how the mini-batch was
     split. Returns ``(loss, metrics)``: a scalar tensor and a dict of floats for logging.
+
+    Metrics are contributions, like the loss: the engine *sums* each metric over the micro-batches and
+    ranks of a mini-batch (and averages over optimizer steps). A globally normalised quantity (the loss
+    and its parts) is reported as it is; a mean over the micro-batch's tokens is scaled by the
+    micro-batch's share of ``global_token_count``. Every metric is then independent of the split too.
     """
 
     def __call__(self, outputs: Mapping[str, "torch.Tensor"], micro_batch: "DataProto") -> tuple["torch.Tensor", dict[str, float]]: ...

@@ -19,6 +19,19 @@ from rlplat_algorithms.kl import kl_loss
 from rlplat_algorithms.value_loss import value_loss
 
 
+def as_contributions(metrics: dict[str, float], additive: set[str], share: float) -> dict[str, float]:
+    """Metrics as the engine sums them: globally normalised ones (``additive``) as they are, means over
+    this micro-batch's tokens scaled by its ``share`` of the mini-batch's tokens."""
+    return {key: value if key in additive else value * share for key, value in metrics.items()}
+
+
+def token_share(response_mask: torch.Tensor, global_token_count: Any) -> float:
+    """This micro-batch's fraction of the mini-batch's valid tokens (1 when no global count is given)."""
+    if not global_token_count:
+        return 1.0
+    return float(response_mask.sum()) / float(global_token_count)
+
+
 class ActorLoss:
     """``policy_loss - entropy_coeff * entropy + kl_loss_coef * KL(actor || reference)``.
 
@@ -61,7 +74,8 @@ class ActorLoss:
             loss = loss + settings.kl_loss_coef * kl
             metrics.update(kl_metrics)
             metrics["actor/kl_coef"] = float(settings.kl_loss_coef)
-        return loss, metrics
+        additive = {"actor/pg_loss", "actor/entropy", "actor/kl_loss"}
+        return loss, as_contributions(metrics, additive, token_share(response_mask, settings.global_token_count))
 
 
 class CriticLoss:
@@ -77,4 +91,6 @@ class CriticLoss:
     def __call__(self, outputs: Mapping[str, torch.Tensor], micro_batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
         settings = with_global_counts(self.config, ValueLossConfig, micro_batch.meta_info)
         batch = micro_batch.batch
-        return value_loss(outputs["values"], batch["returns"], batch["values"], batch["response_mask"], None, settings)
+        loss, metrics = value_loss(outputs["values"], batch["returns"], batch["values"], batch["response_mask"], None, settings)
+        additive = {"critic/vf_loss"}
+        return loss, as_contributions(metrics, additive, token_share(batch["response_mask"], settings.global_token_count))

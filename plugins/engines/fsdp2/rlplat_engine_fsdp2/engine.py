@@ -268,7 +268,8 @@ class FSDP2Engine(TrainingEngine):
         return float(norm)
 
     def gather_metrics(self, metrics: list[dict[str, float]]) -> dict[str, float]:
-        """Mean of every loss-function metric over the micro-batches of every rank."""
+        """Sum of every loss-function metric over the micro-batches of every rank (metrics are
+        contributions; see :class:`rlplat.contracts.engine.LossFunction`)."""
         gathered: list[Any] = [metrics]
         if self.world_size > 1:
             gathered = [None] * self.world_size
@@ -278,7 +279,7 @@ class FSDP2Engine(TrainingEngine):
             for entry in rank_metrics:
                 for key, value in entry.items():
                     values.setdefault(key, []).append(float(value))
-        return {key: sum(items) / len(items) for key, items in values.items()}
+        return {key: sum(items) for key, items in values.items()}
 
     # -- weights, checkpoints, export --------------------------------------------------------------
 
