@@ -26,9 +26,11 @@ __all__ = [
     "EngineRegistry",
     "RewardManager",
     "RolloutEngine",
+    "Trainer",
     "TrainingEngine",
     "__version__",
     "hookimpl",
+    "load_config",
     "registry",
 ]
 
@@ -47,6 +49,8 @@ _LAZY_NAMES: dict[str, tuple[str, str | None]] = {
     "RayWorkerGroup": ("rlplat.controller.ray_backend", "RayWorkerGroup"),
     "LocalWorkerGroup": ("rlplat.controller.local_backend", "LocalWorkerGroup"),
     "start_ray": ("rlplat.controller.ray_backend", "start_ray"),
+    "load_config": ("rlplat.config", "load_config"),
+    "Trainer": ("rlplat.trainer", "Trainer"),
     "EngineRegistry": ("rlplat.registry", "EngineRegistry"),
     "hookimpl": ("rlplat.hookspecs", "hookimpl"),
     "TrainingEngine": ("rlplat.contracts.engine", "TrainingEngine"),

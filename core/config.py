@@ -327,17 +327,20 @@ def validate_config(config: DictConfig) -> None:
                 raise ConfigError(f"data.{key}: {path} does not exist.")
 
     world = config.cluster.nnodes * config.cluster.devices_per_node if config.cluster.backend == "ray" else 1
-    prompts, mini, n = config.data.train_batch_size, config.actor.ppo_mini_batch_size, config.rollout.n
-    if prompts % mini:
-        raise ConfigError(
-            f"data.train_batch_size={prompts} prompts do not split into actor.ppo_mini_batch_size={mini}; "
-            f"make train_batch_size a multiple of ppo_mini_batch_size."
-        )
-    if (mini * n) % world:
-        raise ConfigError(
-            f"actor.ppo_mini_batch_size={mini} prompts x rollout.n={n} = {mini * n} responses do not split over "
-            f"{world} worker processes (cluster.nnodes x cluster.devices_per_node); make them a multiple of {world}."
-        )
+    prompts, n = config.data.train_batch_size, config.rollout.n
+    roles = ["actor"] + (["critic"] if algorithm.needs_critic or critic_enabled else [])
+    for role in roles:
+        mini = config[role].ppo_mini_batch_size
+        if prompts % mini:
+            raise ConfigError(
+                f"data.train_batch_size={prompts} prompts do not split into {role}.ppo_mini_batch_size={mini}; "
+                f"make train_batch_size a multiple of ppo_mini_batch_size."
+            )
+        if (mini * n) % world:
+            raise ConfigError(
+                f"{role}.ppo_mini_batch_size={mini} prompts x rollout.n={n} = {mini * n} responses do not split over "
+                f"{world} worker processes (cluster.nnodes x cluster.devices_per_node); make them a multiple of {world}."
+            )
     if (prompts * n) % world:
         raise ConfigError(f"data.train_batch_size x rollout.n = {prompts * n} responses do not split over {world} worker processes.")
     if config.cluster.backend not in ("ray", "local"):

@@ -48,6 +48,7 @@ def test_a_yaml_file_sits_between_the_defaults_and_the_overrides(paths, tmp_path
         (["data.train_batch_size=6", "actor.ppo_mini_batch_size=4"], "train_batch_size=6 prompts do not split into actor.ppo_mini_batch_size=4"),
         (["data.train_batch_size=3", "actor.ppo_mini_batch_size=3", "cluster.devices_per_node=2"], "3 responses do not split over 2 worker processes"),
         (["algorithm.name=ppo", "critic.enable=false"], "algorithm 'ppo' needs a critic, but critic.enable=false"),
+        (["algorithm.name=ppo", "critic.ppo_mini_batch_size=3"], "do not split into critic.ppo_mini_batch_size=3"),
         (["model.path=/no/such/model"], "model.path: /no/such/model is not a directory"),
         (["data.val_files=[/no/val.parquet]"], "data.val_files: /no/val.parquet does not exist"),
         (["reward.custom_function.path=/no/reward.py"], "reward.custom_function.path: /no/reward.py does not exist"),

@@ -83,17 +83,27 @@ class Algorithm:
     description: str = ""
     actor_loss: Any = None
     critic_loss: Any = None
+    kl_controller: Any = None
+    """``(kl_ctrl_node) -> controller`` (or its path): an object with ``value`` (the coefficient) and
+    ``update(current_kl, n_steps)``, used when ``algorithm.use_kl_in_reward`` is true."""
+    reward_kl: Any = None
+    """``(token_level_scores, old_log_probs, ref_log_prob, response_mask, controller, algorithm_node)
+    -> (token_level_rewards, metrics)`` (or its path): the KL-in-reward step."""
+
+    def resolve(self, field: str) -> Any:
+        """The callable held in ``field``, importing a ``"module:attribute"`` path."""
+        value = getattr(self, field)
+        if value is None:
+            raise ValueError(f"algorithm {self.name!r} defines no {field}")
+        if isinstance(value, str):
+            from rlplat.registry import resolve_dotted_path
+
+            return resolve_dotted_path(value)
+        return value
 
     def build_loss(self, which: str, config: Any) -> Any:
         """The loss function for ``which`` (``"actor"`` or ``"critic"``) built from its config node."""
-        factory = {"actor": self.actor_loss, "critic": self.critic_loss}[which]
-        if factory is None:
-            raise ValueError(f"algorithm {self.name!r} defines no {which} loss (its spec sets {which}_loss=None)")
-        if isinstance(factory, str):
-            from rlplat.registry import resolve_dotted_path
-
-            factory = resolve_dotted_path(factory)
-        return factory(config)
+        return self.resolve(f"{which}_loss")(config)
 
     def after_generate(self, batch: "DataProto", generate: GenerateFunction, sampling: "SamplingParams") -> "DataProto":
         """Called with the freshly generated batch; may add rows or columns using ``generate``

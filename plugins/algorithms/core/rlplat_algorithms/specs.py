@@ -61,6 +61,8 @@ def make_spec(cls: type[Algorithm] = Algorithm, *, name: str, description: str, 
         description=description,
         actor_loss="rlplat_algorithms.loss_functions:ActorLoss",
         critic_loss="rlplat_algorithms.loss_functions:CriticLoss" if needs_critic else None,
+        kl_controller="rlplat_algorithms.kl:build_kl_controller",
+        reward_kl="rlplat_algorithms.kl:apply_kl_penalty",
     )
 
 

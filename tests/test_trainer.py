@@ -1,0 +1,143 @@
+"""The driver loop end to end on CPU: a tiny model, arithmetic prompts, a reward from a file."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlplat.config import load_config
+from rlplat.data import write_parquet
+from rlplat.testing.tiny_models import save_tiny_model
+from rlplat.tracking import read_metrics
+from rlplat.trainer import Trainer
+
+REWARD = '''
+import os
+import pathlib
+import time
+
+
+def stall_after_first_checkpoint():
+    """Test hook: with RLPLAT_TEST_STALL_RUN set, block once the first checkpoint is complete, so that
+    the test can SIGKILL the run in the middle of the following step."""
+    run = os.environ.get("RLPLAT_TEST_STALL_RUN")
+    if run and (pathlib.Path(run) / "checkpoints" / "global_step_2" / "COMPLETE").exists():
+        (pathlib.Path(run) / "stalled").touch()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    stall_after_first_checkpoint()
+    # partial credit (digits written) so that a random tiny model already sees different scores
+    digits = sum(character.isdigit() for character in solution_str)
+    correct = solution_str.strip() == str(ground_truth)
+    return {"score": 1.0 if correct else digits / 8, "acc": correct}
+'''
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("assets")
+    model = save_tiny_model(root / "model", seed=0)
+    rows = [
+        {"data_source": "arith", "prompt": [{"role": "user", "content": f"{a}+{b}="}], "reward_model": {"ground_truth": str(a + b)}}
+        for a, b in [(12, 34), (5, 6), (40, 2), (7, 7), (21, 13), (9, 1), (3, 30), (11, 11)]
+    ]
+    train = write_parquet(rows, root / "train.parquet")
+    val = write_parquet(rows[:4], root / "val.parquet")
+    reward = root / "reward.py"
+    reward.write_text(REWARD)
+    return {"model": model, "train": train, "val": val, "reward": str(reward)}
+
+
+def run_config(assets, output_dir, *extra, algo="grpo", validate=True):
+    overrides = [
+        f"model.path={assets['model']}", f"data.train_files=[{assets['train']}]", f"data.val_files=[{assets['val']}]",
+        "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2", "rollout.n=2", "rollout.response_length=4",
+        "actor.optim.lr=1e-3", "actor.micro_batch_size_per_gpu=4", "critic.optim.lr=1e-3",
+        f"reward.custom_function.path={assets['reward']}", "cluster.backend=local", f"trainer.output_dir={output_dir}",
+        "trainer.logger=[jsonl]", "trainer.total_training_steps=4", "trainer.test_freq=2", *extra,
+    ]
+    return load_config(overrides=overrides, algo=algo) if validate else overrides
+
+
+def test_a_run_killed_after_its_first_checkpoint_resumes_to_the_same_metrics(assets, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    straight = train(run_config(assets, tmp_path / "straight", "trainer.save_freq=2"))
+    killed = tmp_path / "killed"
+    overrides = list(run_config(assets, killed, "trainer.save_freq=2", validate=False))
+    script = (
+        "import sys\nfrom rlplat.config import load_config\nfrom rlplat.trainer import Trainer\n"
+        f"Trainer(load_config(overrides={overrides!r}, algo='grpo')).fit()\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "RLPLAT_TEST_STALL_RUN": str(killed)},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 180
+    while not (killed / "stalled").exists():
+        assert process.poll() is None, process.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "the run never reached its first checkpoint"
+        time.sleep(0.1)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL
+    resumed = train(run_config(assets, killed, "trainer.save_freq=2"))
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    compared = [(comparable(a), comparable(b)) for a, b in zip(straight[3:], resumed[3:])]
+    assert len(compared) == 2 and all(a == b for a, b in compared)
+
+
+def comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "perf/")) and k != "time"}
+
+
+def train(config) -> list[dict]:
+    trainer = Trainer(config)
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    return read_metrics(config.trainer.output_dir)
+
+
+def test_grpo_trains_logs_validates_and_checkpoints(assets, tmp_path):
+    records = train(run_config(assets, tmp_path / "run", "trainer.save_freq=2"))
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert "val/arith/acc/mean" in records[0] and "val/arith/score/mean" in records[2]
+    for record in records[1:]:
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", "timing_s/gen"):
+            assert math.isfinite(record[key]), key
+        assert record["rollout/log_prob_diff_max"] < 1e-4
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("global_step_*")) == ["global_step_2", "global_step_4"]
+    assert (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_a_resumed_run_repeats_the_uninterrupted_one_exactly(assets, tmp_path):
+    straight = train(run_config(assets, tmp_path / "straight", "trainer.save_freq=2"))
+    train(run_config(assets, tmp_path / "resumed", "trainer.save_freq=2", "trainer.total_training_steps=2"))
+    resumed = train(run_config(assets, tmp_path / "resumed", "trainer.save_freq=2"))
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    for before, after in zip(straight[3:], resumed[3:]):
+        assert comparable(before) == comparable(after)
+
+
+@pytest.mark.parametrize("algo", ["ppo", "dr_grpo", "rloo", "reinforce_pp", "remax", "dapo", "gspo"])
+def test_every_algorithm_runs_through_the_loop(assets, tmp_path, algo):
+    records = train(run_config(assets, tmp_path / algo, "trainer.total_training_steps=2", "trainer.test_freq=0",
+                               "trainer.val_before_train=false", algo=algo))
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert math.isfinite(record["actor/grad_norm"]) and record["actor/grad_norm"] > 0
+        assert math.isfinite(record["critic/advantages/mean"])
+    if algo == "ppo":
+        assert math.isfinite(records[-1]["critic/vf_loss"])
+    assert (tmp_path / algo / "checkpoints" / "global_step_2" / "COMPLETE").exists()
