@@ -31,8 +31,22 @@ def stall_after_first_checkpoint():
             time.sleep(0.1)
 
 
+CALLS = []
+
+
+def interrupt_at_call():
+    """Test hook: with RLPLAT_TEST_INTERRUPT_AT_CALL=N, the N-th call sends Ctrl-C (SIGINT) to this process."""
+    wanted = os.environ.get("RLPLAT_TEST_INTERRUPT_AT_CALL")
+    CALLS.append(1)
+    if wanted and len(CALLS) == int(wanted):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGINT)
+
+
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     stall_after_first_checkpoint()
+    interrupt_at_call()
     # partial credit (digits written) so that a random tiny model already sees different scores
     digits = sum(character.isdigit() for character in solution_str)
     correct = solution_str.strip() == str(ground_truth)
@@ -96,17 +110,43 @@ def test_a_run_killed_after_its_first_checkpoint_resumes_to_the_same_metrics(ass
     assert len(compared) == 2 and all(a == b for a, b in compared)
 
 
+def test_ctrl_c_finishes_the_step_saves_and_stops(assets, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "interrupted"
+    overrides = run_config(assets, run, validate=False)
+    script = f"from rlplat.config import load_config\nfrom rlplat.trainer import Trainer\nTrainer(load_config(overrides={overrides!r})).fit()\n"
+    # one scorer call per response: 4 validating before training, 8 in step 1, then call 14 is in step 2
+    result = subprocess.run([sys.executable, "-c", script], env={**os.environ, "RLPLAT_TEST_INTERRUPT_AT_CALL": "14"},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
+    assert sorted(p.name for p in (run / "checkpoints").glob("global_step_*")) == ["global_step_2"]
+
+
 def comparable(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "perf/")) and k != "time"}
 
 
-def train(config) -> list[dict]:
+def train(config, inspect=None) -> list[dict]:
     trainer = Trainer(config)
     try:
         trainer.fit()
+        if inspect is not None:
+            inspect(trainer)
     finally:
         trainer.shutdown()
     return read_metrics(config.trainer.output_dir)
+
+
+def largest_weight_change(trainer, model_dir) -> float:
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    engine = trainer.actor.backend.host.workers["actor"].actor
+    return max(float((tensor - initial[name]).abs().max()) for bucket in engine.named_weights() for name, tensor in bucket)
 
 
 def test_grpo_trains_logs_validates_and_checkpoints(assets, tmp_path):
@@ -132,8 +172,11 @@ def test_a_resumed_run_repeats_the_uninterrupted_one_exactly(assets, tmp_path):
 
 @pytest.mark.parametrize("algo", ["ppo", "dr_grpo", "rloo", "reinforce_pp", "remax", "dapo", "gspo"])
 def test_every_algorithm_runs_through_the_loop(assets, tmp_path, algo):
+    changes = []
     records = train(run_config(assets, tmp_path / algo, "trainer.total_training_steps=2", "trainer.test_freq=0",
-                               "trainer.val_before_train=false", algo=algo))
+                               "trainer.val_before_train=false", algo=algo),
+                    inspect=lambda trainer: changes.append(largest_weight_change(trainer, assets["model"])))
+    assert changes[0] > 1e-4
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
         assert math.isfinite(record["actor/grad_norm"]) and record["actor/grad_norm"] > 0
