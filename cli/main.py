@@ -9,6 +9,7 @@ import typer
 
 from rlplat.cli import config as config_command
 from rlplat.cli import plugins as plugins_command
+from rlplat.cli import run as run_command
 
 HELP = "rlplat: reinforcement-learning post-training of language models (PPO, GRPO and their family)."
 
@@ -34,6 +35,7 @@ def build_app() -> typer.Typer:
 
     app.add_typer(plugins_command.app, name="plugins")
     app.add_typer(config_command.app, name="config")
+    app.command("run", help=run_command.help_text())(run_command.run)
     add_plugin_commands(app)
     return app
 
@@ -42,7 +44,7 @@ def add_plugin_commands(app: typer.Typer) -> None:
     """Mount every registered ``command`` entry; one that fails to load is reported, not fatal."""
     from rlplat import registry
 
-    built_in = {"plugins", "config"}
+    built_in = {"plugins", "config", "run"}
     for entry in registry.entries("command"):
         if entry.name in built_in:
             typer.echo(f"rlplat: ignoring command {entry.name!r} from {entry.origin}: the name is built in", err=True)

@@ -1,0 +1,48 @@
+"""``rlplat run``: the help lists what is installed, config errors stop in seconds, a run writes its directory."""
+
+from __future__ import annotations
+
+import time
+
+from rlplat.data import write_parquet
+from rlplat.testing.tiny_models import save_tiny_model
+
+REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float(solution_str.strip() == ground_truth)\n"
+
+
+def test_help_lists_the_installed_algorithms_engines_and_rollouts(cli_run):
+    result = cli_run("run", "--help", env={"COLUMNS": "200"})
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    assert "Installed algorithms: dapo, dr_grpo, grpo, gspo, ppo, reinforce_pp, remax, rloo." in text
+    assert "Engines: fsdp2." in text and "Rollouts: hf." in text
+
+
+def test_a_config_error_exits_2_in_seconds_with_one_paragraph_and_no_traceback(cli_run, tmp_path):
+    started = time.monotonic()
+    result = cli_run("run", "--algo", "grpo", "--engine", "fsdp3", f"model.path={tmp_path}")
+    assert result.returncode == 2
+    assert time.monotonic() - started < 30
+    assert result.stderr.startswith("rlplat: config error: actor.engine: unknown engine 'fsdp3'")
+    assert "Did you mean 'fsdp2'?" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_short_run_prints_its_directory_and_writes_config_metrics_and_checkpoint(cli_run, tmp_path):
+    model = save_tiny_model(tmp_path / "model")
+    rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{a}+1="}], "reward_model": {"ground_truth": str(a + 1)}}
+            for a in range(10, 14)]
+    train = write_parquet(rows, tmp_path / "train.parquet")
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    run_dir = tmp_path / "run"
+    result = cli_run(
+        "run", "--algo", "grpo", "--engine", "fsdp2", "--rollout", "hf",
+        f"model.path={model}", f"data.train_files=[{train}]", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+        "rollout.n=2", "rollout.response_length=3", f"reward.custom_function.path={reward}", "cluster.backend=local",
+        f"trainer.output_dir={run_dir}", "trainer.total_training_steps=2", "trainer.logger=[console,jsonl]",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"rlplat: run directory {run_dir}" in result.stderr
+    assert "step 2/2" in result.stderr
+    assert (run_dir / "config.yaml").exists() and (run_dir / "metrics.jsonl").exists()
+    assert (run_dir / "checkpoints" / "global_step_2" / "COMPLETE").exists()
