@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from rlplat.cli import config as config_command
+from rlplat.cli import plot as plot_command
 from rlplat.cli import plugins as plugins_command
 from rlplat.cli import run as run_command
 
@@ -36,6 +37,7 @@ def build_app() -> typer.Typer:
     app.add_typer(plugins_command.app, name="plugins")
     app.add_typer(config_command.app, name="config")
     app.command("run", help=run_command.help_text())(run_command.run)
+    app.command("plot")(plot_command.plot)
     add_plugin_commands(app)
     return app
 
@@ -44,7 +46,7 @@ def add_plugin_commands(app: typer.Typer) -> None:
     """Mount every registered ``command`` entry; one that fails to load is reported, not fatal."""
     from rlplat import registry
 
-    built_in = {"plugins", "config", "run"}
+    built_in = {"plugins", "config", "run", "plot"}
     for entry in registry.entries("command"):
         if entry.name in built_in:
             typer.echo(f"rlplat: ignoring command {entry.name!r} from {entry.origin}: the name is built in", err=True)
