@@ -28,7 +28,8 @@ $(STAMP): pyproject.toml constraints.txt Makefile $(addsuffix /pyproject.toml,$(
 	touch $@
 
 demo: setup
-	$(VENV)/bin/rlplat plugins list
+	$(VENV)/bin/rlplat run trainer.output_dir=runs/demo trainer.resume=disable
+	$(VENV)/bin/rlplat plot runs/demo
 
 test: setup
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)

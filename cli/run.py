@@ -7,8 +7,8 @@ from typing import List, Optional
 import typer
 
 DEMO_HELP = (
-    "With no arguments it trains the built-in demo: GRPO with the fsdp2 engine on 2 CPU processes and the "
-    "hf rollout, on a tiny arithmetic model shipped with rlplat."
+    "Without model.path or --config it trains the built-in demo: GRPO with the fsdp2 engine on 2 CPU "
+    "processes and the hf rollout, on a tiny arithmetic model shipped with rlplat (other overrides apply on top)."
 )
 
 
@@ -52,14 +52,14 @@ def run(
     from rlplat.config import ConfigError, load_config
 
     arguments = list(overrides or [])
-    if not arguments and config is None and algo is None and engine is None and rollout is None:
+    if config is None and not any(a.startswith(("model.path=", "data.train_files=")) for a in arguments):
         try:
-            arguments = demo_overrides()
+            arguments = demo_overrides() + arguments
         except (ImportError, FileNotFoundError) as error:
             typer.echo(f"rlplat: the built-in demo is not available: {error}", err=True)
             raise typer.Exit(2)
-        algo = "grpo"
-        typer.echo("rlplat: no arguments, training the built-in demo (GRPO, arithmetic, 2 CPU processes)", err=True)
+        algo = algo or "grpo"
+        typer.echo(f"rlplat: no model.path or --config given: training the built-in demo ({algo}, arithmetic)", err=True)
     try:
         resolved = load_config(config, arguments, algo=algo, engine=engine, rollout=rollout)
     except ConfigError as error:

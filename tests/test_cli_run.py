@@ -46,3 +46,12 @@ def test_a_short_run_prints_its_directory_and_writes_config_metrics_and_checkpoi
     assert "step 2/2" in result.stderr
     assert (run_dir / "config.yaml").exists() and (run_dir / "metrics.jsonl").exists()
     assert (run_dir / "checkpoints" / "global_step_2" / "COMPLETE").exists()
+
+
+def test_the_demo_settings_validate_and_the_users_overrides_win():
+    from rlplat.cli.run import demo_overrides
+    from rlplat.config import load_config
+
+    config = load_config(overrides=demo_overrides() + ["trainer.total_training_steps=3"], algo="grpo")
+    assert config.trainer.total_training_steps == 3 and config.rollout.n == 8
+    assert config.model.path.endswith("model") and config.cluster.devices_per_node == 2
