@@ -44,7 +44,7 @@ $(BENCH_STAMP): pyproject.toml constraints.txt Makefile $(addsuffix /pyproject.t
 	$(BENCH_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(BENCH_VENV)/bin/python -m pip install --quiet -c constraints.txt $(TORCH) -e '.[test]' $(addprefix -e ,$(PLUGIN_DIRS))
 	$(BENCH_VENV)/bin/python -m pip install --quiet --no-deps verl==0.9.1
-	$(BENCH_VENV)/bin/python -m pip install -c constraints.txt $(TORCH) trl==1.16.0
+	$(BENCH_VENV)/bin/python -m pip install --quiet -c constraints.txt $(TORCH) trl==1.16.0
 	touch $@
 
 bench: $(BENCH_STAMP)
