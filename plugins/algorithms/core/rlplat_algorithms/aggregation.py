@@ -27,6 +27,8 @@ fully masked, pass as ``global_sequence_count`` the number of rows with a valid 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -107,3 +109,16 @@ def global_counts(loss_mask: torch.Tensor) -> dict[str, int]:
         "global_token_count": int(loss_mask.sum().item()),
         "global_sequence_count": int((loss_mask.sum(dim=-1) > 0).sum().item()),
     }
+
+
+def aggregate_with_settings(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, settings: Any) -> torch.Tensor:
+    """:func:`aggregate_loss` with the global counts and scale factor a loss config carries
+    (``global_token_count``, ``global_sequence_count``, ``loss_scale_factor``)."""
+    return aggregate_loss(
+        loss_mat,
+        loss_mask,
+        loss_agg_mode,
+        global_token_count=settings.global_token_count,
+        global_sequence_count=settings.global_sequence_count,
+        loss_scale_factor=settings.loss_scale_factor,
+    )

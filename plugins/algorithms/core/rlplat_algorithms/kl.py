@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlplat_algorithms.aggregation import aggregate_loss, masked_mean
+from rlplat_algorithms.aggregation import aggregate_with_settings, masked_mean
 from rlplat_algorithms.config import AlgorithmConfig, KLControlConfig, PolicyLossConfig, read_config
 
 KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
@@ -125,12 +125,5 @@ def kl_loss(
     multiplied by ``kl_loss_coef`` (the caller adds ``kl_loss_coef * loss``). Metric ``actor/kl_loss``."""
     settings = read_config(config, PolicyLossConfig, where="actor")
     per_token = kl_estimate(log_prob, ref_log_prob, settings.kl_loss_type)
-    loss = aggregate_loss(
-        per_token,
-        response_mask,
-        loss_agg_mode,
-        global_token_count=settings.global_token_count,
-        global_sequence_count=settings.global_sequence_count,
-        loss_scale_factor=settings.loss_scale_factor,
-    )
+    loss = aggregate_with_settings(per_token, response_mask, loss_agg_mode, settings)
     return loss, {"actor/kl_loss": loss.detach().item()}

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from rlplat_algorithms.aggregation import aggregate_loss
+from rlplat_algorithms.aggregation import aggregate_with_settings
 from rlplat_algorithms.config import PolicyLossConfig, ValueLossConfig, read_config, with_global_counts
 from rlplat_algorithms.kl import kl_loss
 from rlplat_algorithms.value_loss import value_loss
@@ -59,14 +59,7 @@ class ActorLoss:
         )
         metrics = {**metrics, "actor/pg_loss": float(loss.detach().item())}
         if settings.entropy_coeff != 0:
-            entropy = aggregate_loss(
-                outputs["entropy"],
-                response_mask,
-                settings.loss_agg_mode,
-                global_token_count=settings.global_token_count,
-                global_sequence_count=settings.global_sequence_count,
-                loss_scale_factor=settings.loss_scale_factor,
-            )
+            entropy = aggregate_with_settings(outputs["entropy"], response_mask, settings.loss_agg_mode, settings)
             loss = loss - settings.entropy_coeff * entropy
             metrics["actor/entropy"] = float(entropy.detach().item())
         if settings.use_kl_loss:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rlplat_algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss, masked_mean
+from rlplat_algorithms.aggregation import LOSS_AGG_MODES, aggregate_with_settings, masked_mean
 from rlplat_algorithms.config import PolicyLossConfig, read_config
 
 
@@ -33,17 +33,6 @@ def _clip_range(settings: PolicyLossConfig) -> tuple[float, float]:
     low = settings.clip_ratio if settings.clip_ratio_low is None else settings.clip_ratio_low
     high = settings.clip_ratio if settings.clip_ratio_high is None else settings.clip_ratio_high
     return low, high
-
-
-def _aggregate(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str, settings: PolicyLossConfig) -> torch.Tensor:
-    return aggregate_loss(
-        loss_mat,
-        response_mask,
-        mode,
-        global_token_count=settings.global_token_count,
-        global_sequence_count=settings.global_sequence_count,
-        loss_scale_factor=settings.loss_scale_factor,
-    )
 
 
 def _float(value: torch.Tensor) -> float:
@@ -69,7 +58,7 @@ def vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="to
     dual_bound = -advantages * settings.clip_ratio_c
     dual_clipped = torch.min(dual_bound, surrogate)
     pg_losses = torch.where(advantages < 0, dual_clipped, surrogate)
-    loss = _aggregate(pg_losses, response_mask, loss_agg_mode, settings)
+    loss = aggregate_with_settings(pg_losses, response_mask, loss_agg_mode, settings)
     metrics = {
         "actor/pg_clipfrac": _float(masked_mean(torch.gt(clipped, unclipped).float(), response_mask)),
         "actor/ppo_kl": _float(masked_mean(-log_ratio, response_mask)),
@@ -98,7 +87,7 @@ def gspo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="seq-m
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
     pg_losses = torch.maximum(unclipped, clipped)
-    loss = _aggregate(pg_losses, response_mask, "seq-mean-token-mean", settings)
+    loss = aggregate_with_settings(pg_losses, response_mask, "seq-mean-token-mean", settings)
     metrics = {
         "actor/pg_clipfrac": _float(masked_mean(torch.gt(clipped, unclipped).float(), response_mask)),
         "actor/ppo_kl": _float(masked_mean(-log_ratio, response_mask)),
@@ -116,7 +105,7 @@ def cispo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="toke
     ratio = torch.exp(log_ratio)
     clipped_ratio = torch.clamp(ratio, 1 - low, 1 + high)
     pg_losses = -clipped_ratio.detach() * advantages * log_prob
-    loss = _aggregate(pg_losses, response_mask, loss_agg_mode, settings)
+    loss = aggregate_with_settings(pg_losses, response_mask, loss_agg_mode, settings)
     metrics = {
         "actor/pg_clipfrac": _float(masked_mean((ratio != clipped_ratio).float(), response_mask)),
         "actor/ppo_kl": _float(masked_mean(-log_ratio, response_mask)),
@@ -155,7 +144,7 @@ def clip_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="t
     keep_gradient = torch.ones_like(advantages)
     keep_gradient[candidates[:, 0], candidates[:, 1]] = 0
     pg_losses = torch.maximum(unclipped, clipped) * keep_gradient
-    loss = _aggregate(pg_losses, response_mask, loss_agg_mode, settings)
+    loss = aggregate_with_settings(pg_losses, response_mask, loss_agg_mode, settings)
     metrics = {
         "actor/pg_clipfrac": _float(masked_mean((keep_gradient == 0).float(), response_mask)),
         "actor/ppo_kl": _float(masked_mean(-log_ratio, response_mask)),
@@ -186,7 +175,7 @@ def kl_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="tok
         largest = torch.topk(covariance, count, largest=True).indices
         selected[valid_positions[largest.to(valid_positions.device)]] = True
     pg_losses = torch.where(selected.reshape(advantages.shape), with_kl, surrogate)
-    loss = _aggregate(pg_losses, response_mask, loss_agg_mode, settings)
+    loss = aggregate_with_settings(pg_losses, response_mask, loss_agg_mode, settings)
     return loss, {"actor/ppo_kl": _float(masked_mean(log_ratio.abs(), response_mask))}
 
 
@@ -195,5 +184,5 @@ def reinforce(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="
     without rollout importance weights). ``actor/ppo_kl`` is still reported for monitoring."""
     settings = _settings(config, loss_agg_mode)
     pg_losses = -advantages * log_prob
-    loss = _aggregate(pg_losses, response_mask, loss_agg_mode, settings)
+    loss = aggregate_with_settings(pg_losses, response_mask, loss_agg_mode, settings)
     return loss, {"actor/ppo_kl": _float(masked_mean(-(log_prob - old_log_prob), response_mask))}

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from rlplat_algorithms.aggregation import aggregate_loss, masked_mean
+from rlplat_algorithms.aggregation import aggregate_with_settings, masked_mean
 from rlplat_algorithms.config import ValueLossConfig, read_config
 
 
@@ -32,13 +32,6 @@ def value_loss(
     )
     unclipped_losses = (vpreds - returns) ** 2
     clipped_losses = (clipped_vpreds - returns) ** 2
-    loss = 0.5 * aggregate_loss(
-        torch.max(unclipped_losses, clipped_losses),
-        response_mask,
-        mode,
-        global_token_count=settings.global_token_count,
-        global_sequence_count=settings.global_sequence_count,
-        loss_scale_factor=settings.loss_scale_factor,
-    )
+    loss = 0.5 * aggregate_with_settings(torch.max(unclipped_losses, clipped_losses), response_mask, mode, settings)
     clipfrac = masked_mean(torch.gt(clipped_losses, unclipped_losses).float(), response_mask)
     return loss, {"critic/vf_loss": float(loss.detach().item()), "critic/vf_clipfrac": float(clipfrac.item())}

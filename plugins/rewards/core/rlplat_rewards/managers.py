@@ -183,14 +183,19 @@ def build_output(samples: list[Sample], scores: list[float], extras: list[dict[s
     )
 
 
-class NaiveRewardManager(RewardManager):
-    """Scores one sample at a time with ``scorer(data_source, solution_str, ground_truth, extra_info)``,
-    each within ``reward.timeout_s``."""
+class ScoringRewardManager(RewardManager):
+    """What every manager here holds: the scorer (the one its ``reward`` node selects when ``scorer`` is
+    None), the tokenizer that decodes responses, and the manager settings."""
 
     def __init__(self, scorer: Callable[..., Any], tokenizer: Any, config: Any = None):
         self.scorer = scorer if scorer is not None else scorer_from_config(config)
         self.tokenizer = tokenizer
         self.settings = read_config(config, RewardManagerConfig)
+
+
+class NaiveRewardManager(ScoringRewardManager):
+    """Scores one sample at a time with ``scorer(data_source, solution_str, ground_truth, extra_info)``,
+    each within ``reward.timeout_s``."""
 
     def __call__(self, batch: Any) -> Any:
         samples = decode_samples(batch, self.tokenizer)
@@ -221,15 +226,10 @@ class NaiveRewardManager(RewardManager):
         return score, fields
 
 
-class BatchRewardManager(RewardManager):
+class BatchRewardManager(ScoringRewardManager):
     """One vectorised call per batch: ``scorer(data_sources=[...], solution_strs=[...],
     ground_truths=[...], extra_infos=[...])`` returning one score (number or dict) per row, as verl's
     batch manager. If the call itself fails, every row falls back (and counts as an error)."""
-
-    def __init__(self, scorer: Callable[..., Any], tokenizer: Any, config: Any = None):
-        self.scorer = scorer if scorer is not None else scorer_from_config(config)
-        self.tokenizer = tokenizer
-        self.settings = read_config(config, RewardManagerConfig)
 
     def __call__(self, batch: Any) -> Any:
         samples = decode_samples(batch, self.tokenizer)
