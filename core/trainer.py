@@ -175,10 +175,7 @@ class Trainer:
 
     def generate(self, prompts: DataProto, sampling: SamplingParams | None = None) -> DataProto:
         overrides = dataclasses.asdict(sampling) if sampling is not None else {}
-        output = self.actor.generate_sequences(prompts.with_meta_info({**prompts.meta_info, **overrides}))
-        # sampling settings were for this call only: batches from different calls must concat cleanly
-        sampling_keys = {field.name for field in dataclasses.fields(SamplingParams)}
-        return output.with_meta_info({k: v for k, v in output.meta_info.items() if k not in sampling_keys})
+        return self.actor.generate_sequences(prompts.with_meta_info({**prompts.meta_info, **overrides}))
 
     def train_step(self) -> dict[str, float]:
         timing: dict[str, float] = {}

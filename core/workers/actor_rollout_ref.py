@@ -95,7 +95,9 @@ class ActorRolloutRefWorker(Worker):
         output = rollout.generate(prompts, sampling)
         if self.config.free_rollout_between_phases:
             rollout.sleep()
-        return output.with_meta_info({**output.meta_info, "metrics": {"timing_s/generate_worker": time.perf_counter() - started}})
+        # the sampling keys were settings of this call: outputs of different calls must concat cleanly
+        meta = {key: value for key, value in output.meta_info.items() if key not in SAMPLING_KEYS}
+        return output.with_meta_info({**meta, "metrics": {"timing_s/generate_worker": time.perf_counter() - started}})
 
     # -- log-probs ---------------------------------------------------------------------------------
 
