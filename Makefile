@@ -1,4 +1,4 @@
-# make setup | make demo | make test | make test-gpu | make bench
+# make setup | make demo | make test | make test-gpu | make bench | make test-vllm | make test-sglang
 # Every target creates .venv (idempotently) and installs what it needs; nothing is assumed installed.
 
 PYTHON ?= python3
@@ -17,11 +17,11 @@ export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-gpu bench clean
+.PHONY: setup demo test test-gpu bench clean test-vllm test-sglang test-vllm-gpu test-sglang-gpu
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt Makefile $(addsuffix /pyproject.toml,$(PLUGIN_DIRS))
+$(STAMP): pyproject.toml constraints.txt constraints/common.txt Makefile $(addsuffix /pyproject.toml,$(PLUGIN_DIRS))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c constraints.txt $(TORCH) -e '.[test]' $(addprefix -e ,$(PLUGIN_DIRS))
@@ -39,7 +39,7 @@ test-gpu: setup
 
 # The benchmarks' own environment: what `make setup` installs, plus the baselines they compare with.
 # verl comes without its dependencies: verl.protocol imports with rlplat's own (torch, ray, tensordict).
-$(BENCH_STAMP): pyproject.toml constraints.txt Makefile $(addsuffix /pyproject.toml,$(PLUGIN_DIRS))
+$(BENCH_STAMP): pyproject.toml constraints.txt constraints/common.txt Makefile $(addsuffix /pyproject.toml,$(PLUGIN_DIRS))
 	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(BENCH_VENV)/bin/python -m pip install --quiet -c constraints.txt $(TORCH) -e '.[test]' $(addprefix -e ,$(PLUGIN_DIRS))
@@ -54,5 +54,31 @@ bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python bench/fsdp2_scaling.py
 	$(BENCH_VENV)/bin/python bench/trl_vs_rlplat.py
 
+# The rollout backends pin other torch builds (vllm: 2.14.0, sglang: 2.14.1; CUDA builds of several GB),
+# so each gets an environment of its own: rlplat, the plugin with its backend extra, the test tools.
+# test-vllm / test-sglang run the plugin's tests that need no GPU (translation, API compatibility with
+# the installed backend); the -gpu targets run the rest on a machine with a GPU.
+define backend_env
+$(1)/.rlplat-installed: pyproject.toml constraints/common.txt constraints/$(2).txt Makefile plugins/rollout/$(2)/pyproject.toml
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet -c constraints/$(2).txt torch==$(3) -e '.[test]' -e 'plugins/rollout/$(2)[$(2)]'
+	touch $$@
+endef
+$(eval $(call backend_env,.venv-vllm,vllm,2.14.0))
+$(eval $(call backend_env,.venv-sglang,sglang,2.14.1))
+
+test-vllm: .venv-vllm/.rlplat-installed
+	.venv-vllm/bin/python -m pytest -m "not gpu" plugins/rollout/vllm/tests $(PYTEST_ARGS)
+
+test-sglang: .venv-sglang/.rlplat-installed
+	.venv-sglang/bin/python -m pytest -m "not gpu" plugins/rollout/sglang/tests $(PYTEST_ARGS)
+
+test-vllm-gpu: .venv-vllm/.rlplat-installed
+	.venv-vllm/bin/python -m pytest -m gpu plugins/rollout/vllm/tests $(PYTEST_ARGS)
+
+test-sglang-gpu: .venv-sglang/.rlplat-installed
+	.venv-sglang/bin/python -m pytest -m gpu plugins/rollout/sglang/tests $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) $(BENCH_VENV)
+	rm -rf $(VENV) $(BENCH_VENV) .venv-vllm .venv-sglang

@@ -97,6 +97,9 @@ class RolloutConfig:
     """Top-k filter (0: off)."""
     val_greedy: bool = True
     """Validation samples greedily, one response per prompt."""
+    free_between_phases: bool = False
+    """Put the rollout to sleep after each generation and wake it (weights, then KV cache) at the next
+    weight sync, so that training has its memory: what a colocated vllm or sglang rollout on a GPU needs."""
     config: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """More keys of the rollout's own node."""
 

@@ -124,6 +124,7 @@ class Trainer:
             "rollout": self.node["rollout"]["name"], "algorithm": self.algorithm.name, "sampling": self.sampling(),
             "rollout_config": {"model_path": self.node["model"]["path"], "load_weights": False, **self.node["rollout"]["config"]},
             "actor": self.node["actor"]["loss"],
+            "free_rollout_between_phases": self.node["rollout"]["free_between_phases"],
         }
         specs = {"actor": WorkerSpec(ActorRolloutRefWorker, actor_config)}
         if self.use_critic:

@@ -93,6 +93,22 @@ def test_sleep_frees_the_rollout_weights_and_wake_plus_sync_reproduces_generatio
     assert torch.equal(first.batch["rollout_log_probs"], second.batch["rollout_log_probs"])
 
 
+def test_freeing_between_phases_sleeps_after_generating_and_a_second_generation_wakes_with_the_actor_weights():
+    group = LocalWorkerGroup(WorkerSpec(ActorRolloutRefWorker, worker_config(free_rollout_between_phases=True)), role="actor_rollout_ref")
+    try:
+        group.init_model()
+        rollout = the_worker(group).rollout
+        prompts = left_padded_prompts(PROMPTS, 0)
+        first = group.generate_sequences(prompts)
+        assert rollout.parameter_bytes() == 0  # asleep while the actor trains
+        second = group.generate_sequences(prompts)  # e.g. validation, then a step: no sync in between
+        assert rollout.parameter_bytes() == 0
+        assert torch.equal(first.batch["responses"], second.batch["responses"])
+        group.sync_weights()
+        assert rollout.parameter_bytes() > 2_000_000
+    finally:
+        group.shutdown()
+
 def test_a_rollout_in_its_own_group_takes_weights_exported_by_the_actor_group():
     actor = LocalWorkerGroup(WorkerSpec(ActorRolloutRefWorker, worker_config(roles=["actor"])), role="actor")
     rollout = LocalWorkerGroup(WorkerSpec(ActorRolloutRefWorker, worker_config(roles=["rollout"])), role="rollout",

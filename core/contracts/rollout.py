@@ -89,3 +89,14 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def wake_up(self) -> None:
         """Restore what :meth:`sleep` freed; weights must be updated again before generating."""
+
+    def wake_up_weights(self) -> None:
+        """First stage of a staged wake-up: allocate the weights only, so that the training engine's
+        buckets can be loaded before the KV cache claims its memory (all at once holds both peaks and
+        is where colocated runs run out of memory). Callers then :meth:`update_weights` and call
+        :meth:`wake_up_kv_cache`. The default wakes everything."""
+        self.wake_up()
+
+    def wake_up_kv_cache(self) -> None:
+        """Second stage of a staged wake-up, after the weights were updated. The default does nothing
+        (an engine whose :meth:`wake_up_weights` restored everything)."""

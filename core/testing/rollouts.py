@@ -139,3 +139,16 @@ class RolloutEngineConformance:
         after = rollout.generate(prompts, sampling)
         assert torch.equal(before.batch["responses"], after.batch["responses"])
         assert torch.equal(before.batch["rollout_log_probs"], after.batch["rollout_log_probs"])
+
+    def test_a_staged_wake_up_weights_then_kv_cache_reproduces_the_samples(self, rollout, prompts, named_weights):
+        if named_weights is None:
+            pytest.skip("no named_weights fixture")
+        sampling = SamplingParams(n=2, max_new_tokens=5, seed=13)
+        before = rollout.generate(prompts, sampling)
+        rollout.sleep()
+        rollout.wake_up_weights()
+        rollout.update_weights(named_weights)
+        rollout.wake_up_kv_cache()
+        after = rollout.generate(prompts, sampling)
+        assert torch.equal(before.batch["responses"], after.batch["responses"])
+        assert torch.equal(before.batch["rollout_log_probs"], after.batch["rollout_log_probs"])

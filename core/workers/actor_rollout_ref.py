@@ -43,6 +43,7 @@ class ActorRolloutRefWorker(Worker):
         self.config: ActorRolloutRefConfig = read_worker_config(config, ActorRolloutRefConfig)
         self.actor = self.rollout = self.reference = None
         self.actor_loss = None
+        self.rollout_asleep = False
 
     def has(self, role: str) -> bool:
         return role in self.config.roles
@@ -92,9 +93,12 @@ class ActorRolloutRefWorker(Worker):
         rollout = self.require("rollout", "generate_sequences")
         sampling = self.sampling_for(prompts.meta_info)
         started = time.perf_counter()
+        if self.rollout_asleep and self.actor is not None:
+            self.sync_weights()  # two generations in a row (validation, then a step): wake with the actor's weights
         output = rollout.generate(prompts, sampling)
         if self.config.free_rollout_between_phases:
             rollout.sleep()
+            self.rollout_asleep = True
         # the sampling keys were settings of this call: outputs of different calls must concat cleanly
         meta = {key: value for key, value in output.meta_info.items() if key not in SAMPLING_KEYS}
         return output.with_meta_info({**meta, "metrics": {"timing_s/generate_worker": time.perf_counter() - started}})
@@ -142,10 +146,12 @@ class ActorRolloutRefWorker(Worker):
         """Engine -> colocated rollout, one bucket at a time (never a second full copy of the model)."""
         actor, rollout = self.require("actor", "sync_weights"), self.require("rollout", "sync_weights")
         started, moved = time.perf_counter(), 0
-        rollout.wake_up()
+        rollout.wake_up_weights()
         for bucket in actor.named_weights(self.config.weight_bucket_bytes):
             rollout.update_weights(bucket)
             moved += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+        rollout.wake_up_kv_cache()
+        self.rollout_asleep = False
         return {"timing_s/sync_weights": time.perf_counter() - started, "sync/bytes": float(moved)}
 
     @register(Dispatch.ONE_TO_ALL)
@@ -160,13 +166,16 @@ class ActorRolloutRefWorker(Worker):
     def load_weights(self, exported: list) -> None:
         """Load what ``export_weights`` produced (the result of a ONE_TO_ALL call: one entry per actor rank)."""
         rollout = self.require("rollout", "load_weights")
-        rollout.wake_up()
+        rollout.wake_up_weights()
         for bucket in next(part for part in exported if part is not None):
             rollout.update_weights(bucket)
+        rollout.wake_up_kv_cache()
+        self.rollout_asleep = False
 
     @register(Dispatch.ONE_TO_ALL)
     def sleep_rollout(self) -> None:
         self.require("rollout", "sleep_rollout").sleep()
+        self.rollout_asleep = True
 
     # -- checkpoints -------------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from rlplat.config_node import read_config_node
 from rlplat.contracts.rollout import SamplingParams
 
 
@@ -69,19 +70,4 @@ class CriticConfig:
 
 def read_worker_config(config: Any, cls: type) -> Any:
     """``config`` as ``cls``: the dataclass itself, a mapping or an OmegaConf node; unknown keys are named."""
-    if isinstance(config, cls):
-        return config
-    if config is None:
-        return cls()
-    if not isinstance(config, Mapping):
-        from omegaconf import OmegaConf
-
-        config = OmegaConf.to_container(config, resolve=True)
-    fields = {field.name for field in dataclasses.fields(cls)}
-    unknown = sorted(set(config) - fields)
-    if unknown:
-        raise ValueError(f"{cls.__name__}: unknown key(s) {unknown}; known keys: {sorted(fields)}")
-    values = dict(config)
-    if "roles" in values:
-        values["roles"] = tuple(values["roles"])
-    return cls(**values)
+    return read_config_node(config, cls)

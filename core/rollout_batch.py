@@ -1,0 +1,85 @@
+"""From a padded prompt batch to per-prompt token lists, and from sampled token lists back to the batch
+the :class:`~rlplat.contracts.rollout.RolloutEngine` contract returns.
+
+Engines that sample one sequence at a time (vLLM, SGLang, a server) share these two steps; they keep
+the padding, position and masking rules in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from rlplat.contracts.rollout import TokenOutput
+from rlplat.protocol import DataProto
+
+PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def check_prompt_keys(prompts: DataProto, engine: str) -> None:
+    missing = [key for key in PROMPT_KEYS if prompts.batch is None or key not in prompts.batch.keys()]
+    if missing:
+        raise KeyError(f"{engine} rollout: prompts lack {missing}; it needs left-padded {list(PROMPT_KEYS)}")
+
+
+def prompt_token_lists(prompts: DataProto, engine: str) -> list[list[int]]:
+    """The real tokens of each left-padded prompt (those with ``attention_mask`` 1), in row order."""
+    check_prompt_keys(prompts, engine)
+    input_ids, attention_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
+    token_lists = [row[keep].tolist() for row, keep in zip(input_ids, attention_mask)]
+    empty = [row for row, tokens in enumerate(token_lists) if not tokens]
+    if empty:
+        raise ValueError(f"{engine} rollout: prompt rows {empty} have no token with attention_mask 1")
+    return token_lists
+
+
+def assemble_rollout(prompts: DataProto, samples: Sequence[TokenOutput], n: int, max_new_tokens: int, pad_token_id: int) -> DataProto:
+    """The contract's output batch from ``len(prompts) * n`` samples, those of one prompt adjacent.
+
+    Responses are right padded with ``pad_token_id`` to ``max_new_tokens``; ``response_mask`` is 1 over
+    each sample's tokens; positions continue from each prompt's last position.
+    """
+    rows = len(prompts) * n
+    if len(samples) != rows:
+        raise ValueError(f"expected {rows} samples ({len(prompts)} prompts x n={n}), got {len(samples)}")
+    responses = torch.full((rows, max_new_tokens), pad_token_id, dtype=torch.long)
+    log_probs = torch.zeros(rows, max_new_tokens, dtype=torch.float32)
+    response_mask = torch.zeros(rows, max_new_tokens, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        if len(sample.token_ids) > max_new_tokens or len(sample.log_probs) != len(sample.token_ids):
+            raise ValueError(
+                f"sample {row} has {len(sample.token_ids)} tokens and {len(sample.log_probs)} log-probs "
+                f"(max_new_tokens={max_new_tokens}); the engine returned an inconsistent sample"
+            )
+        length = len(sample.token_ids)
+        responses[row, :length] = torch.tensor(sample.token_ids, dtype=torch.long)
+        log_probs[row, :length] = torch.tensor(sample.log_probs, dtype=torch.float32)
+        response_mask[row, :length] = 1
+    repeated = prompts.repeat(n, interleave=True) if n > 1 else prompts
+    prompt_ids, prompt_mask, prompt_positions = (repeated.batch[key] for key in PROMPT_KEYS)
+    response_positions = prompt_positions[:, -1:] + torch.arange(1, max_new_tokens + 1)
+    return DataProto.from_dict(
+        tensors={
+            "prompts": prompt_ids,
+            "responses": responses,
+            "response_mask": response_mask,
+            "rollout_log_probs": log_probs,
+            "input_ids": torch.cat([prompt_ids, responses], dim=1),
+            "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
+            "position_ids": torch.cat([prompt_positions, response_positions], dim=1),
+        },
+        non_tensors=repeated.non_tensor_batch,
+        meta_info=prompts.meta_info,
+    )
+
+
+def finish_reason(token_ids: Sequence[int], stop_token_ids: Sequence[int], max_new_tokens: int, reported: str | None) -> str:
+    """``"stop"`` or ``"length"`` from what the engine reported, checked against the tokens themselves."""
+    if reported in ("stop", "length"):
+        return reported
+    if token_ids and token_ids[-1] in set(stop_token_ids):
+        return "stop"
+    if len(token_ids) >= max_new_tokens:
+        return "length"
+    raise RuntimeError(f"the rollout engine ended a sample with finish reason {reported!r} (aborted or failed)")

@@ -1,0 +1,142 @@
+"""A rollout engine's HTTP server: started as a child process (or attached to by URL), waited for, asked
+with JSON, and stopped with the engine that owns it.
+
+Shared by the server modes of the vLLM and SGLang rollouts. Only the standard library is used, so the
+client side imports nothing the backend's environment might lack.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+
+class ServerError(RuntimeError):
+    """The server could not be started, died, or answered a request with an error."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the server binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def request_json(url: str, payload: Any = None, *, method: str | None = None, timeout: float = 600.0) -> Any:
+    """POST ``payload`` as JSON (GET when it is None and no method is given); the decoded JSON answer,
+    None for an empty body. A non-2xx answer raises :class:`ServerError` with the server's message."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, method=method or ("GET" if data is None else "POST"))
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = response.read()
+    except urllib.error.HTTPError as error:
+        detail = error.read().decode(errors="replace")[:2000]
+        raise ServerError(f"{request.get_method()} {url} answered {error.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as error:
+        raise ServerError(f"{request.get_method()} {url} failed: {error}") from None
+    if not body.strip():
+        return None
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError:
+        return body.decode(errors="replace")
+
+
+class ServerProcess:
+    """A server started from ``argv``, its output in ``log_path``; ``wait_ready`` polls ``health_url``.
+
+    The child gets its own process group, so :meth:`stop` (also run at interpreter exit) ends the
+    server's own workers with it.
+    """
+
+    def __init__(self, argv: Sequence[str], *, base_url: str, health_path: str, env: Mapping[str, str] | None = None,
+                 log_path: str | os.PathLike | None = None, name: str = "rollout server"):
+        self.argv, self.base_url, self.health_path, self.name = list(argv), base_url.rstrip("/"), health_path, name
+        if log_path is None:
+            handle, log_path = tempfile.mkstemp(prefix="rlplat-rollout-server-", suffix=".log")
+            os.close(handle)
+        self.log_path = Path(log_path)
+        self.log_file = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
+        )
+        atexit.register(self.stop)
+
+    def log_tail(self, characters: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-characters:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until ``GET health_url`` answers 200; raise with the server's log if it exits or times out."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise ServerError(f"{self.name} exited with code {code} before it was ready; its log ({self.log_path}) ends with:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + self.health_path, timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerError(f"{self.name} was not ready after {timeout_s:.0f} s; its log ({self.log_path}) ends with:\n{self.log_tail()}")
+            time.sleep(1.0)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+            except ProcessLookupError:
+                pass
+        if not self.log_file.closed:
+            self.log_file.close()
+
+
+def python_module_argv(module: str, arguments: Sequence[str]) -> list[str]:
+    """``python -m module arguments`` with this interpreter (the backend lives in this environment)."""
+    return [sys.executable, "-m", module, *arguments]
+
+
+def cli_flags(values: Mapping[str, Any], boolean_style: str = "negatable") -> list[str]:
+    """``{"max_model_len": 512, "enforce_eager": True}`` -> ``["--max-model-len", "512", "--enforce-eager"]``.
+
+    ``boolean_style`` ``"negatable"`` writes False as ``--no-NAME`` (argparse ``BooleanOptionalAction``);
+    ``"store_true"`` leaves a False flag out. Mappings and lists are written as JSON; None is left out.
+    """
+    flags: list[str] = []
+    for key, value in values.items():
+        if value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                flags.append(flag)
+            elif boolean_style == "negatable":
+                flags.append("--no-" + key.replace("_", "-"))
+        elif isinstance(value, (dict, list, tuple)):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return flags

@@ -1,0 +1,55 @@
+"""Prompt token lists from a padded batch, and the contract's batch from sampled token lists."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlplat.contracts.rollout import TokenOutput
+from rlplat.rollout_batch import assemble_rollout, finish_reason, prompt_token_lists
+from rlplat.testing import left_padded_prompts
+
+
+def test_prompt_token_lists_drop_the_left_padding():
+    prompts = left_padded_prompts([[1, 5, 6], [1, 4]], pad_token_id=0)
+    assert prompt_token_lists(prompts, "test") == [[1, 5, 6], [1, 4]]
+
+
+def test_missing_keys_and_empty_prompts_are_named():
+    prompts = left_padded_prompts([[1, 5, 6], [1, 4]], pad_token_id=0)
+    with pytest.raises(KeyError, match=r"test rollout: prompts lack \['position_ids'\]"):
+        prompt_token_lists(prompts.select(batch_keys=["input_ids", "attention_mask"]), "test")
+    prompts.batch["attention_mask"][1] = 0
+    with pytest.raises(ValueError, match=r"prompt rows \[1\] have no token"):
+        prompt_token_lists(prompts, "test")
+
+
+def test_samples_become_right_padded_responses_with_masks_positions_and_log_probs():
+    prompts = left_padded_prompts([[1, 5, 6], [1, 4]], pad_token_id=0, uids=["a", "b"])
+    samples = [TokenOutput([7, 2], [-0.5, -0.25], "stop"), TokenOutput([8, 9, 9], [-1.0, -2.0, -3.0], "length"),
+               TokenOutput([3], [-0.125], "stop"), TokenOutput([4, 4, 2], [-1.5, -0.5, -0.75], "stop")]
+    out = assemble_rollout(prompts, samples, n=2, max_new_tokens=3, pad_token_id=0)
+    assert out.batch["responses"].tolist() == [[7, 2, 0], [8, 9, 9], [3, 0, 0], [4, 4, 2]]
+    assert out.batch["response_mask"].tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]]
+    assert out.batch["rollout_log_probs"].tolist() == [[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0], [-0.125, 0.0, 0.0], [-1.5, -0.5, -0.75]]
+    assert out.batch["prompts"].tolist() == [[1, 5, 6], [1, 5, 6], [0, 1, 4], [0, 1, 4]]
+    assert out.batch["position_ids"][2].tolist() == [0, 0, 1, 2, 3, 4]
+    assert out.batch["attention_mask"][2].tolist() == [0, 1, 1, 1, 0, 0]
+    assert torch.equal(out.batch["input_ids"], torch.cat([out.batch["prompts"], out.batch["responses"]], dim=1))
+    assert out.non_tensor_batch["uid"].tolist() == ["a", "a", "b", "b"]
+
+
+def test_a_wrong_number_of_samples_or_a_too_long_sample_is_an_error():
+    prompts = left_padded_prompts([[1, 5]], pad_token_id=0)
+    with pytest.raises(ValueError, match=r"expected 2 samples \(1 prompts x n=2\), got 1"):
+        assemble_rollout(prompts, [TokenOutput([1], [-1.0], "stop")], n=2, max_new_tokens=3, pad_token_id=0)
+    with pytest.raises(ValueError, match="4 tokens and 4 log-probs"):
+        assemble_rollout(prompts, [TokenOutput([1, 1, 1, 1], [-1.0] * 4, "length")], n=1, max_new_tokens=3, pad_token_id=0)
+
+
+def test_finish_reasons():
+    assert finish_reason([4, 2], [2], 8, "stop") == "stop"
+    assert finish_reason([4, 2], [2], 8, None) == "stop"
+    assert finish_reason([4, 5], [2], 2, None) == "length"
+    with pytest.raises(RuntimeError, match="'abort'"):
+        finish_reason([4], [2], 8, "abort")

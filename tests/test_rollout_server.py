@@ -1,0 +1,96 @@
+"""The rollout server helper against a real HTTP server started on loopback."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from rlplat.rollout_server import ServerError, ServerProcess, cli_flags, free_port, python_module_argv, request_json
+
+SERVER = textwrap.dedent('''
+    import json, sys, time
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    started = time.monotonic()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def answer(self, code, body):
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            # not ready for the first half second, as a real server loading a model
+            self.answer(200 if time.monotonic() - started > 0.5 else 503, {"path": self.path})
+
+        def do_POST(self):
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length)) if length else None
+            if self.path.startswith("/fail"):
+                self.answer(400, {"error": "bad sampling key 'topk'"})
+            else:
+                self.answer(200, {"path": self.path, "body": body})
+
+    print("serving", flush=True)
+    HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+''')
+
+
+@pytest.fixture
+def server(tmp_path):
+    script = tmp_path / "server.py"
+    script.write_text(SERVER)
+    port = free_port()
+    process = ServerProcess([sys.executable, str(script), str(port)], base_url=f"http://127.0.0.1:{port}", health_path="/health",
+                            log_path=tmp_path / "server.log", name="test server")
+    process.wait_ready(timeout_s=30)
+    yield process
+    process.stop()
+
+
+def test_json_requests_round_trip_with_query_and_body(server):
+    answer = request_json(server.base_url + "/sleep?level=2", {"tags": ["weights"]}, timeout=10)
+    assert answer == {"path": "/sleep?level=2", "body": {"tags": ["weights"]}}
+    assert request_json(server.base_url + "/reset", method="POST", timeout=10) == {"path": "/reset", "body": None}
+
+
+def test_an_error_answer_carries_the_servers_message(server):
+    with pytest.raises(ServerError, match=r"POST .*/fail answered 400: .*bad sampling key 'topk'"):
+        request_json(server.base_url + "/fail", {"x": 1}, timeout=10)
+
+
+def test_stop_ends_the_server_and_requests_then_fail(server):
+    server.stop()
+    assert server.process.poll() is not None
+    with pytest.raises(ServerError, match="failed"):
+        request_json(server.base_url + "/health", timeout=5)
+
+
+def test_a_server_that_exits_early_is_reported_with_its_log(tmp_path):
+    process = ServerProcess([sys.executable, "-c", "import sys; print('CUDA out of memory'); sys.exit(3)"],
+                            base_url=f"http://127.0.0.1:{free_port()}", health_path="/health", log_path=tmp_path / "log")
+    with pytest.raises(ServerError, match=r"(?s)exited with code 3 before it was ready.*CUDA out of memory"):
+        process.wait_ready(timeout_s=30)
+
+
+def test_a_server_that_never_answers_times_out_and_is_stopped(tmp_path):
+    process = ServerProcess([sys.executable, "-c", "import time; time.sleep(60)"], base_url=f"http://127.0.0.1:{free_port()}",
+                            health_path="/health", log_path=tmp_path / "log")
+    with pytest.raises(ServerError, match="was not ready after 2 s"):
+        process.wait_ready(timeout_s=2)
+    assert process.process.poll() is not None
+
+
+def test_cli_flags_follow_argparse_conventions():
+    flags = cli_flags({"max_model_len": 512, "enforce_eager": True, "enable_prefix_caching": False, "seed": None, "config": {"a": 1}})
+    assert flags == ["--max-model-len", "512", "--enforce-eager", "--no-enable-prefix-caching", "--config", '{"a": 1}']
+    assert cli_flags({"disable_cuda_graph": False, "tp_size": 2}, boolean_style="store_true") == ["--tp-size", "2"]
+    assert python_module_argv("pkg.mod", ["--x"]) == [sys.executable, "-m", "pkg.mod", "--x"]
