@@ -1,0 +1,1 @@
+"""rlplat rollout engine ``sglang``: generation with SGLang, in-process (hybrid) or through its HTTP server."""

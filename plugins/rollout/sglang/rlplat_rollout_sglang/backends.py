@@ -1,0 +1,179 @@
+"""The two ways the ``sglang`` rollout reaches SGLang: an ``sglang.Engine`` in this process, or an SGLang
+HTTP server. Both offer the same methods: batched generation, weight updates from tensors, release and
+resume of tagged GPU memory, a radix-cache flush, and close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from rlplat.rollout_server import ServerError, ServerProcess, free_port, python_module_argv, request_json
+from rlplat_rollout_sglang.config import SGLangRolloutConfig
+from rlplat_rollout_sglang.translate import generate_request, server_args_kwargs, server_argv
+
+# GET /health answers 200 once the server left its "Starting" state (http_server.health_generate).
+HEALTH_PATH = "/health"
+
+
+def share_by_device_uuid(named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Before CUDA tensors are pickled: make them carry their GPU's UUID instead of its index (SGLang's
+    own patch of torch's reductions), so that a process with another ``CUDA_VISIBLE_DEVICES`` finds the
+    same GPU; SGLang's scheduler applies the matching unpickling side itself. The patch is process-wide
+    and breaks the pickling of CPU tensors, so it is applied only when a CUDA tensor is about to travel."""
+    if any(tensor.is_cuda for _, tensor in named_tensors):
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()
+
+
+def serialized_named_tensors(named_tensors: list[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
+    """``UpdateWeightsFromTensorReqInput.serialized_named_tensors`` for HTTP: the bucket pickled by
+    SGLang's ``MultiprocessingSerializer`` (CUDA IPC handles, not the data) once per TP rank, each as
+    base64 text because JSON has no bytes (the route decodes it with ``Base64Bytes``)."""
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    share_by_device_uuid(named_tensors)
+    return [MultiprocessingSerializer.serialize(named_tensors, output_str=True) for _ in range(tp_size)]
+
+
+class InProcessBackend:
+    """An ``sglang.Engine`` owned by this worker (its scheduler and detokenizer are child processes).
+    ``Engine`` runs its own event loop on the calling thread, so calls are serialised by a lock and
+    concurrent :meth:`generate_one` calls (agent loops) are gathered into one ``Engine.generate`` batch."""
+
+    def __init__(self, config: SGLangRolloutConfig):
+        import sglang
+
+        self.config = config
+        self.engine = sglang.Engine(**server_args_kwargs(config))
+        self.owner_pid = os.getpid()
+        self.lock = threading.Lock()
+        self.pending: queue.SimpleQueue = queue.SimpleQueue()
+        self.batcher: threading.Thread | None = None
+        self.closed = False
+
+    def generate(self, token_lists: Sequence[Sequence[int]], params: Sequence[Mapping[str, Any]]) -> list[dict]:
+        with self.lock:
+            return self.engine.generate(**generate_request(token_lists, params))
+
+    async def generate_one(self, token_ids: list[int], params: Mapping[str, Any]) -> dict:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.pending.put((token_ids, params, future, loop))
+        if self.batcher is None or not self.batcher.is_alive():
+            self.batcher = threading.Thread(target=self.serve_pending, name="sglang-rollout-batcher", daemon=True)
+            self.batcher.start()
+        return await future
+
+    def serve_pending(self) -> None:
+        """Take every queued single-prompt request, run them as one batch, hand back each result."""
+        while True:
+            try:
+                items = [self.pending.get(timeout=1.0)]
+            except queue.Empty:
+                return
+            while True:
+                try:
+                    items.append(self.pending.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                outputs = self.generate([item[0] for item in items], [item[1] for item in items])
+                outputs = [outputs] if isinstance(outputs, Mapping) else outputs
+                for item, output in zip(items, outputs, strict=True):
+                    item[3].call_soon_threadsafe(settle, item[2], output, None)
+            except BaseException as error:
+                for item in items:
+                    item[3].call_soon_threadsafe(settle, item[2], None, error)
+
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool) -> None:
+        share_by_device_uuid(named_tensors)
+        with self.lock:
+            success, message = self.engine.update_weights_from_tensor(named_tensors=named_tensors, flush_cache=flush_cache)
+        if not success:
+            raise RuntimeError(f"sglang update_weights_from_tensor failed: {message}")
+
+    def release_memory(self, tags: list[str]) -> None:
+        with self.lock:
+            self.engine.release_memory_occupation(tags=tags)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        with self.lock:
+            self.engine.resume_memory_occupation(tags=tags)
+
+    def flush_cache(self) -> None:
+        with self.lock:
+            result = self.engine.flush_cache()
+        if not getattr(result, "success", True):
+            raise RuntimeError(f"sglang flush_cache failed: {getattr(result, 'message', '') or 'requests still running'}")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        with self.lock:
+            self.engine.shutdown()
+        self.closed = True
+
+
+def settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class ServerBackend:
+    """An SGLang HTTP server: started here (``python -m sglang.launch_server`` with this environment's
+    Python, on loopback) or attached to at ``server_url``. Weight updates pass CUDA IPC handles, so the
+    server must run on this node's GPUs."""
+
+    def __init__(self, config: SGLangRolloutConfig):
+        self.config = config
+        self.owner_pid = os.getpid()
+        self.server: ServerProcess | None = None
+        if config.server_url is not None:
+            self.base_url = config.server_url.rstrip("/")
+        else:
+            port = config.server_port or free_port(config.server_host)
+            self.base_url = f"http://{config.server_host}:{port}"
+            argv = python_module_argv("sglang.launch_server", server_argv(config, config.server_host, port))
+            self.server = ServerProcess(argv, base_url=self.base_url, health_path=HEALTH_PATH, name="sglang server")
+            self.server.wait_ready(config.server_startup_timeout_s)
+
+    def post(self, path: str, payload: Any = None) -> Any:
+        return request_json(self.base_url + path, payload, method="POST", timeout=self.config.request_timeout_s)
+
+    def generate(self, token_lists: Sequence[Sequence[int]], params: Sequence[Mapping[str, Any]]) -> list[dict]:
+        return self.post("/generate", generate_request(token_lists, params))
+
+    async def generate_one(self, token_ids: list[int], params: Mapping[str, Any]) -> dict:
+        # concurrent requests are batched by the server itself
+        outputs = await asyncio.to_thread(self.generate, [token_ids], [params])
+        return outputs[0] if isinstance(outputs, list) else outputs
+
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool) -> None:
+        payload = {"serialized_named_tensors": serialized_named_tensors(named_tensors, self.config.tp_size), "flush_cache": flush_cache}
+        answer = self.post("/update_weights_from_tensor", payload)
+        if not (isinstance(answer, Mapping) and answer.get("success")):
+            raise ServerError(f"sglang server {self.base_url} refused the weight update: {answer}")
+
+    def release_memory(self, tags: list[str]) -> None:
+        self.post("/release_memory_occupation", {"tags": tags})
+
+    def resume_memory(self, tags: list[str]) -> None:
+        self.post("/resume_memory_occupation", {"tags": tags})
+
+    def flush_cache(self) -> None:
+        self.post("/flush_cache")
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()

@@ -1,0 +1,118 @@
+"""Configuration of the ``sglang`` rollout (the ``rollout.config`` node)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from rlplat.config_node import read_config_node
+
+MODES = ("hybrid", "server")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclasses.dataclass
+class SGLangRolloutConfig:
+    mode: str = "hybrid"
+    """``hybrid``: an ``sglang.Engine`` owned by the worker process, beside the training engine on the
+    same GPU. ``server``: an SGLang HTTP server (``python -m sglang.launch_server``), started by the
+    engine or found at ``server_url``."""
+
+    model_path: str | None = None
+    """Local Hugging Face directory (config and tokenizer files; the weights too when ``load_weights``)."""
+
+    load_weights: bool = True
+    """Load the weights in ``model_path``; False starts from random weights (SGLang
+    ``load_format='dummy'``) and the training engine's ``update_weights`` supplies the real ones, as in
+    RL training."""
+
+    dtype: str = "bfloat16"
+    """Parameter dtype of the rollout model (``auto``, ``bfloat16``, ``float16``, ``float32``). Weight
+    updates are cast to it before they travel."""
+
+    tp_size: int = 1
+    """GPUs one rollout engine spans (SGLang tensor parallelism)."""
+
+    mem_fraction_static: float | None = 0.5
+    """Fraction of the GPU SGLang takes for weights and KV cache; the training engine shares the rest
+    (None: SGLang chooses, which assumes it has the GPU to itself)."""
+
+    context_length: int | None = None
+    """Prompt plus response tokens per sequence (None: from the model config)."""
+
+    max_running_requests: int | None = None
+    """Sequences decoded together (None: SGLang's default)."""
+
+    enable_memory_saver: bool = True
+    """Allocate weights, KV cache and CUDA graphs through ``torch_memory_saver`` so that ``sleep`` can
+    give their GPU memory back. Without it ``sleep`` frees nothing (the state rules still apply)."""
+
+    disable_radix_cache: bool = False
+    """Turn off SGLang's prefix (radix) cache. With it on, the ``n`` samples of one prompt share the
+    prompt's KV cache; it is flushed after every weight update."""
+
+    disable_cuda_graph: bool = False
+    """Run decode and prefill without CUDA graphs (slower, starts faster, less memory); SGLang's
+    ``disable_decode_cuda_graph`` and ``disable_prefill_cuda_graph``."""
+
+    enable_deterministic_inference: bool = False
+    """SGLang's batch-invariant deterministic mode. Only in this mode does SGLang honour a request's
+    ``sampling_seed``: turn it on when ``SamplingParams.seed`` must reproduce samples. It costs speed
+    and forces SGLang's pytorch sampling backend."""
+
+    seed: int = 0
+    """SGLang ``random_seed``; also seeds the per-sample seeds drawn when a call gives no seed."""
+
+    pad_token_id: int | None = None
+    """Token written after a response ends (default: the model config's pad, else its first EOS)."""
+
+    eos_token_ids: tuple[int, ...] | None = None
+    """Tokens that end a response besides a call's ``stop_token_ids`` (default: the model config's EOS)."""
+
+    engine_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """More ``sglang.srt.server_args.ServerArgs`` fields, passed as they are and winning over the keys
+    above (e.g. ``attention_backend``, ``kv_cache_dtype``, ``chunked_prefill_size``). In server mode
+    each becomes its ``--flag``."""
+
+    server_url: str | None = None
+    """Server mode: the base URL of an SGLang server that is already running on this node (nothing is
+    started then). It must have been started with ``--skip-tokenizer-init`` and, for ``sleep``,
+    ``--enable-memory-saver``; ``tp_size`` must match it."""
+
+    server_host: str = "127.0.0.1"
+    """Server mode: address the started server listens on."""
+
+    server_port: int = 0
+    """Server mode: port of the started server (0: a free one)."""
+
+    server_startup_timeout_s: float = 900.0
+    """Server mode: how long to wait for the started server to answer ``GET /health``."""
+
+    request_timeout_s: float = 1800.0
+    """Server mode: the longest one HTTP request (a whole generation batch) may take."""
+
+    @classmethod
+    def from_any(cls, config: Any) -> "SGLangRolloutConfig":
+        """Accept this dataclass, a mapping or an OmegaConf node (unknown keys are an error)."""
+        read = read_config_node(config, cls, "sglang rollout config")
+        read.check()
+        return read
+
+    def check(self) -> None:
+        problems = []
+        if self.mode not in MODES:
+            problems.append(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.tp_size < 1:
+            problems.append(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
+            problems.append(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+        if self.model_path is None and self.server_url is None:
+            problems.append("model_path is required (a local Hugging Face directory)")
+        if self.mode == "hybrid" and self.server_url is not None:
+            problems.append("server_url is a server-mode key; set mode=server to use it")
+        if not isinstance(self.engine_kwargs, Mapping):
+            problems.append(f"engine_kwargs must be a mapping of ServerArgs fields, got {type(self.engine_kwargs).__name__}")
+        if problems:
+            raise ValueError("sglang rollout config: " + "; ".join(problems))

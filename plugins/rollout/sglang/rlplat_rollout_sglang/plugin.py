@@ -1,0 +1,15 @@
+"""Registers the ``sglang`` rollout; imports nothing heavy (sglang is only looked up, not imported)."""
+
+import rlplat
+
+
+@rlplat.hookimpl
+def register_rollouts(register):
+    register(
+        "sglang",
+        "rlplat_rollout_sglang.rollout:SGLangRollout",
+        description="SGLang 0.5.23 generation: in-process beside the training engine (hybrid) or an HTTP server",
+        requires=("sglang",),
+        install_hint="pip install 'rlplat-rollout-sglang[sglang]' in an environment of its own (sglang pins torch 2.14.1)",
+        config_schema="rlplat_rollout_sglang.config:SGLangRolloutConfig",
+    )

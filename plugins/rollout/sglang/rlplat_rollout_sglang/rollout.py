@@ -1,0 +1,185 @@
+"""The ``sglang`` rollout engine: SGLang 0.5.23 in the worker process (hybrid) or behind its HTTP server.
+
+Weights move with ``update_weights_from_tensor``: each bucket is pickled as CUDA IPC handles (SGLang's
+``MultiprocessingSerializer``) and loaded by the scheduler straight from the trainer's GPU memory. Memory
+is freed with ``release_memory_occupation`` (torch_memory_saver) and resumed in two stages, weights then
+KV cache and CUDA graphs, so that the buckets load before the KV cache claims its memory.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from rlplat.contracts.rollout import RolloutEngine, SamplingParams, TokenOutput
+from rlplat.protocol import DataProto
+from rlplat.rollout_batch import assemble_rollout, prompt_token_lists
+from rlplat_rollout_sglang.backends import InProcessBackend, ServerBackend
+from rlplat_rollout_sglang.config import SGLangRolloutConfig
+from rlplat_rollout_sglang.translate import (
+    ALL_MEMORY_TAGS,
+    KV_CACHE_TAGS,
+    SEED_RANGE,
+    WEIGHTS,
+    per_sample_params,
+    sample_from_output,
+    sample_seed,
+    samples_from_outputs,
+)
+
+AWAKE, WEIGHTS_ONLY, ASLEEP = "awake", "weights only", "asleep"
+
+
+def model_token_ids(config: SGLangRolloutConfig) -> tuple[int, tuple[int, ...]]:
+    """The pad token and EOS ids: from the config when given, else from the model's own config files."""
+    eos = config.eos_token_ids
+    pad = config.pad_token_id
+    if (eos is None or pad is None) and config.model_path is not None:
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(config.model_path, local_files_only=True)
+        if eos is None:
+            found = getattr(model_config, "eos_token_id", None)
+            eos = tuple(found) if isinstance(found, (list, tuple)) else ((found,) if found is not None else ())
+        if pad is None:
+            pad = getattr(model_config, "pad_token_id", None)
+    eos = tuple(int(token) for token in eos or ())
+    if pad is None:
+        if not eos:
+            raise ValueError("sglang rollout: no pad_token_id and no EOS token known; set rollout.config.pad_token_id")
+        pad = eos[0]
+    return int(pad), eos
+
+
+class SGLangRollout(RolloutEngine):
+    """See the :class:`~rlplat.contracts.rollout.RolloutEngine` contract and the module docstring.
+
+    States: awake; weights only (after :meth:`wake_up_weights`); asleep. Generation needs awake and,
+    after a sleep, at least one :meth:`update_weights` (released weights come back uninitialised).
+    Weight updates leave the radix cache alone; it is flushed once, before the next generation.
+
+    ``rollout_log_probs`` are SGLang's: ``log_softmax(logits / temperature)`` of the sampled token, before
+    top-k / top-p renormalisation (greedy, and so ``top_k=1``: ``log_softmax(logits)``).
+    """
+
+    def __init__(self, config: Any = None, **_: Any):
+        self.config = SGLangRolloutConfig.from_any(config)
+        self.pad_token_id, self.eos_token_ids = model_token_ids(self.config)
+        self.backend = InProcessBackend(self.config) if self.config.mode == "hybrid" else ServerBackend(self.config)
+        self.seeds = random.Random(self.config.seed)
+        self.state = AWAKE
+        self.needs_weights = False
+        self.cache_stale = False
+
+    # -- generation ------------------------------------------------------------------------------------
+
+    def generate(self, prompts: DataProto, sampling: SamplingParams) -> DataProto:
+        token_lists = prompt_token_lists(prompts, "sglang")
+        self.check_ready()
+        requests = [tokens for tokens in token_lists for _ in range(sampling.n)]
+        params = per_sample_params(sampling, len(requests), self.eos_token_ids, self.seeds_for(sampling, len(requests)))
+        outputs = self.backend.generate(requests, params)
+        stop = set(sampling.stop_token_ids) | set(self.eos_token_ids)
+        samples = samples_from_outputs(outputs, len(requests), stop, sampling.max_new_tokens)
+        return assemble_rollout(prompts, samples, sampling.n, sampling.max_new_tokens, self.pad_token_id)
+
+    async def generate_tokens(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> TokenOutput:
+        if sampling.n != 1:
+            raise ValueError(f"generate_tokens samples one response; got n={sampling.n}")
+        if not prompt_ids:
+            raise ValueError("generate_tokens needs at least one prompt token")
+        self.check_ready()
+        params = per_sample_params(sampling, 1, self.eos_token_ids, self.seeds_for(sampling, 1))[0]
+        output = await self.backend.generate_one(list(prompt_ids), params)
+        return sample_from_output(output, set(sampling.stop_token_ids) | set(self.eos_token_ids), sampling.max_new_tokens)
+
+    def seeds_for(self, sampling: SamplingParams, count: int) -> list[int | None]:
+        """One seed per sample: derived from the call's seed, else drawn (SGLang's deterministic mode
+        would otherwise give every unseeded request its default seed 42); None when SGLang ignores seeds."""
+        if sampling.seed is not None:
+            return [sample_seed(sampling.seed, index) for index in range(count)]
+        if self.config.enable_deterministic_inference:
+            return [self.seeds.randrange(SEED_RANGE) for _ in range(count)]
+        return [None] * count
+
+    def check_ready(self) -> None:
+        if self.state != AWAKE:
+            step = "wake_up_kv_cache()" if self.state == WEIGHTS_ONLY else "wake_up() (or wake_up_weights(), update_weights(), wake_up_kv_cache())"
+            raise RuntimeError(f"sglang rollout is {self.state}: call {step} before generating")
+        if self.needs_weights:
+            raise RuntimeError("sglang rollout woke up without its weights: call update_weights() with the full weights before generating")
+        if self.cache_stale:
+            # radix-cache entries were computed with the previous weights
+            self.backend.flush_cache()
+            self.cache_stale = False
+
+    # -- weights ---------------------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.state == ASLEEP:
+            raise RuntimeError("sglang rollout is asleep: call wake_up_weights() (or wake_up()) before update_weights()")
+        bucket = [(name, self.for_transfer(tensor)) for name, tensor in named_tensors]
+        if not bucket:
+            return
+        # no flush per bucket: one flush before the next generation (and none while the KV cache is released)
+        self.backend.update_weights(bucket, flush_cache=False)
+        self.needs_weights = False
+        self.cache_stale = self.state == AWAKE and not self.config.disable_radix_cache
+
+    def for_transfer(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Floating-point tensors in the rollout's dtype (half the bytes of float32 masters), on this
+        worker's GPU when it has one: CUDA tensors travel as IPC handles, CPU ones through shared memory."""
+        dtype = getattr(torch, self.config.dtype) if self.config.dtype != "auto" else None
+        tensor = tensor.detach()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype=dtype)
+        if torch.cuda.is_available():
+            tensor = tensor.to(device=torch.cuda.current_device())
+        return tensor.contiguous()
+
+    # -- memory ----------------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        if self.state == ASLEEP:
+            return
+        # releasing the KV cache flushes the radix cache too
+        self.backend.release_memory(list(ALL_MEMORY_TAGS) if self.state == AWAKE else [WEIGHTS])
+        self.state = ASLEEP
+        self.cache_stale = False
+
+    def wake_up_weights(self) -> None:
+        if self.state != ASLEEP:
+            return
+        self.backend.resume_memory([WEIGHTS])
+        self.state = WEIGHTS_ONLY
+        self.needs_weights = True
+
+    def wake_up_kv_cache(self) -> None:
+        if self.state == ASLEEP:
+            self.wake_up_weights()
+        if self.state == WEIGHTS_ONLY:
+            self.backend.resume_memory(list(KV_CACHE_TAGS))
+            self.state = AWAKE
+            self.backend.flush_cache()
+            self.cache_stale = False
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # drop the IPC-shared buckets the scheduler has let go of
+
+    def wake_up(self) -> None:
+        self.wake_up_weights()
+        self.wake_up_kv_cache()
+
+    def close(self) -> None:
+        """Shut the engine down (hybrid) or stop the server this engine started (server mode)."""
+        self.backend.close()
+
+    def __del__(self):
+        backend = getattr(self, "backend", None)
+        if backend is not None and os.getpid() == backend.owner_pid:
+            try:
+                backend.close()
+            except Exception:
+                pass

@@ -1,0 +1,338 @@
+"""Every call the sglang rollout makes into SGLang, checked against the installed SGLang (0.5.23).
+
+Nothing here needs a GPU. The plugin's own code paths run against stand-ins that record what they are
+given: an ``sglang.Engine`` replacement (hybrid mode) and a ``request_json`` replacement (server mode).
+Each recorded call is then checked against the real library: Engine method names and signatures,
+``ServerArgs`` fields and command-line flags, the HTTP routes of SGLang's own FastAPI app and the request
+classes those routes parse their bodies into.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import importlib.util
+import inspect
+from types import SimpleNamespace
+
+import pytest
+
+sglang = pytest.importorskip(
+    "sglang", reason="sglang is not installed in this environment: the API-compatibility tests run in the sglang environment (make test-sglang)"
+)
+
+import torch  # noqa: E402
+
+from rlplat.contracts.rollout import SamplingParams  # noqa: E402
+from rlplat.testing.rollouts import left_padded_prompts  # noqa: E402
+from rlplat.testing.tiny_models import save_tiny_model, tiny_causal_lm  # noqa: E402
+from rlplat_rollout_sglang import backends, translate  # noqa: E402
+from rlplat_rollout_sglang.config import SGLangRolloutConfig  # noqa: E402
+from rlplat_rollout_sglang.rollout import SGLangRollout  # noqa: E402
+
+from sglang.srt.constants import GPU_MEMORY_ALL_TYPES, GPU_MEMORY_TYPE_CUDA_GRAPH, GPU_MEMORY_TYPE_KV_CACHE, GPU_MEMORY_TYPE_WEIGHTS  # noqa: E402
+from sglang.srt.entrypoints.api_contract import generate_contract_error  # noqa: E402
+from sglang.srt.entrypoints.engine import Engine  # noqa: E402
+from sglang.srt.managers.io_struct import GenerateReqInput  # noqa: E402
+from sglang.srt.sampling import sampling_params as sglang_sampling  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+from sglang.srt.utils import MultiprocessingSerializer  # noqa: E402
+
+EOS = 2  # the arithmetic tokenizer's [EOS]
+PROMPTS = [[1, 5, 14, 6, 15], [1, 7, 15]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="module")
+def named_weights():
+    return list(tiny_causal_lm(0).state_dict().items())
+
+
+def fake_output(tokens: list[int], params: dict, index: int) -> dict:
+    """What SGLang answers for one request: the tokens ``5, 6, ...`` ended by EOS within the budget."""
+    budget = params["max_new_tokens"]
+    produced = ([5 + step for step in range(min(index, budget - 1))] + [EOS])[:budget]
+    reason = {"type": "stop", "matched": EOS} if produced[-1] == EOS else {"type": "length", "length": budget}
+    return {"output_ids": produced, "meta_info": {"id": f"rid-{index}", "finish_reason": reason, "output_token_logprobs": [(-0.5, t, None) for t in produced]}}
+
+
+def fake_outputs(request: dict) -> list[dict]:
+    return [fake_output(tokens, params, index) for index, (tokens, params) in enumerate(zip(request["input_ids"], request["sampling_params"]))]
+
+
+class RecordingEngine:
+    """Stands in for ``sglang.Engine``: records the constructor's keywords and every method call (any
+    attribute is callable, so a misspelt method name is recorded and then fails the check)."""
+
+    created: list["RecordingEngine"] = []
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.calls: list[tuple[str, tuple, dict]] = []
+        RecordingEngine.created.append(self)
+
+    def __getattr__(self, name):
+        def method(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+            if name == "generate":
+                return fake_outputs(kwargs)
+            if name == "update_weights_from_tensor":
+                return True, "Success"
+            if name == "flush_cache":
+                return SimpleNamespace(success=True, message="")
+            return None
+
+        return method
+
+
+@pytest.fixture
+def hybrid(monkeypatch, model_dir):
+    RecordingEngine.created = []
+    monkeypatch.setattr(sglang, "Engine", RecordingEngine)
+    rollout = SGLangRollout({"model_path": model_dir, "load_weights": False, "enable_deterministic_inference": True})
+    yield rollout, RecordingEngine.created[0]
+
+
+def drive(rollout, named_weights) -> None:
+    """Every public path of the rollout, in the order a training step uses them."""
+    prompts = left_padded_prompts(PROMPTS, 0)
+    rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=4, seed=3, stop_token_ids=(15,)))
+    asyncio.run(rollout.generate_tokens(PROMPTS[0], SamplingParams(max_new_tokens=3, temperature=0.8, top_k=4, top_p=0.9)))
+    rollout.update_weights(named_weights)
+    rollout.generate(prompts, SamplingParams(greedy=True, max_new_tokens=2))
+    rollout.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        rollout.generate(prompts, SamplingParams())
+    rollout.wake_up_weights()
+    with pytest.raises(RuntimeError, match=r"wake_up_kv_cache\(\)"):
+        rollout.generate(prompts, SamplingParams())
+    rollout.update_weights(named_weights[:3])
+    rollout.update_weights(named_weights[3:])
+    rollout.wake_up_kv_cache()
+    rollout.generate(prompts, SamplingParams(max_new_tokens=3))
+    rollout.sleep()
+    rollout.wake_up()
+    with pytest.raises(RuntimeError, match=r"update_weights\(\)"):
+        rollout.generate(prompts, SamplingParams())
+    rollout.update_weights(named_weights)
+    rollout.close()
+
+
+# -- hybrid: sglang.Engine ---------------------------------------------------------------------------
+
+
+def test_every_engine_call_binds_to_the_real_engine_signature(hybrid, named_weights):
+    rollout, engine = hybrid
+    drive(rollout, named_weights)
+    names = set()
+    for name, args, kwargs in engine.calls:
+        real = getattr(Engine, name, None)
+        assert callable(real), f"sglang.Engine has no method {name!r}"
+        inspect.signature(real).bind(None, *args, **kwargs)
+        names.add(name)
+    assert names == {"generate", "update_weights_from_tensor", "flush_cache", "release_memory_occupation", "resume_memory_occupation", "shutdown"}
+
+
+def test_the_engine_keywords_are_server_args_fields_and_build_server_args(hybrid):
+    _, engine = hybrid
+    fields = set(ServerArgs.__struct_fields__)
+    assert not set(engine.kwargs) - fields, f"not ServerArgs fields: {sorted(set(engine.kwargs) - fields)}"
+    server_args = ServerArgs(**engine.kwargs)
+    assert (server_args.load_format, server_args.skip_tokenizer_init, server_args.enable_memory_saver) == ("dummy", True, True)
+
+
+def test_the_engine_call_sequence_follows_the_staged_wake_up(hybrid, named_weights):
+    rollout, engine = hybrid
+    drive(rollout, named_weights)
+    memory = [(name, kwargs["tags"]) for name, _, kwargs in engine.calls if name.endswith("memory_occupation")]
+    all_tags = [GPU_MEMORY_TYPE_WEIGHTS, GPU_MEMORY_TYPE_KV_CACHE, GPU_MEMORY_TYPE_CUDA_GRAPH]
+    kv_tags = [GPU_MEMORY_TYPE_KV_CACHE, GPU_MEMORY_TYPE_CUDA_GRAPH]
+    assert memory == [
+        ("release_memory_occupation", all_tags),
+        ("resume_memory_occupation", [GPU_MEMORY_TYPE_WEIGHTS]),
+        ("resume_memory_occupation", kv_tags),
+        ("release_memory_occupation", all_tags),
+        ("resume_memory_occupation", [GPU_MEMORY_TYPE_WEIGHTS]),
+        ("resume_memory_occupation", kv_tags),
+    ]
+    sequence = [name for name, _, _ in engine.calls]
+    first_update = sequence.index("update_weights_from_tensor")
+    assert sequence[first_update + 1 : first_update + 3] == ["flush_cache", "generate"]  # stale radix cache dropped once
+    assert all(kwargs["flush_cache"] is False for name, _, kwargs in engine.calls if name == "update_weights_from_tensor")
+
+
+def test_memory_tags_are_sglangs():
+    assert set(translate.ALL_MEMORY_TAGS) == set(GPU_MEMORY_ALL_TYPES)
+    assert (translate.WEIGHTS, translate.KV_CACHE, translate.CUDA_GRAPH) == (GPU_MEMORY_TYPE_WEIGHTS, GPU_MEMORY_TYPE_KV_CACHE, GPU_MEMORY_TYPE_CUDA_GRAPH)
+
+
+def test_generate_keywords_build_sglangs_request_and_sampling_params(hybrid, named_weights):
+    rollout, engine = hybrid
+    drive(rollout, named_weights)
+    requests = [kwargs for name, _, kwargs in engine.calls if name == "generate"]
+    assert requests
+    for request in requests:
+        GenerateReqInput(**request).normalize_batch_and_arguments()
+        for params in request["sampling_params"]:
+            built = sglang_sampling.SamplingParams(**params)
+            built.verify(vocab_size=16)
+            assert built.n == 1 and built.no_stop_trim and built.stop_token_ids
+
+
+def test_the_seeded_call_gives_each_sample_its_own_seed(hybrid):
+    rollout, engine = hybrid
+    rollout.generate(left_padded_prompts(PROMPTS, 0), SamplingParams(n=2, max_new_tokens=4, seed=3))
+    (_, _, request), = [call for call in engine.calls if call[0] == "generate"]
+    assert [p["sampling_seed"] for p in request["sampling_params"]] == [translate.sample_seed(3, i) for i in range(4)]
+    assert request["input_ids"] == [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+
+
+def test_updated_tensors_survive_sglangs_serializer(hybrid, named_weights):
+    rollout, engine = hybrid
+    rollout.update_weights(named_weights[:2])
+    (_, _, kwargs), = [call for call in engine.calls if call[0] == "update_weights_from_tensor"]
+    restored = MultiprocessingSerializer.deserialize(MultiprocessingSerializer.serialize(kwargs["named_tensors"]))
+    assert [name for name, _ in restored] == [name for name, _ in named_weights[:2]]
+    for (_, got), (_, sent) in zip(restored, named_weights[:2]):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, sent.to(torch.bfloat16))
+
+
+def test_the_cuda_ipc_patch_exists():
+    from sglang.srt.utils import patch_torch
+
+    assert callable(patch_torch.monkey_patch_torch_reductions)
+
+
+def test_top_k_all_is_sglangs_constant():
+    assert translate.TOP_K_ALL == sglang_sampling.TOP_K_ALL
+
+
+# -- ServerArgs and the command line -----------------------------------------------------------------
+
+
+FULL_CONFIG = dict(
+    load_weights=False, dtype="float16", tp_size=2, mem_fraction_static=0.4, context_length=512, max_running_requests=64,
+    disable_radix_cache=True, disable_cuda_graph=True, enable_deterministic_inference=True, seed=11,
+    engine_kwargs={"attention_backend": "triton", "chunked_prefill_size": 256},
+)
+
+
+def test_every_server_args_keyword_is_a_real_field():
+    kwargs = translate.server_args_kwargs(SGLangRolloutConfig(model_path="/m", **FULL_CONFIG))
+    assert not set(kwargs) - set(ServerArgs.__struct_fields__)
+    ServerArgs(**kwargs)
+
+
+def test_server_argv_parses_with_sglangs_own_parser_to_the_same_values():
+    config = SGLangRolloutConfig(model_path="/m", **FULL_CONFIG)
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    parsed = parser.parse_args(translate.server_argv(config, "127.0.0.1", 30123))
+    for key, value in translate.server_args_kwargs(config).items():
+        assert getattr(parsed, key) == value, key
+    assert (parsed.host, parsed.port) == ("127.0.0.1", 30123)
+
+
+def test_the_server_module_exists():
+    assert importlib.util.find_spec("sglang.launch_server") is not None
+
+
+# -- server mode: HTTP routes and request bodies -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def http_routes():
+    from fastapi.routing import APIRoute
+
+    from sglang.srt.entrypoints.http_server import app
+
+    return [route for route in app.routes if isinstance(route, APIRoute)]
+
+
+@pytest.fixture
+def server(monkeypatch, model_dir):
+    calls = []
+
+    def request_json(url, payload=None, *, method=None, timeout=600.0):
+        path = url.split("://", 1)[1].split("/", 1)[1]
+        calls.append(("/" + path, payload, method or ("GET" if payload is None else "POST")))
+        if path == "generate":
+            return fake_outputs(payload)
+        if path == "update_weights_from_tensor":
+            return {"success": True, "message": "Success"}
+        if path == "flush_cache":
+            return "Cache flushed."
+        return None
+
+    monkeypatch.setattr(backends, "request_json", request_json)
+    rollout = SGLangRollout({"mode": "server", "server_url": "http://127.0.0.1:9/", "model_path": model_dir, "tp_size": 2})
+    return rollout, calls
+
+
+def body_fields(cls) -> set[str]:
+    return {field.name for field in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(cls.__struct_fields__)
+
+
+def test_every_route_exists_with_its_method_and_every_body_validates(server, named_weights, http_routes):
+    import pydantic
+
+    rollout, calls = server
+    drive(rollout, named_weights)
+    paths = set()
+    for path, payload, method in calls:
+        routes = [route for route in http_routes if route.path == path and method in route.methods]
+        assert routes, f"sglang's HTTP server has no {method} {path}"
+        body = routes[0].dependant.body_params
+        if payload is None:
+            assert all(not param.required for param in body), f"{path} needs a body"
+            paths.add(path)
+            continue
+        (param,) = body
+        cls = param.field_info.annotation
+        assert not set(payload) - body_fields(cls), f"{path}: {sorted(set(payload) - body_fields(cls))} are not fields of {cls.__name__}"
+        pydantic.TypeAdapter(cls).validate_python(payload)
+        paths.add(path)
+    assert paths == {"/generate", "/update_weights_from_tensor", "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation"}
+
+
+def test_the_health_route_answers_get(http_routes):
+    assert any(route.path == backends.HEALTH_PATH and "GET" in route.methods for route in http_routes)
+
+
+def test_generate_bodies_pass_sglangs_json_contract(server, named_weights):
+    rollout, calls = server
+    drive(rollout, named_weights)
+    bodies = [payload for path, payload, _ in calls if path == "/generate"]
+    assert bodies
+    for body in bodies:
+        assert generate_contract_error(body) is None
+
+
+def test_weight_bodies_decode_to_the_bucket_once_per_tp_rank(server, named_weights, http_routes):
+    import pydantic
+
+    rollout, calls = server
+    rollout.update_weights(named_weights[:2])
+    (route,) = [r for r in http_routes if r.path == "/update_weights_from_tensor"]
+    cls = route.dependant.body_params[0].field_info.annotation
+    (payload,) = [payload for path, payload, _ in calls if path == "/update_weights_from_tensor"]
+    request = pydantic.TypeAdapter(cls).validate_python(payload)
+    assert len(request.serialized_named_tensors) == 2 and request.flush_cache is False
+    for raw in request.serialized_named_tensors:
+        restored = MultiprocessingSerializer.deserialize(raw)
+        assert [name for name, _ in restored] == [name for name, _ in named_weights[:2]]
+        assert torch.equal(restored[0][1], named_weights[0][1].to(torch.bfloat16))
+
+
+def test_memory_bodies_carry_sglangs_tags(server, named_weights):
+    rollout, calls = server
+    rollout.sleep()
+    rollout.wake_up()
+    tags = [payload["tags"] for path, payload, _ in calls if path.endswith("memory_occupation")]
+    assert tags == [list(translate.ALL_MEMORY_TAGS), [GPU_MEMORY_TYPE_WEIGHTS], list(translate.KV_CACHE_TAGS)]
+    assert all(set(t) <= set(GPU_MEMORY_ALL_TYPES) for t in tags)

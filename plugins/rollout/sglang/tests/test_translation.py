@@ -1,0 +1,180 @@
+"""The sglang rollout's translation of rlplat settings and SGLang outputs; needs no sglang."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlplat.contracts.rollout import SamplingParams, TokenOutput
+from rlplat_rollout_sglang.config import SGLangRolloutConfig
+from rlplat_rollout_sglang.translate import (
+    TOP_K_ALL,
+    generate_request,
+    per_sample_params,
+    sample_from_output,
+    sample_seed,
+    samples_from_outputs,
+    sampling_params,
+    server_args_kwargs,
+    server_argv,
+)
+
+
+def output(tokens, logprobs, reason):
+    """An SGLang generate result as ``Engine.generate`` returns it (``(logprob, id, text)`` triples)."""
+    return {"output_ids": tokens, "meta_info": {"id": "r0", "finish_reason": reason, "output_token_logprobs": [(lp, t, None) for lp, t in zip(logprobs, tokens)]}}
+
+
+# -- sampling ----------------------------------------------------------------------------------------
+
+
+def test_every_sampling_field_is_translated_to_sglang_names():
+    sampling = SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=17, stop_token_ids=(9, 4), seed=5)
+    assert sampling_params(sampling) == {
+        "n": 3,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "max_new_tokens": 17,
+        "min_new_tokens": 0,
+        "stop_token_ids": [4, 9],
+        "ignore_eos": False,
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+        "sampling_seed": 5,
+    }
+
+
+def test_top_k_zero_is_sglangs_whole_vocabulary_value():
+    assert TOP_K_ALL == 1 << 30  # sglang/srt/sampling/sampling_params.py
+    assert sampling_params(SamplingParams(top_k=0))["top_k"] == TOP_K_ALL
+
+
+def test_greedy_is_temperature_zero_with_the_filters_off():
+    params = sampling_params(SamplingParams(greedy=True, temperature=0.3, top_p=0.5, top_k=7))
+    assert (params["temperature"], params["top_p"], params["top_k"]) == (0.0, 1.0, TOP_K_ALL)
+
+
+def test_eos_ids_join_the_call_stop_ids_without_duplicates():
+    assert sampling_params(SamplingParams(stop_token_ids=(7, 2)), eos_token_ids=(2, 3))["stop_token_ids"] == [2, 3, 7]
+
+
+def test_no_stop_ids_at_all_is_none():
+    assert sampling_params(SamplingParams())["stop_token_ids"] is None
+
+
+def test_no_seed_is_none():
+    assert sampling_params(SamplingParams())["sampling_seed"] is None
+
+
+def test_per_sample_params_have_n_one_and_their_own_seed():
+    params = per_sample_params(SamplingParams(n=2, seed=1), 4, (2,), [11, 12, 13, 14])
+    assert [p["n"] for p in params] == [1, 1, 1, 1]
+    assert [p["sampling_seed"] for p in params] == [11, 12, 13, 14]
+    assert all(p["stop_token_ids"] == [2] for p in params)
+
+
+def test_sample_seeds_differ_per_index_and_stay_in_sglangs_range():
+    seeds = [sample_seed(7, index) for index in range(4)]
+    assert seeds == [7 * 1_000_003, 7 * 1_000_003 + 1, 7 * 1_000_003 + 2, 7 * 1_000_003 + 3]
+    assert 0 <= sample_seed(2**62, 5) < 2**63
+
+
+def test_generate_request_is_a_batch_with_log_probs():
+    request = generate_request([[1, 2], (3,)], [{"n": 1}, {"n": 1}])
+    assert request == {"input_ids": [[1, 2], [3]], "sampling_params": [{"n": 1}, {"n": 1}], "return_logprob": True}
+    with pytest.raises(ValueError, match="2 prompts but 1 sampling"):
+        generate_request([[1], [2]], [{}])
+
+
+# -- engine arguments --------------------------------------------------------------------------------
+
+
+def test_server_args_for_training_use_dummy_weights_and_the_memory_saver():
+    kwargs = server_args_kwargs(SGLangRolloutConfig(model_path="/m", load_weights=False))
+    assert kwargs == {
+        "model_path": "/m",
+        "skip_tokenizer_init": True,
+        "load_format": "dummy",
+        "dtype": "bfloat16",
+        "tp_size": 1,
+        "mem_fraction_static": 0.5,
+        "enable_memory_saver": True,
+        "disable_radix_cache": False,
+        "enable_deterministic_inference": False,
+        "random_seed": 0,
+    }
+
+
+def test_disable_cuda_graph_sets_both_phase_switches_and_engine_kwargs_win():
+    config = SGLangRolloutConfig(model_path="/m", disable_cuda_graph=True, context_length=64, engine_kwargs={"dtype": "float16", "attention_backend": "triton"})
+    kwargs = server_args_kwargs(config)
+    assert kwargs["disable_decode_cuda_graph"] and kwargs["disable_prefill_cuda_graph"]
+    assert (kwargs["load_format"], kwargs["context_length"], kwargs["dtype"], kwargs["attention_backend"]) == ("auto", 64, "float16", "triton")
+
+
+def test_server_argv_writes_flags_and_leaves_false_booleans_out():
+    argv = server_argv(SGLangRolloutConfig(model_path="/m", enable_memory_saver=False), "127.0.0.1", 30001)
+    assert argv[:2] == ["--model-path", "/m"]
+    assert "--skip-tokenizer-init" in argv and "--enable-memory-saver" not in argv
+    assert argv[-4:] == ["--host", "127.0.0.1", "--port", "30001"]
+
+
+# -- configuration errors ----------------------------------------------------------------------------
+
+
+def test_an_unknown_key_is_named_with_the_known_ones():
+    with pytest.raises(ValueError, match=r"sglang rollout config: unknown key\(s\) \['gpu_memory_utilization'\].*mem_fraction_static"):
+        SGLangRolloutConfig.from_any({"model_path": "/m", "gpu_memory_utilization": 0.5})
+
+
+def test_a_bad_mode_lists_the_modes():
+    with pytest.raises(ValueError, match=r"mode must be one of \('hybrid', 'server'\), got 'colocated'"):
+        SGLangRolloutConfig.from_any({"model_path": "/m", "mode": "colocated"})
+
+
+def test_model_path_is_required_unless_a_server_url_is_given():
+    with pytest.raises(ValueError, match="model_path is required"):
+        SGLangRolloutConfig.from_any({})
+    assert SGLangRolloutConfig.from_any({"mode": "server", "server_url": "http://h:1"}).server_url == "http://h:1"
+
+
+def test_server_url_needs_server_mode_and_bad_numbers_are_named():
+    with pytest.raises(ValueError, match="server_url is a server-mode key") as error:
+        SGLangRolloutConfig.from_any({"model_path": "/m", "server_url": "http://h:1", "tp_size": 0, "mem_fraction_static": 1.5})
+    assert "tp_size must be >= 1, got 0" in str(error.value) and "mem_fraction_static must be in (0, 1], got 1.5" in str(error.value)
+
+
+def test_lists_become_tuples_for_eos_ids():
+    assert SGLangRolloutConfig.from_any({"model_path": "/m", "eos_token_ids": [2, 3]}).eos_token_ids == (2, 3)
+
+
+# -- outputs -----------------------------------------------------------------------------------------
+
+
+def test_a_stopped_output_keeps_its_stop_token_and_log_probs_in_order():
+    sample = sample_from_output(output([5, 6, 2], [-0.5, -1.0, -0.25], {"type": "stop", "matched": 2}), {2}, 8)
+    assert sample == TokenOutput([5, 6, 2], [-0.5, -1.0, -0.25], "stop")
+
+
+def test_a_length_output_and_json_lists_are_read_alike():
+    answer = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length", "length": 2}, "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None]]}}
+    assert sample_from_output(answer, {2}, 2) == TokenOutput([5, 6], [-0.1, -0.2], "length")
+
+
+def test_an_abort_is_an_error_with_sglangs_message():
+    with pytest.raises(RuntimeError, match="sglang aborted request 'r0': KV cache full"):
+        sample_from_output(output([5], [-0.1], {"type": "abort", "message": "KV cache full"}), {2}, 8)
+
+
+def test_log_probs_that_do_not_match_the_tokens_are_an_error():
+    with pytest.raises(RuntimeError, match="1 output_token_logprobs for 2 tokens"):
+        sample_from_output({"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length"}, "output_token_logprobs": [(-0.1, 5, None)]}}, {2}, 2)
+    with pytest.raises(RuntimeError, match="entry 1 is for token 7, but output token 1 is 6"):
+        sample_from_output({"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length"}, "output_token_logprobs": [(-0.1, 5, None), (-0.2, 7, None)]}}, {2}, 2)
+
+
+def test_batched_outputs_are_counted():
+    outputs = [output([2], [-0.3], {"type": "stop", "matched": 2}), output([4, 2], [-0.1, -0.2], {"type": "stop", "matched": 2})]
+    assert [s.token_ids for s in samples_from_outputs(outputs, 2, {2}, 4)] == [[2], [4, 2]]
+    with pytest.raises(RuntimeError, match="sglang returned 2 results for 3 requests"):
+        samples_from_outputs(outputs, 3, {2}, 4)
