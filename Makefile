@@ -54,15 +54,19 @@ bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python bench/fsdp2_scaling.py
 	$(BENCH_VENV)/bin/python bench/trl_vs_rlplat.py
 
+# Every built-in plugin but the two backend rollouts (each lives in its own environment).
+BACKEND_COMMON_PLUGINS := $(filter-out plugins/rollout/vllm plugins/rollout/sglang,$(PLUGIN_DIRS))
+
 # The rollout backends pin other torch builds (vllm: 2.14.0, sglang: 2.14.1; CUDA builds of several GB),
-# so each gets an environment of its own: rlplat, the plugin with its backend extra, the test tools.
+# so each gets an environment of its own: rlplat, the other built-in plugins (a GRPO run needs the engine,
+# algorithms and rewards), the plugin with its backend extra, the test tools.
 # test-vllm / test-sglang run the plugin's tests that need no GPU (translation, API compatibility with
 # the installed backend); the -gpu targets run the rest on a machine with a GPU.
 define backend_env
-$(1)/.rlplat-installed: pyproject.toml constraints/common.txt constraints/$(2).txt Makefile plugins/rollout/$(2)/pyproject.toml
+$(1)/.rlplat-installed: pyproject.toml constraints/common.txt constraints/$(2).txt Makefile $(addsuffix /pyproject.toml,$(PLUGIN_DIRS))
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install --quiet --upgrade pip
-	$(1)/bin/python -m pip install --quiet -c constraints/$(2).txt torch==$(3) -e '.[test]' -e 'plugins/rollout/$(2)[$(2)]'
+	$(1)/bin/python -m pip install --quiet -c constraints/$(2).txt torch==$(3) -e '.[test]' $(addprefix -e ,$(BACKEND_COMMON_PLUGINS)) -e 'plugins/rollout/$(2)[$(2)]'
 	touch $$@
 endef
 $(eval $(call backend_env,.venv-vllm,vllm,2.14.0))

@@ -312,6 +312,18 @@ def validate_config(config: DictConfig) -> None:
                 hint = suggest(key, sorted(allowed)).replace(" Did you mean '", " Did you mean 'algorithm.")
                 raise ConfigError(f"unknown config key 'algorithm.{key}'.{hint}")
 
+    rollout_schema = registry.entry("rollout", config.rollout.name).config_schema
+    if isinstance(rollout_schema, str):
+        from rlplat.registry import resolve_dotted_path
+
+        rollout_schema = resolve_dotted_path(rollout_schema)
+    if dataclasses.is_dataclass(rollout_schema):
+        allowed = {field.name for field in dataclasses.fields(rollout_schema)}
+        for key in config.rollout.config:
+            if key not in allowed:
+                hint = suggest(key, sorted(allowed)).replace(" Did you mean '", " Did you mean 'rollout.config.")
+                raise ConfigError(f"unknown config key 'rollout.config.{key}' for rollout {config.rollout.name!r}.{hint}")
+
     critic_enabled = config.critic.enable
     if algorithm.needs_critic and critic_enabled is False:
         raise ConfigError(

@@ -43,6 +43,7 @@ def test_a_yaml_file_sits_between_the_defaults_and_the_overrides(paths, tmp_path
         (["trainer.save_freq=often"], "trainer.save_freq = 'often' has the wrong type"),
         (["actor.engine=fsdp"], "actor.engine: unknown engine 'fsdp'; available: fsdp2"),
         (["rollout.name=vlm"], "rollout.name: unknown rollout 'vlm'"),
+        (["rollout.config.max_batch_row=8"], "unknown config key 'rollout.config.max_batch_row' for rollout 'hf'. Did you mean 'rollout.config.max_batch_rows'?"),
         (["reward.scorer=gsm9k"], "Did you mean 'gsm8k'?"),
         (["algorithm.name=grpoo"], "unknown algorithm 'grpoo'"),
         (["data.train_batch_size=6", "actor.ppo_mini_batch_size=4"], "train_batch_size=6 prompts do not split into actor.ppo_mini_batch_size=4"),

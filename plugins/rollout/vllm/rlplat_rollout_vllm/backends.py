@@ -1,0 +1,202 @@
+"""The two ways the ``vllm`` rollout reaches vLLM: a ``vllm.LLM`` in this process, or a vLLM server over
+HTTP. Both offer the same methods: generation, sleep/wake, prefix-cache reset, and the four calls of
+vLLM's weight-sync client protocol (``init_weight_transfer_engine``, ``start_weight_update``,
+``update_weights``, ``finish_weight_update``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+import urllib.parse
+from typing import Any, Sequence
+
+from rlplat.contracts.rollout import SamplingParams, TokenOutput
+from rlplat.rollout_server import ServerProcess, free_port, python_module_argv, request_json
+from rlplat_rollout_vllm.config import VLLMRolloutConfig
+from rlplat_rollout_vllm.translate import (
+    completion_payload,
+    engine_kwargs,
+    sample_from_completion,
+    samples_from_completion_response,
+    sampling_kwargs,
+    server_arguments,
+)
+
+# Weight updates carry CUDA IPC handles (tuples of torch types) to vLLM's engine process: its msgpack
+# RPC and its HTTP route accept them only with pickle allowed. The engine process is this worker's own
+# child (hybrid) or a server it started on loopback.
+INSECURE_SERIALIZATION = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+# /sleep, /wake_up, /reset_prefix_cache and the weight-transfer routes exist only in dev mode.
+SERVER_ENV = {**INSECURE_SERIALIZATION, "VLLM_SERVER_DEV_MODE": "1"}
+
+
+class InProcessBackend:
+    """A ``vllm.LLM`` owned by this worker. ``LLM`` is not thread safe, so calls are serialised by a lock;
+    concurrent :meth:`generate_one` calls (agent loops) are gathered into one ``LLM.generate`` batch
+    with a sampling-parameter object per prompt."""
+
+    def __init__(self, config: VLLMRolloutConfig):
+        os.environ.update(INSECURE_SERIALIZATION)
+        import vllm
+
+        self.vllm = vllm
+        self.llm = vllm.LLM(**engine_kwargs(config))
+        self.owner_pid = os.getpid()
+        self.lock = threading.Lock()
+        self.pending: queue.SimpleQueue = queue.SimpleQueue()
+        self.batcher: threading.Thread | None = None
+
+    def run(self, token_lists: Sequence[Sequence[int]], sampling_list: Sequence[SamplingParams], eos_token_ids: Sequence[int]) -> list[TokenOutput]:
+        """One ``LLM.generate`` call; the samples prompt-major, ``n`` per prompt in vLLM's index order."""
+        params = [self.vllm.SamplingParams(**sampling_kwargs(sampling, eos_token_ids)) for sampling in sampling_list]
+        with self.lock:
+            outputs = self.llm.generate([{"prompt_token_ids": list(tokens)} for tokens in token_lists], params, use_tqdm=False)
+        samples = []
+        for request, sampling in zip(outputs, sampling_list):
+            completions = sorted(request.outputs, key=lambda completion: completion.index)
+            if len(completions) != sampling.n:
+                raise RuntimeError(f"vllm returned {len(completions)} samples for a prompt, expected n={sampling.n}")
+            stop = set(sampling.stop_token_ids) | set(eos_token_ids)
+            for completion in completions:
+                samples.append(sample_from_completion(completion.token_ids, completion.logprobs, completion.finish_reason, stop, sampling.max_new_tokens))
+        return samples
+
+    def generate(self, token_lists: Sequence[Sequence[int]], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> list[TokenOutput]:
+        return self.run(token_lists, [sampling] * len(token_lists), eos_token_ids)
+
+    async def generate_one(self, token_ids: list[int], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> TokenOutput:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.pending.put((token_ids, sampling, tuple(eos_token_ids), future, loop))
+        if self.batcher is None or not self.batcher.is_alive():
+            self.batcher = threading.Thread(target=self.serve_pending, name="vllm-rollout-batcher", daemon=True)
+            self.batcher.start()
+        return await future
+
+    def serve_pending(self) -> None:
+        """Take every queued single-prompt request, run them as one batch, hand back each result."""
+        while True:
+            try:
+                items = [self.pending.get(timeout=1.0)]
+            except queue.Empty:
+                return
+            while True:
+                try:
+                    items.append(self.pending.get_nowait())
+                except queue.Empty:
+                    break
+            groups: dict[tuple[int, ...], list] = {}
+            for item in items:
+                groups.setdefault(item[2], []).append(item)
+            for eos_token_ids, group in groups.items():
+                try:
+                    results = self.run([item[0] for item in group], [item[1] for item in group], eos_token_ids)
+                    for item, result in zip(group, results):
+                        item[4].call_soon_threadsafe(settle, item[3], result, None)
+                except BaseException as error:
+                    for item in group:
+                        item[4].call_soon_threadsafe(settle, item[3], None, error)
+
+    def sleep(self, level: int) -> None:
+        with self.lock:
+            self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        with self.lock:
+            self.llm.wake_up(tags=tags)
+
+    def reset_prefix_cache(self) -> None:
+        with self.lock:
+            self.llm.reset_prefix_cache()
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        with self.lock:
+            self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        with self.lock:
+            self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        with self.lock:
+            self.llm.finish_weight_update(weight_version=weight_version)
+
+    def close(self) -> None:
+        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+
+
+def settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class ServerBackend:
+    """A vLLM OpenAI-compatible server: started here (``vllm serve`` with this environment's Python, on
+    loopback, dev routes on) or attached to at ``server_url``. An attached server must run with
+    ``VLLM_SERVER_DEV_MODE=1`` and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` on the same node's GPUs."""
+
+    def __init__(self, config: VLLMRolloutConfig):
+        self.config = config
+        self.owner_pid = os.getpid()
+        self.server: ServerProcess | None = None
+        if config.server_url is not None:
+            self.base_url = config.server_url.rstrip("/")
+        else:
+            port = config.server_port or free_port(config.server_host)
+            self.base_url = f"http://{config.server_host}:{port}"
+            argv = python_module_argv("vllm.entrypoints.cli.main", server_arguments(config, config.server_host, port))
+            self.server = ServerProcess(argv, base_url=self.base_url, health_path="/health", env=SERVER_ENV, name="vllm server")
+            self.server.wait_ready(config.server_startup_timeout_s)
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        self.weights = HTTPVLLMWeightSyncClient(self.base_url, timeout=config.request_timeout_s)
+
+    def post(self, path: str, payload: Any = None, query: list[tuple[str, Any]] | None = None) -> Any:
+        url = self.base_url + path + ("?" + urllib.parse.urlencode(query) if query else "")
+        return request_json(url, payload, method="POST", timeout=self.config.request_timeout_s)
+
+    def generate(self, token_lists: Sequence[Sequence[int]], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> list[TokenOutput]:
+        response = self.post("/v1/completions", completion_payload(token_lists, sampling, eos_token_ids, None))
+        stop = set(sampling.stop_token_ids) | set(eos_token_ids)
+        return samples_from_completion_response(response, len(token_lists), sampling.n, stop, sampling.max_new_tokens)
+
+    async def generate_one(self, token_ids: list[int], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> TokenOutput:
+        # concurrent requests are batched by the server itself
+        return (await asyncio.to_thread(self.generate, [token_ids], sampling, eos_token_ids))[0]
+
+    def sleep(self, level: int) -> None:
+        self.post("/sleep", query=[("level", level)])
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.post("/wake_up", query=[("tags", tag) for tag in tags])
+
+    def reset_prefix_cache(self) -> None:
+        self.post("/reset_prefix_cache")
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.weights.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self.weights.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.weights.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.weights.finish_weight_update(weight_version)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()

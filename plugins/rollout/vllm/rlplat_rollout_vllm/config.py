@@ -1,0 +1,111 @@
+"""Configuration of the ``vllm`` rollout (the ``rollout.config`` node)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from rlplat.config_node import read_config_node
+
+MODES = ("hybrid", "server")
+SLEEP_LEVELS = (1, 2)
+
+
+@dataclasses.dataclass
+class VLLMRolloutConfig:
+    mode: str = "hybrid"
+    """``hybrid``: a ``vllm.LLM`` inside the worker process, beside the training engine on the same GPU.
+    ``server``: an OpenAI-compatible vLLM server, started by the engine (or found at ``server_url``)."""
+
+    model_path: str | None = None
+    """Local Hugging Face directory (config and tokenizer; the weights too when ``load_weights``)."""
+
+    load_weights: bool = True
+    """Load the weights in ``model_path``; False starts from random weights (vLLM ``load_format='dummy'``)
+    and the training engine's ``update_weights`` supplies the real ones, as in RL training."""
+
+    dtype: str = "bfloat16"
+    """Parameter dtype of the rollout model (``auto``, ``bfloat16``, ``float16``, ``float32``)."""
+
+    tensor_parallel_size: int = 1
+    """GPUs one rollout engine spans."""
+
+    gpu_memory_utilization: float = 0.5
+    """Fraction of the GPU vLLM may take for weights and KV cache; the training engine shares the rest."""
+
+    max_model_len: int | None = None
+    """Prompt plus response tokens per sequence (None: from the model config)."""
+
+    max_num_seqs: int | None = None
+    """Sequences scheduled together (None: vLLM's default)."""
+
+    max_num_batched_tokens: int | None = None
+    """Tokens per scheduler step (None: vLLM's default)."""
+
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prompt prefixes (the n samples of one prompt share it). Reset after
+    every weight update."""
+
+    enforce_eager: bool = False
+    """Skip CUDA graphs (slower decoding, faster start, less memory)."""
+
+    enable_sleep_mode: bool = True
+    """Allocate through vLLM's sleep-mode allocator so that ``sleep`` can free the GPU memory."""
+
+    sleep_level: int = 2
+    """``sleep()`` level: 1 offloads the weights to CPU memory and drops the KV cache; 2 drops both
+    (the weights come back from the training engine, so RL training needs no CPU copy)."""
+
+    seed: int = 0
+    """Engine seed; a call's ``SamplingParams.seed`` seeds each request instead."""
+
+    pad_token_id: int | None = None
+    """Token written after a response ends (default: the model config's pad, else its first EOS)."""
+
+    eos_token_ids: tuple[int, ...] | None = None
+    """Tokens that end a response besides a call's ``stop_token_ids`` (default: the model config's EOS)."""
+
+    weight_transfer_backend: str = "ipc"
+    """vLLM weight-transfer backend for ``update_weights``. ``ipc`` hands CUDA tensors of the same GPU
+    to the engine without a copy through the host (the colocated case)."""
+
+    engine_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """More ``vllm.EngineArgs`` fields, passed as they are (e.g. ``kv_cache_dtype``, ``max_logprobs``)."""
+
+    server_url: str | None = None
+    """Server mode: the base URL of a vLLM server that is already running (nothing is started then)."""
+
+    server_host: str = "127.0.0.1"
+    """Server mode: address the started server listens on."""
+
+    server_port: int = 0
+    """Server mode: port of the started server (0: a free one)."""
+
+    server_startup_timeout_s: float = 900.0
+    """Server mode: how long to wait for the started server to answer its health check."""
+
+    request_timeout_s: float = 1800.0
+    """Server mode: the longest one HTTP request (a whole generation batch) may take."""
+
+    @classmethod
+    def from_any(cls, config: Any) -> "VLLMRolloutConfig":
+        read = read_config_node(config, cls, "vllm rollout config")
+        read.check()
+        return read
+
+    def check(self) -> None:
+        problems = []
+        if self.mode not in MODES:
+            problems.append(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.sleep_level not in SLEEP_LEVELS:
+            problems.append(f"sleep_level must be one of {SLEEP_LEVELS}, got {self.sleep_level}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            problems.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            problems.append(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.model_path is None and self.server_url is None:
+            problems.append("model_path is required (a local Hugging Face directory)")
+        if self.mode == "hybrid" and self.server_url is not None:
+            problems.append("server_url is a server-mode key; set mode=server to use it")
+        if problems:
+            raise ValueError("vllm rollout config: " + "; ".join(problems))

@@ -1,0 +1,173 @@
+"""The ``vllm`` rollout engine: vLLM 0.33 in the worker process (hybrid) or behind its HTTP server.
+
+Weights move with vLLM's own weight-transfer API (``init_weight_transfer_engine``,
+``start_weight_update``, ``update_weights``, ``finish_weight_update``) over its CUDA-IPC backend in packed
+mode: each bucket is copied into one IPC buffer of the bucket's size and loaded before the next, so the
+trainer never holds a second full copy of the model. Memory is freed with vLLM's sleep mode and woken
+in two stages, weights then KV cache.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from rlplat.contracts.rollout import RolloutEngine, SamplingParams, TokenOutput
+from rlplat.protocol import DataProto
+from rlplat.rollout_batch import assemble_rollout, prompt_token_lists
+from rlplat_rollout_vllm.backends import InProcessBackend, ServerBackend
+from rlplat_rollout_vllm.config import VLLMRolloutConfig
+from rlplat_rollout_vllm.translate import packed_update_info
+
+AWAKE, WEIGHTS_ONLY, ASLEEP = "awake", "weights only", "asleep"
+
+
+def model_token_ids(config: VLLMRolloutConfig) -> tuple[int, tuple[int, ...]]:
+    """The pad token and EOS ids: from the config when given, else from the model's own config files."""
+    eos = config.eos_token_ids
+    pad = config.pad_token_id
+    if (eos is None or pad is None) and config.model_path is not None:
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(config.model_path, local_files_only=True)
+        if eos is None:
+            found = getattr(model_config, "eos_token_id", None)
+            eos = tuple(found) if isinstance(found, (list, tuple)) else ((found,) if found is not None else ())
+        if pad is None:
+            pad = getattr(model_config, "pad_token_id", None)
+    eos = tuple(eos or ())
+    if pad is None:
+        if not eos:
+            raise ValueError("vllm rollout: no pad_token_id and no EOS token known; set rollout.config.pad_token_id")
+        pad = eos[0]
+    return int(pad), eos
+
+
+class VLLMRollout(RolloutEngine):
+    """See the :class:`~rlplat.contracts.rollout.RolloutEngine` contract and the module docstring.
+
+    States: awake; weights only (after :meth:`wake_up_weights`); asleep. Generation needs awake and,
+    after a sleep that dropped the weights (``sleep_level`` 2), at least one :meth:`update_weights`.
+    A weight update opened by :meth:`update_weights` is finished (and the prefix cache reset) by the
+    next :meth:`wake_up_kv_cache`, :meth:`generate` or :meth:`sleep`.
+    """
+
+    def __init__(self, config: Any = None, **_: Any):
+        self.config = VLLMRolloutConfig.from_any(config)
+        self.pad_token_id, self.eos_token_ids = model_token_ids(self.config)
+        self.backend = InProcessBackend(self.config) if self.config.mode == "hybrid" else ServerBackend(self.config)
+        self.backend.init_weight_transfer_engine({"packed": True})
+        self.state = AWAKE
+        self.needs_weights = False
+        self.updating = False
+        self.weight_version = 0
+
+    # -- generation ------------------------------------------------------------------------------------
+
+    def generate(self, prompts: DataProto, sampling: SamplingParams) -> DataProto:
+        token_lists = prompt_token_lists(prompts, "vllm")
+        self.check_ready()
+        samples = self.backend.generate(token_lists, sampling, self.eos_token_ids)
+        return assemble_rollout(prompts, samples, sampling.n, sampling.max_new_tokens, self.pad_token_id)
+
+    async def generate_tokens(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> TokenOutput:
+        if sampling.n != 1:
+            raise ValueError(f"generate_tokens samples one response; got n={sampling.n}")
+        if not prompt_ids:
+            raise ValueError("generate_tokens needs at least one prompt token")
+        self.check_ready()
+        return await self.backend.generate_one(list(prompt_ids), sampling, self.eos_token_ids)
+
+    def check_ready(self) -> None:
+        if self.state != AWAKE:
+            step = "wake_up_kv_cache()" if self.state == WEIGHTS_ONLY else "wake_up()"
+            raise RuntimeError(f"vllm rollout is {self.state}: call {step} before generating")
+        if self.needs_weights:
+            raise RuntimeError("vllm rollout woke up without its weights: call update_weights() with the full weights before generating")
+        self.finish_weight_update()
+
+    # -- weights ---------------------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.state == ASLEEP:
+            raise RuntimeError("vllm rollout is asleep: call wake_up_weights() (or wake_up()) before update_weights()")
+        bucket = [(name, self.for_transfer(tensor)) for name, tensor in named_tensors]
+        if not bucket:
+            return
+        if not self.updating:
+            self.backend.start_weight_update()
+            self.updating = True
+        from vllm.distributed.weight_transfer.packed_tensor import packed_ipc_producer
+
+        size = sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+        device = torch.cuda.current_device()
+        gpu_uuid = str(torch.cuda.get_device_properties(device).uuid)
+        # one chunk per bucket: the buffer is the bucket's size and is read before the next bucket comes
+        for chunk in packed_ipc_producer(iter(bucket), gpu_uuid, post_iter_func=lambda item: item[1], buffer_size_bytes=size):
+            self.backend.update_weights(packed_update_info(chunk))
+        self.needs_weights = False
+
+    def for_transfer(self, tensor: torch.Tensor) -> torch.Tensor:
+        """On this GPU, floating-point tensors in the rollout's dtype (half the bytes of float32 masters)."""
+        if not torch.cuda.is_available():
+            raise RuntimeError("vllm rollout: update_weights needs a CUDA device (weights travel by CUDA IPC)")
+        dtype = getattr(torch, self.config.dtype, None) if self.config.dtype != "auto" else None
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype=dtype)
+        return tensor.detach().to(device=torch.cuda.current_device()).contiguous()
+
+    def finish_weight_update(self) -> None:
+        if not self.updating:
+            return
+        self.weight_version += 1
+        self.backend.finish_weight_update(str(self.weight_version))
+        self.updating = False
+        if self.state == AWAKE:
+            # prefix-cache entries were computed with the old weights (a sleep already dropped them)
+            self.backend.reset_prefix_cache()
+        torch.cuda.ipc_collect()
+
+    # -- memory ----------------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        if self.state == ASLEEP:
+            return
+        self.finish_weight_update()
+        if self.state == WEIGHTS_ONLY:
+            self.backend.wake_up(["kv_cache"])  # vLLM sleeps from a fully awake engine only
+        self.backend.sleep(self.config.sleep_level)
+        self.state = ASLEEP
+
+    def wake_up_weights(self) -> None:
+        if self.state != ASLEEP:
+            return
+        self.backend.wake_up(["weights"])
+        self.state = WEIGHTS_ONLY
+        self.needs_weights = self.config.sleep_level == 2
+
+    def wake_up_kv_cache(self) -> None:
+        self.finish_weight_update()
+        if self.state == ASLEEP:
+            self.wake_up_weights()
+        if self.state == WEIGHTS_ONLY:
+            self.backend.wake_up(["kv_cache"])
+            self.state = AWAKE
+
+    def wake_up(self) -> None:
+        self.wake_up_weights()
+        self.wake_up_kv_cache()
+
+    def close(self) -> None:
+        """Stop the engine (hybrid) or the server this engine started (server mode)."""
+        self.backend.close()
+
+    def __del__(self):
+        backend = getattr(self, "backend", None)
+        if backend is not None and os.getpid() == backend.owner_pid:
+            try:
+                backend.close()
+            except Exception:
+                pass
+

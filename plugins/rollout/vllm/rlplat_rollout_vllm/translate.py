@@ -1,0 +1,140 @@
+"""rlplat's settings in vLLM's terms, and vLLM's outputs in rlplat's; no vllm import here, so that the
+translation is testable (and tested) where vllm is not installed.
+
+Every keyword below is checked against the installed vLLM by ``tests/test_api_compat.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+from rlplat.contracts.rollout import SamplingParams, TokenOutput
+from rlplat.rollout_batch import finish_reason
+from rlplat_rollout_vllm.config import VLLMRolloutConfig
+
+# logprobs=0 asks vLLM for the log-prob of the sampled token only; "processed_logprobs" takes it after
+# temperature, top-k and top-p: the distribution actually sampled from, as the contract requires.
+SAMPLED_TOKEN_ONLY = 0
+LOGPROBS_MODE = "processed_logprobs"
+
+
+def sampling_kwargs(sampling: SamplingParams, eos_token_ids: Sequence[int] = ()) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` (and the same names in a completion request).
+
+    ``greedy`` is temperature 0 with the filters off (vLLM's greedy path). ``top_k=0`` means off in both
+    projects. The configured EOS ids join ``stop_token_ids`` so that a model whose tokenizer names no
+    EOS still stops where rlplat expects. ``seed`` seeds each request; vLLM gives the ``n`` samples of a
+    request the seeds ``seed + i``.
+    """
+    stop = sorted(set(sampling.stop_token_ids) | set(eos_token_ids))
+    return {
+        "n": sampling.n,
+        "temperature": 0.0 if sampling.greedy else sampling.temperature,
+        "top_p": 1.0 if sampling.greedy else sampling.top_p,
+        "top_k": 0 if sampling.greedy else sampling.top_k,
+        "max_tokens": sampling.max_new_tokens,
+        "min_tokens": 0,
+        "stop_token_ids": stop,
+        "ignore_eos": False,
+        "seed": sampling.seed,
+        "logprobs": SAMPLED_TOKEN_ONLY,
+        "detokenize": False,
+    }
+
+
+def engine_kwargs(config: VLLMRolloutConfig) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` / ``vllm.EngineArgs`` (``engine_kwargs`` last, so it wins)."""
+    values: dict[str, Any] = {
+        "model": config.model_path,
+        "dtype": config.dtype,
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "max_model_len": config.max_model_len,
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "enforce_eager": config.enforce_eager,
+        "enable_sleep_mode": config.enable_sleep_mode,
+        "seed": config.seed,
+        "load_format": "auto" if config.load_weights else "dummy",
+        "logprobs_mode": LOGPROBS_MODE,
+        "weight_transfer_config": {"backend": config.weight_transfer_backend},
+    }
+    values = {key: value for key, value in values.items() if value is not None}
+    return {**values, **dict(config.engine_kwargs)}
+
+
+def server_arguments(config: VLLMRolloutConfig, host: str, port: int) -> list[str]:
+    """Arguments of ``vllm serve``: the model first, then one flag per engine keyword (vLLM's boolean
+    flags accept ``--no-NAME``), then the address."""
+    values = engine_kwargs(config)
+    model = values.pop("model")
+    flags = []
+    for key, value in values.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, (dict, list)):
+            import json
+
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return ["serve", model, *flags, "--host", host, "--port", str(port)]
+
+
+def completion_payload(token_lists: Sequence[Sequence[int]], sampling: SamplingParams, eos_token_ids: Sequence[int], model: str | None) -> dict[str, Any]:
+    """A ``/v1/completions`` request for a batch of token-id prompts: the same sampling keywords, the
+    sampled tokens' ids and log-probs returned (``return_token_ids``, ``logprobs``)."""
+    values = sampling_kwargs(sampling, eos_token_ids)
+    values.pop("detokenize")  # not a request field; the server detokenizes, which costs little
+    payload = {"prompt": [list(tokens) for tokens in token_lists], "return_token_ids": True, **values}
+    if model is not None:
+        payload["model"] = model
+    return payload
+
+
+def sample_from_completion(token_ids: Sequence[int], logprobs: Any, reported: str | None, stop_token_ids: Iterable[int], max_new_tokens: int) -> TokenOutput:
+    """One ``vllm.CompletionOutput`` (its ``token_ids``, ``logprobs``, ``finish_reason``) as a TokenOutput.
+
+    ``logprobs`` is vLLM's per-position list of ``{token_id: Logprob}`` (a ``FlatLogprobs`` behaves the
+    same under indexing); the sampled token's entry is always present.
+    """
+    tokens = list(token_ids)
+    if logprobs is None or len(logprobs) != len(tokens):
+        raise RuntimeError(
+            f"vllm returned {0 if logprobs is None else len(logprobs)} log-prob entries for {len(tokens)} tokens; "
+            "the rollout asks for logprobs=0 on every request"
+        )
+    values = [float(position[token].logprob) for token, position in zip(tokens, logprobs)]
+    return TokenOutput(tokens, values, finish_reason(tokens, list(stop_token_ids), max_new_tokens, reported))
+
+
+def samples_from_completion_response(response: Mapping[str, Any], prompts: int, n: int, stop_token_ids: Iterable[int], max_new_tokens: int) -> list[TokenOutput]:
+    """The choices of a ``/v1/completions`` answer for ``prompts`` prompts, ``n`` each, prompt-major
+    (vLLM numbers choice ``i`` of prompt ``p`` as ``p * n + i``)."""
+    choices = sorted(response.get("choices") or [], key=lambda choice: choice["index"])
+    if len(choices) != prompts * n:
+        raise RuntimeError(f"vllm server returned {len(choices)} choices for {prompts} prompts x n={n}")
+    stop = list(stop_token_ids)
+    samples = []
+    for choice in choices:
+        tokens = choice.get("token_ids")
+        token_logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        if tokens is None or token_logprobs is None or len(token_logprobs) != len(tokens):
+            raise RuntimeError(f"vllm server choice {choice['index']} lacks token_ids or their log-probs (return_token_ids, logprobs=0 were asked)")
+        values = [float(value) for value in token_logprobs]
+        samples.append(TokenOutput(list(tokens), values, finish_reason(tokens, stop, max_new_tokens, choice.get("finish_reason"))))
+    return samples
+
+
+def packed_update_info(chunk: Any) -> dict[str, Any]:
+    """The ``update_info`` of one ``vllm...packed_tensor.PackedIpcChunk`` for the IPC backend in packed
+    mode (fields of vLLM's ``IPCWeightTransferUpdateInfo``)."""
+    return {
+        "names": list(chunk.names),
+        "dtype_names": list(chunk.dtype_names),
+        "shapes": [list(shape) for shape in chunk.shapes],
+        "ipc_handles": chunk.ipc_handle,
+        "tensor_sizes": list(chunk.tensor_sizes),
+    }

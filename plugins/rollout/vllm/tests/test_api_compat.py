@@ -1,0 +1,322 @@
+"""The plugin against the installed vLLM (0.33.0 in `make test-vllm`), with no GPU: every call it makes
+into vLLM names a real function with keywords that bind, every object it builds is accepted by vLLM's
+own classes, every HTTP route it uses exists. An upgrade that renames or drops any of them fails here.
+
+Skipped where vllm is not installed (the main environment); ``make test-vllm`` builds the environment.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vllm is not installed here: `make test-vllm` runs these tests in an environment with vllm 0.33.0")
+
+import torch  # noqa: E402
+
+from rlplat.contracts.rollout import SamplingParams  # noqa: E402
+from rlplat.testing import left_padded_prompts  # noqa: E402
+from rlplat.testing.tiny_models import save_tiny_model  # noqa: E402
+import rlplat_rollout_vllm  # noqa: E402
+from rlplat_rollout_vllm import backends, rollout as rollout_module  # noqa: E402
+from rlplat_rollout_vllm.config import VLLMRolloutConfig  # noqa: E402
+from rlplat_rollout_vllm.translate import completion_payload, engine_kwargs, packed_update_info, sampling_kwargs, server_arguments  # noqa: E402
+
+PACKAGE = Path(rlplat_rollout_vllm.__file__).parent
+LLM = vllm.LLM  # the real class, before a test puts its recording stand-in in its place
+SAMPLINGS = [
+    SamplingParams(),
+    SamplingParams(n=3, temperature=0.6, top_p=0.8, top_k=12, max_new_tokens=40, stop_token_ids=(7, 3), seed=11),
+    SamplingParams(greedy=True, max_new_tokens=2),
+]
+
+
+def test_the_installed_version_is_the_pinned_one():
+    assert vllm.__version__ == "0.33.0"
+
+
+# -- every call in the plugin's source -------------------------------------------------------------------
+
+def call_targets():
+    """Receivers in the plugin's source -> the vLLM object their methods must exist on."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.v1.engine.core_client import EngineCoreClient
+
+    return {"self.llm": vllm.LLM, "self.weights": HTTPVLLMWeightSyncClient, "engine_core": EngineCoreClient}
+
+
+def call_functions():
+    """Callables the plugin's source names directly."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.packed_tensor import packed_ipc_producer
+
+    return {
+        "packed_ipc_producer": packed_ipc_producer,
+        "HTTPVLLMWeightSyncClient": HTTPVLLMWeightSyncClient,
+        "vllm.LLM": vllm.LLM,
+        "self.vllm.SamplingParams": vllm.SamplingParams,
+    }
+
+
+def bind_call(function, call: ast.Call, bound_self: bool) -> None:
+    """Bind the call's positional and keyword arguments (placeholders) to ``function``'s real signature;
+    a ``**mapping`` argument is checked by the tests that build that mapping."""
+    signature = inspect.signature(function)
+    if any(isinstance(arg, ast.Starred) for arg in call.args):
+        return
+    args = [object()] * (len(call.args) + (1 if bound_self else 0))
+    keywords = {keyword.arg: object() for keyword in call.keywords if keyword.arg is not None}
+    if any(keyword.arg is None for keyword in call.keywords):
+        signature.bind_partial(*args, **keywords)
+    else:
+        signature.bind(*args, **keywords)
+
+
+def plugin_calls():
+    for path in sorted(PACKAGE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                yield path.name, node.lineno, node
+
+
+def test_every_vllm_method_the_plugin_calls_exists_and_accepts_its_arguments():
+    targets, functions, checked = call_targets(), call_functions(), []
+    for file, line, call in plugin_calls():
+        name = ast.unparse(call.func)
+        receiver, _, method = name.rpartition(".")
+        where = f"{file}:{line} {name}(...)"
+        if name in functions:
+            function = functions[name]
+            bind_call(function.__init__ if inspect.isclass(function) else function, call, bound_self=inspect.isclass(function))
+            checked.append(name)
+        elif receiver in targets:
+            cls = targets[receiver]
+            assert hasattr(cls, method), f"{where}: vllm's {cls.__name__} has no {method!r}"
+            bind_call(getattr(cls, method), call, bound_self=True)
+            checked.append(name)
+        elif name.startswith(("vllm.", "self.vllm.")):
+            pytest.fail(f"{where}: a vllm call this test does not know; add it to call_functions()")
+    assert {"self.llm.generate", "self.llm.sleep", "self.llm.wake_up", "self.llm.update_weights", "self.llm.start_weight_update",
+            "self.llm.finish_weight_update", "self.llm.init_weight_transfer_engine", "self.llm.reset_prefix_cache",
+            "packed_ipc_producer", "vllm.LLM", "engine_core.shutdown", "self.weights.update_weights"} <= set(checked)
+
+
+def test_the_llm_engine_keeps_its_engine_core_client():
+    source = inspect.getsource(vllm.v1.engine.llm_engine.LLMEngine.__init__)
+    assert "self.engine_core = EngineCoreClient.make_client(" in source
+
+
+# -- objects the plugin builds ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["defaults", "every-field", "greedy"])
+def test_vllm_accepts_every_translated_sampling_and_keeps_each_value(sampling):
+    kwargs = sampling_kwargs(sampling, eos_token_ids=(2,))
+    params = vllm.SamplingParams(**kwargs)
+    for key, value in kwargs.items():
+        assert getattr(params, key) == value, key
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["defaults", "every-field", "greedy"])
+def test_the_server_request_samples_as_the_in_process_engine_does(sampling):
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    payload = completion_payload([[1, 2, 3], [4]], sampling, eos_token_ids=(2,), model=None)
+    request = CompletionRequest.model_validate(payload)
+    served = request.to_sampling_params(max_tokens=payload["max_tokens"])
+    local = vllm.SamplingParams(**sampling_kwargs(sampling, eos_token_ids=(2,)))
+    for key in ("n", "temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop_token_ids", "seed", "logprobs", "ignore_eos"):
+        assert getattr(served, key) == getattr(local, key), key
+    assert request.return_token_ids is True and request.prompt == [[1, 2, 3], [4]]
+
+
+def test_the_engine_arguments_are_engine_args_fields_and_keep_their_values():
+    config = VLLMRolloutConfig(model_path="/models/tiny", load_weights=False, max_model_len=256, engine_kwargs={"max_logprobs": 4})
+    kwargs = engine_kwargs(config)
+    inspect.signature(vllm.LLM.__init__).bind(object(), **kwargs)
+    engine_args = vllm.EngineArgs(**kwargs)
+    assert engine_args.load_format == "dummy" and engine_args.logprobs_mode == "processed_logprobs"
+    assert engine_args.enable_sleep_mode is True and engine_args.max_model_len == 256 and engine_args.max_logprobs == 4
+    assert engine_args.weight_transfer_config.backend == "ipc"
+
+
+def test_vllm_serve_parses_the_server_arguments_to_the_same_engine_arguments():
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    config = VLLMRolloutConfig(mode="server", model_path="/models/tiny", load_weights=False, enable_prefix_caching=False, max_model_len=300)
+    argv = server_arguments(config, "127.0.0.1", 8011)
+    assert argv[0] == "serve"
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[1:])
+    args.model = args.model_tag  # what `vllm serve` does with the positional model
+    parsed = vllm.AsyncEngineArgs.from_cli_args(args)
+    for key, value in engine_kwargs(config).items():
+        got = getattr(parsed, key)
+        if key == "weight_transfer_config":
+            got, value = got.backend, value["backend"]
+        assert got == value, key
+    assert (args.host, args.port) == ("127.0.0.1", 8011)
+
+
+def test_the_cli_module_the_server_is_started_with_runs_main():
+    import vllm.entrypoints.cli.main as cli_main
+
+    assert 'if __name__ == "__main__":' in inspect.getsource(cli_main) and callable(cli_main.main)
+
+
+def test_the_weight_transfer_messages_parse_into_vllms_ipc_dataclasses():
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo, IPCWeightTransferUpdateInfo
+    from vllm.distributed.weight_transfer.packed_tensor import PackedIpcChunk
+
+    assert IPCWeightTransferInitInfo(**{"packed": True}).packed is True
+    chunk = PackedIpcChunk(names=["model.embed_tokens.weight"], shapes=[[4, 2]], dtype_names=["bfloat16"], tensor_sizes=[16], ipc_handle={"GPU-0": ("args",)})
+    info = IPCWeightTransferUpdateInfo(**packed_update_info(chunk))
+    assert info.names == ["model.embed_tokens.weight"] and info.tensor_sizes == [16] and info.ipc_handles == {"GPU-0": ("args",)}
+    assert vllm.config.WeightTransferConfig(backend="ipc").backend == "ipc"
+
+
+def test_the_http_routes_the_server_mode_uses_exist():
+    from vllm.entrypoints.openai.completion.api_router import router as completion_router
+    from vllm.entrypoints.serve.dev.cache.api_router import router as cache_router
+    from vllm.entrypoints.serve.dev.sleep.api_router import router as sleep_router
+    from vllm.entrypoints.serve.instrumentator.health import router as health_router
+
+    routes = {(route.path, method) for router in (completion_router, cache_router, sleep_router, health_router) for route in router.routes for method in route.methods}
+    for needed in [("/v1/completions", "POST"), ("/sleep", "POST"), ("/wake_up", "POST"), ("/reset_prefix_cache", "POST"), ("/health", "GET")]:
+        assert needed in routes, needed
+    sleep_endpoint = next(route.endpoint for route in sleep_router.routes if route.path == "/sleep")
+    assert "level" in inspect.signature(sleep_endpoint).parameters
+    wake_source = inspect.getsource(next(route.endpoint for route in sleep_router.routes if route.path == "/wake_up"))
+    assert 'query_params.getlist("tags")' in wake_source
+
+
+def test_a_real_completion_response_parses():
+    from vllm.entrypoints.openai.completion.protocol import CompletionLogProbs, CompletionResponse, CompletionResponseChoice
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+    choices = [
+        CompletionResponseChoice(index=1, text="", token_ids=[5, 2], finish_reason="stop", logprobs=CompletionLogProbs(token_logprobs=[-0.5, -0.25])),
+        CompletionResponseChoice(index=0, text="", token_ids=[6, 7], finish_reason="length", logprobs=CompletionLogProbs(token_logprobs=[-1.0, -2.0])),
+    ]
+    body = json.loads(CompletionResponse(model="m", choices=choices, usage=UsageInfo(prompt_tokens=1)).model_dump_json())
+    from rlplat_rollout_vllm.translate import samples_from_completion_response
+
+    samples = samples_from_completion_response(body, prompts=1, n=2, stop_token_ids={2}, max_new_tokens=2)
+    assert [s.token_ids for s in samples] == [[6, 7], [5, 2]] and [s.finish_reason for s in samples] == ["length", "stop"]
+
+
+# -- the hybrid engine's own code paths against a recording LLM ---------------------------------------------
+
+class RecordingLLM:
+    """Stands in for ``vllm.LLM`` (which needs a GPU): records each call; ``generate`` answers with
+    vLLM's real output classes, every sample ending at the first stop id after two tokens."""
+
+    def __init__(self, *args, **kwargs):
+        self.calls = [("__init__", args, kwargs)]
+        self.llm_engine = type("Engine", (), {"engine_core": self})()
+
+    def __getattr__(self, name):
+        def record(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+            if name == "generate":
+                return self.outputs(*args, **kwargs)
+            return None
+
+        return record
+
+    def outputs(self, prompts, params, use_tqdm=True):
+        from vllm.logprobs import Logprob
+        from vllm.outputs import CompletionOutput, RequestOutput
+
+        answers = []
+        for number, (prompt, sampling) in enumerate(zip(prompts, params)):
+            completions = []
+            for index in range(sampling.n):
+                tokens = [10 + index, 11, sampling.stop_token_ids[0]][: sampling.max_tokens]
+                logprobs = [{token: Logprob(logprob=-0.5 * (position + 1))} for position, token in enumerate(tokens)]
+                reason = "stop" if len(tokens) == 3 else "length"
+                completions.append(CompletionOutput(index=index, text="", token_ids=tokens, cumulative_logprob=None, logprobs=logprobs, finish_reason=reason))
+            answers.append(RequestOutput(request_id=str(number), prompt=None, prompt_token_ids=prompt["prompt_token_ids"], prompt_logprobs=None, outputs=completions[::-1], finished=True))
+        return answers
+
+
+@pytest.fixture
+def hybrid(monkeypatch, tmp_path):
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    engine = rollout_module.VLLMRollout({"model_path": save_tiny_model(tmp_path / "model"), "load_weights": False})
+    yield engine
+    engine.backend.close()
+
+
+def check_recorded_calls(calls):
+    for name, args, kwargs in calls:
+        if name == "__init__":
+            inspect.signature(vllm.EngineArgs).bind(**kwargs)
+        elif name == "shutdown":
+            from vllm.v1.engine.core_client import EngineCoreClient
+
+            inspect.signature(EngineCoreClient.shutdown).bind(object(), *args, **kwargs)
+        else:
+            inspect.signature(getattr(LLM, name)).bind(object(), *args, **kwargs)
+
+
+def test_hybrid_generation_calls_vllm_correctly_and_assembles_the_batch(hybrid):
+    prompts = left_padded_prompts([[1, 5, 6], [1, 4]], pad_token_id=0)
+    out = hybrid.generate(prompts, SamplingParams(n=2, max_new_tokens=4, stop_token_ids=(2,), seed=3))
+    calls = hybrid.backend.llm.calls
+    check_recorded_calls(calls)
+    assert [name for name, _, _ in calls] == ["__init__", "init_weight_transfer_engine", "generate"]
+    assert calls[1][1] == ({"init_info": {"packed": True}},)
+    generate_args = calls[2][1]
+    assert generate_args[0] == [{"prompt_token_ids": [1, 5, 6]}, {"prompt_token_ids": [1, 4]}]
+    assert all(isinstance(params, vllm.SamplingParams) and params.seed == 3 for params in generate_args[1])
+    assert out.batch["responses"].tolist() == [[10, 11, 2, 0], [11, 11, 2, 0]] * 2
+    assert out.batch["response_mask"].tolist() == [[1, 1, 1, 0]] * 4
+    assert out.batch["rollout_log_probs"][0].tolist() == [-0.5, -1.0, -1.5, 0.0]
+    assert out.batch["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert out.batch["position_ids"][2].tolist() == [0, 0, 1, 2, 3, 4, 5]
+
+
+def test_the_staged_wake_up_and_sleep_call_vllm_in_order(hybrid):
+    hybrid.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        hybrid.generate(left_padded_prompts([[1, 5]], pad_token_id=0), SamplingParams())
+    hybrid.wake_up_weights()
+    with pytest.raises(RuntimeError, match="weights only: call wake_up_kv_cache"):
+        hybrid.generate(left_padded_prompts([[1, 5]], pad_token_id=0), SamplingParams())
+    hybrid.wake_up_kv_cache()
+    with pytest.raises(RuntimeError, match="without its weights: call update_weights"):
+        hybrid.generate(left_padded_prompts([[1, 5]], pad_token_id=0), SamplingParams())
+    hybrid.close()
+    calls = hybrid.backend.llm.calls
+    check_recorded_calls(calls)
+    assert [(name, args, kwargs) for name, args, kwargs in calls[2:]] == [
+        ("sleep", (), {"level": 2}), ("wake_up", (), {"tags": ["weights"]}), ("wake_up", (), {"tags": ["kv_cache"]}), ("shutdown", (), {}),
+    ]
+
+
+def test_generate_tokens_batches_concurrent_requests_into_one_generate_call(hybrid):
+    async def three():
+        sampling = SamplingParams(max_new_tokens=3, stop_token_ids=(2,))
+        return await asyncio.gather(*(hybrid.generate_tokens([1, 4 + k], sampling) for k in range(3)))
+
+    results = asyncio.run(three())
+    assert [r.token_ids for r in results] == [[10, 11, 2]] * 3 and all(r.finish_reason == "stop" for r in results)
+    generate_calls = [call for call in hybrid.backend.llm.calls if call[0] == "generate"]
+    assert 1 <= len(generate_calls) <= 3
+    assert sum(len(call[1][0]) for call in generate_calls) == 3
+    check_recorded_calls(hybrid.backend.llm.calls)
+
+
+def test_weights_need_a_cuda_device():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the gpu tests cover update_weights")
+    engine = object.__new__(rollout_module.VLLMRollout)
+    engine.config, engine.state = VLLMRolloutConfig(model_path="/m"), rollout_module.AWAKE
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        engine.update_weights([("w", torch.zeros(2))])
+

@@ -1,0 +1,142 @@
+"""rlplat's sampling and config in vLLM's terms, and vLLM's outputs back; needs no vllm (runs in `make test`)."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+from rlplat.contracts.rollout import SamplingParams, TokenOutput
+from rlplat_rollout_vllm.config import VLLMRolloutConfig
+from rlplat_rollout_vllm.translate import (
+    completion_payload,
+    engine_kwargs,
+    packed_update_info,
+    sample_from_completion,
+    samples_from_completion_response,
+    sampling_kwargs,
+    server_arguments,
+)
+
+
+def logprob_positions(pairs):
+    """vLLM's per-position ``{token_id: Logprob}``: the sampled token plus one other candidate."""
+    return [{token: types.SimpleNamespace(logprob=value), token + 1: types.SimpleNamespace(logprob=-9.0)} for token, value in pairs]
+
+
+class TestSamplingKwargs:
+    def test_every_field_is_translated(self):
+        sampling = SamplingParams(n=4, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=33, stop_token_ids=(9, 3), seed=5)
+        assert sampling_kwargs(sampling) == {
+            "n": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_tokens": 33, "min_tokens": 0,
+            "stop_token_ids": [3, 9], "ignore_eos": False, "seed": 5, "logprobs": 0, "detokenize": False,
+        }
+
+    def test_greedy_is_temperature_zero_with_the_filters_off(self):
+        kwargs = sampling_kwargs(SamplingParams(greedy=True, temperature=0.3, top_p=0.5, top_k=7))
+        assert (kwargs["temperature"], kwargs["top_p"], kwargs["top_k"]) == (0.0, 1.0, 0)
+
+    def test_top_k_zero_means_off_in_both(self):
+        assert sampling_kwargs(SamplingParams(top_k=0))["top_k"] == 0
+
+    def test_configured_eos_ids_join_the_stop_ids_once(self):
+        assert sampling_kwargs(SamplingParams(stop_token_ids=(4, 2)), eos_token_ids=(2, 11))["stop_token_ids"] == [2, 4, 11]
+
+    def test_no_seed_stays_none(self):
+        assert sampling_kwargs(SamplingParams())["seed"] is None
+
+
+class TestEngineKwargs:
+    def test_training_starts_from_dummy_weights_and_asks_for_processed_log_probs(self):
+        kwargs = engine_kwargs(VLLMRolloutConfig(model_path="/models/tiny", load_weights=False))
+        assert kwargs["model"] == "/models/tiny"
+        assert kwargs["load_format"] == "dummy"
+        assert kwargs["logprobs_mode"] == "processed_logprobs"
+        assert kwargs["weight_transfer_config"] == {"backend": "ipc"}
+        assert kwargs["enable_sleep_mode"] is True
+
+    def test_unset_options_are_left_to_vllm_and_engine_kwargs_win(self):
+        config = VLLMRolloutConfig(model_path="/m", max_model_len=None, engine_kwargs={"max_logprobs": 5, "enforce_eager": True})
+        kwargs = engine_kwargs(config)
+        assert "max_model_len" not in kwargs and "max_num_seqs" not in kwargs
+        assert kwargs["max_logprobs"] == 5 and kwargs["enforce_eager"] is True
+        assert engine_kwargs(VLLMRolloutConfig(model_path="/m"))["load_format"] == "auto"
+
+    def test_server_arguments_put_the_model_first_and_write_every_flag(self):
+        config = VLLMRolloutConfig(model_path="/m", mode="server", enable_prefix_caching=False, max_model_len=512)
+        argv = server_arguments(config, "127.0.0.1", 8123)
+        assert argv[:2] == ["serve", "/m"]
+        assert "--no-enable-prefix-caching" in argv and "--enable-sleep-mode" in argv
+        assert argv[argv.index("--max-model-len") + 1] == "512"
+        assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "ipc"}
+        assert argv[-4:] == ["--host", "127.0.0.1", "--port", "8123"]
+
+
+class TestConfig:
+    def test_an_unknown_key_names_the_known_ones(self):
+        with pytest.raises(ValueError, match=r"unknown key\(s\) \['gpu_memory'\].*gpu_memory_utilization"):
+            VLLMRolloutConfig.from_any({"model_path": "/m", "gpu_memory": 0.4})
+
+    def test_bad_values_are_named_together(self):
+        with pytest.raises(ValueError) as caught:
+            VLLMRolloutConfig.from_any({"model_path": "/m", "mode": "remote", "sleep_level": 3, "gpu_memory_utilization": 1.5})
+        message = str(caught.value)
+        assert "mode must be one of" in message and "sleep_level" in message and "gpu_memory_utilization" in message
+
+    def test_a_model_path_is_required_unless_attaching_to_a_server(self):
+        with pytest.raises(ValueError, match="model_path is required"):
+            VLLMRolloutConfig.from_any({})
+        VLLMRolloutConfig.from_any({"mode": "server", "server_url": "http://127.0.0.1:8000"})
+
+    def test_server_url_in_hybrid_mode_is_refused(self):
+        with pytest.raises(ValueError, match="set mode=server"):
+            VLLMRolloutConfig.from_any({"model_path": "/m", "server_url": "http://127.0.0.1:8000"})
+
+    def test_lists_from_yaml_become_tuples(self):
+        assert VLLMRolloutConfig.from_any({"model_path": "/m", "eos_token_ids": [2, 3]}).eos_token_ids == (2, 3)
+
+
+class TestOutputs:
+    def test_a_completion_becomes_tokens_log_probs_and_its_reason(self):
+        out = sample_from_completion([5, 6, 2], logprob_positions([(5, -0.5), (6, -1.25), (2, -0.1)]), "stop", {2}, 8)
+        assert out == TokenOutput([5, 6, 2], [-0.5, -1.25, -0.1], "stop")
+
+    def test_length_and_a_missing_reason_are_told_from_the_tokens(self):
+        assert sample_from_completion([5, 6], logprob_positions([(5, -1.0), (6, -1.0)]), "length", {2}, 2).finish_reason == "length"
+        assert sample_from_completion([5, 2], logprob_positions([(5, -1.0), (2, -1.0)]), None, {2}, 8).finish_reason == "stop"
+
+    def test_an_aborted_sample_is_an_error(self):
+        with pytest.raises(RuntimeError, match="'abort'"):
+            sample_from_completion([5], logprob_positions([(5, -1.0)]), "abort", {2}, 8)
+
+    def test_missing_log_probs_are_an_error(self):
+        with pytest.raises(RuntimeError, match="logprobs=0"):
+            sample_from_completion([5, 6], None, "length", {2}, 2)
+
+    def test_server_choices_are_ordered_by_index_prompt_major(self):
+        response = {"choices": [
+            {"index": 1, "token_ids": [7, 2], "logprobs": {"token_logprobs": [-0.2, -0.3]}, "finish_reason": "stop"},
+            {"index": 0, "token_ids": [8, 9], "logprobs": {"token_logprobs": [-1.0, -2.0]}, "finish_reason": "length"},
+        ]}
+        samples = samples_from_completion_response(response, prompts=1, n=2, stop_token_ids={2}, max_new_tokens=2)
+        assert samples == [TokenOutput([8, 9], [-1.0, -2.0], "length"), TokenOutput([7, 2], [-0.2, -0.3], "stop")]
+
+    def test_a_short_server_answer_is_an_error(self):
+        with pytest.raises(RuntimeError, match="1 choices for 2 prompts x n=1"):
+            samples_from_completion_response({"choices": [{"index": 0}]}, prompts=2, n=1, stop_token_ids=(), max_new_tokens=4)
+
+
+def test_the_completion_request_carries_token_prompts_and_asks_for_token_ids():
+    payload = completion_payload([[1, 2], [3]], SamplingParams(n=2, max_new_tokens=4, seed=1), eos_token_ids=(0,), model=None)
+    assert payload["prompt"] == [[1, 2], [3]]
+    assert payload["return_token_ids"] is True and payload["logprobs"] == 0 and payload["max_tokens"] == 4
+    assert "detokenize" not in payload and "model" not in payload
+
+
+def test_a_packed_chunk_becomes_the_ipc_update_info():
+    chunk = types.SimpleNamespace(names=["a", "b"], dtype_names=["bfloat16", "bfloat16"], shapes=[[2, 3], [4]], tensor_sizes=[12, 8], ipc_handle={"GPU-1": ("args",)})
+    assert packed_update_info(chunk) == {
+        "names": ["a", "b"], "dtype_names": ["bfloat16", "bfloat16"], "shapes": [[2, 3], [4]],
+        "ipc_handles": {"GPU-1": ("args",)}, "tensor_sizes": [12, 8],
+    }
