@@ -17,7 +17,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-gpu bench clean test-vllm test-sglang test-vllm-gpu test-sglang-gpu
+.PHONY: setup demo test test-gpu bench clean test-vllm test-sglang test-vllm-gpu test-sglang-gpu gpu-check-vllm gpu-check-sglang
 
 setup: $(STAMP)
 
@@ -83,6 +83,13 @@ test-vllm-gpu: .venv-vllm/.rlplat-installed
 
 test-sglang-gpu: .venv-sglang/.rlplat-installed
 	.venv-sglang/bin/python -m pytest -m gpu plugins/rollout/sglang/tests $(PYTEST_ARGS)
+
+# On a GPU machine: the gpu tests, then a 3-step GRPO run with that rollout (scripts/rollout_gpu_check.sh).
+gpu-check-vllm:
+	scripts/rollout_gpu_check.sh vllm
+
+gpu-check-sglang:
+	scripts/rollout_gpu_check.sh sglang
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .venv-vllm .venv-sglang

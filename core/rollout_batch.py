@@ -83,3 +83,24 @@ def finish_reason(token_ids: Sequence[int], stop_token_ids: Sequence[int], max_n
     if len(token_ids) >= max_new_tokens:
         return "length"
     raise RuntimeError(f"the rollout engine ended a sample with finish reason {reported!r} (aborted or failed)")
+
+
+def pad_and_eos_token_ids(model_path: str | None, pad_token_id: int | None, eos_token_ids: Sequence[int] | None, engine: str) -> tuple[int, tuple[int, ...]]:
+    """The pad token and EOS ids of a rollout: as configured, else from the model's own config files
+    (``transformers.AutoConfig``, local files only); the pad falls back to the first EOS id."""
+    eos, pad = eos_token_ids, pad_token_id
+    if (eos is None or pad is None) and model_path is not None:
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+        if eos is None:
+            found = getattr(model_config, "eos_token_id", None)
+            eos = tuple(found) if isinstance(found, (list, tuple)) else ((found,) if found is not None else ())
+        if pad is None:
+            pad = getattr(model_config, "pad_token_id", None)
+    eos = tuple(int(token) for token in eos or ())
+    if pad is None:
+        if not eos:
+            raise ValueError(f"{engine} rollout: no pad_token_id and no EOS token known; set rollout.config.pad_token_id")
+        pad = eos[0]
+    return int(pad), eos

@@ -7,6 +7,7 @@ vLLM's weight-sync client protocol (``init_weight_transfer_engine``, ``start_wei
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import queue
 import threading
@@ -33,6 +34,20 @@ INSECURE_SERIALIZATION = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 SERVER_ENV = {**INSECURE_SERIALIZATION, "VLLM_SERVER_DEV_MODE": "1"}
 
 
+# The worker's own torch.distributed rendezvous (set for the training engine). vLLM's engine processes,
+# started by LLM(), inherit the environment and must form their own group, not join the trainer's.
+DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def without_distributed_env():
+    saved = {name: os.environ.pop(name) for name in DISTRIBUTED_ENV if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 class InProcessBackend:
     """A ``vllm.LLM`` owned by this worker. ``LLM`` is not thread safe, so calls are serialised by a lock;
     concurrent :meth:`generate_one` calls (agent loops) are gathered into one ``LLM.generate`` batch
@@ -43,7 +58,8 @@ class InProcessBackend:
         import vllm
 
         self.vllm = vllm
-        self.llm = vllm.LLM(**engine_kwargs(config))
+        with without_distributed_env():
+            self.llm = vllm.LLM(**engine_kwargs(config))
         self.owner_pid = os.getpid()
         self.lock = threading.Lock()
         self.pending: queue.SimpleQueue = queue.SimpleQueue()

@@ -16,33 +16,12 @@ import torch
 
 from rlplat.contracts.rollout import RolloutEngine, SamplingParams, TokenOutput
 from rlplat.protocol import DataProto
-from rlplat.rollout_batch import assemble_rollout, prompt_token_lists
+from rlplat.rollout_batch import assemble_rollout, pad_and_eos_token_ids, prompt_token_lists
 from rlplat_rollout_vllm.backends import InProcessBackend, ServerBackend
 from rlplat_rollout_vllm.config import VLLMRolloutConfig
 from rlplat_rollout_vllm.translate import packed_update_info
 
 AWAKE, WEIGHTS_ONLY, ASLEEP = "awake", "weights only", "asleep"
-
-
-def model_token_ids(config: VLLMRolloutConfig) -> tuple[int, tuple[int, ...]]:
-    """The pad token and EOS ids: from the config when given, else from the model's own config files."""
-    eos = config.eos_token_ids
-    pad = config.pad_token_id
-    if (eos is None or pad is None) and config.model_path is not None:
-        from transformers import AutoConfig
-
-        model_config = AutoConfig.from_pretrained(config.model_path, local_files_only=True)
-        if eos is None:
-            found = getattr(model_config, "eos_token_id", None)
-            eos = tuple(found) if isinstance(found, (list, tuple)) else ((found,) if found is not None else ())
-        if pad is None:
-            pad = getattr(model_config, "pad_token_id", None)
-    eos = tuple(eos or ())
-    if pad is None:
-        if not eos:
-            raise ValueError("vllm rollout: no pad_token_id and no EOS token known; set rollout.config.pad_token_id")
-        pad = eos[0]
-    return int(pad), eos
 
 
 class VLLMRollout(RolloutEngine):
@@ -56,7 +35,7 @@ class VLLMRollout(RolloutEngine):
 
     def __init__(self, config: Any = None, **_: Any):
         self.config = VLLMRolloutConfig.from_any(config)
-        self.pad_token_id, self.eos_token_ids = model_token_ids(self.config)
+        self.pad_token_id, self.eos_token_ids = pad_and_eos_token_ids(self.config.model_path, self.config.pad_token_id, self.config.eos_token_ids, "vllm")
         self.backend = InProcessBackend(self.config) if self.config.mode == "hybrid" else ServerBackend(self.config)
         self.backend.init_weight_transfer_engine({"packed": True})
         self.state = AWAKE
