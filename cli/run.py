@@ -15,7 +15,11 @@ DEMO_HELP = (
 def installed(kind: str) -> str:
     from rlplat import registry
 
-    return ", ".join(registry.names(kind)) or "none"
+    names = registry.names(kind)
+    usable = [name for name in names if registry.entry(kind, name).status == "ok"]
+    unusable = [name for name in names if name not in usable]
+    text = ", ".join(usable) or "none"
+    return f"{text} (unavailable here: {', '.join(unusable)}; see rlplat plugins list)" if unusable else text
 
 
 def demo_overrides() -> list[str]:
