@@ -7,7 +7,10 @@ the padding, position and masking rules in one place.
 
 from __future__ import annotations
 
-from typing import Sequence
+import asyncio
+import queue
+import threading
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -87,20 +90,84 @@ def finish_reason(token_ids: Sequence[int], stop_token_ids: Sequence[int], max_n
 
 def pad_and_eos_token_ids(model_path: str | None, pad_token_id: int | None, eos_token_ids: Sequence[int] | None, engine: str) -> tuple[int, tuple[int, ...]]:
     """The pad token and EOS ids of a rollout: as configured, else from the model's own config files
-    (``transformers.AutoConfig``, local files only); the pad falls back to the first EOS id."""
+    (``config.json`` and, as vLLM and SGLang read it too, ``generation_config.json``; local files only).
+    The pad falls back to the first EOS id."""
     eos, pad = eos_token_ids, pad_token_id
     if (eos is None or pad is None) and model_path is not None:
-        from transformers import AutoConfig
+        from transformers import AutoConfig, GenerationConfig
 
-        model_config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+        configs = [AutoConfig.from_pretrained(model_path, local_files_only=True)]
+        try:
+            configs.append(GenerationConfig.from_pretrained(model_path, local_files_only=True))
+        except OSError:
+            pass  # no generation_config.json
         if eos is None:
-            found = getattr(model_config, "eos_token_id", None)
-            eos = tuple(found) if isinstance(found, (list, tuple)) else ((found,) if found is not None else ())
+            found: list[int] = []
+            for config in configs:
+                ids = getattr(config, "eos_token_id", None)
+                for token in ids if isinstance(ids, (list, tuple)) else ([ids] if ids is not None else []):
+                    if token not in found:
+                        found.append(token)
+            eos = tuple(found)
         if pad is None:
-            pad = getattr(model_config, "pad_token_id", None)
+            pad = next((config.pad_token_id for config in configs if getattr(config, "pad_token_id", None) is not None), None)
     eos = tuple(int(token) for token in eos or ())
     if pad is None:
         if not eos:
             raise ValueError(f"{engine} rollout: no pad_token_id and no EOS token known; set rollout.config.pad_token_id")
         pad = eos[0]
     return int(pad), eos
+
+
+class RequestBatcher:
+    """Gathers single-prompt requests made concurrently from asyncio code (agent loops calling
+    ``generate_tokens``) into batches for an engine that is not safe to call from several threads: one
+    daemon thread takes everything queued, calls ``run_batch(items)`` (which returns one result per item,
+    in order) and hands each caller its result or the batch's exception. The thread ends after a second
+    without requests and starts again with the next one."""
+
+    def __init__(self, run_batch: Callable[[list[Any]], Sequence[Any]], name: str):
+        self.run_batch, self.name = run_batch, name
+        self.pending: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.starting = threading.Lock()
+
+    async def submit(self, item: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.pending.put((item, future, loop))
+        with self.starting:
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self.serve, name=self.name, daemon=True)
+                self.thread.start()
+        return await future
+
+    def serve(self) -> None:
+        while True:
+            try:
+                batch = [self.pending.get(timeout=1.0)]
+            except queue.Empty:
+                return
+            while True:
+                try:
+                    batch.append(self.pending.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                results = list(self.run_batch([item for item, _, _ in batch]))
+                if len(results) != len(batch):
+                    raise RuntimeError(f"{self.name}: {len(results)} results for {len(batch)} requests")
+                for (_, future, loop), result in zip(batch, results):
+                    loop.call_soon_threadsafe(settle, future, result, None)
+            except BaseException as error:
+                for _, future, loop in batch:
+                    loop.call_soon_threadsafe(settle, future, None, error)
+
+
+def settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -8,6 +8,7 @@ client side imports nothing the backend's environment might lack.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import signal
@@ -140,3 +141,35 @@ def cli_flags(values: Mapping[str, Any], boolean_style: str = "negatable") -> li
         else:
             flags += [flag, str(value)]
     return flags
+
+
+@dataclasses.dataclass
+class ServerSettings:
+    """The server-mode keys of a rollout config (a backend's config dataclass inherits them)."""
+
+    server_url: str | None = None
+    """Server mode: the base URL of a server that is already running on this node (nothing is started
+    then; the backend's README says which flags it must have been started with)."""
+
+    server_host: str = "127.0.0.1"
+    """Server mode: address the started server listens on."""
+
+    server_port: int = 0
+    """Server mode: port of the started server (0: a free one)."""
+
+    server_startup_timeout_s: float = 900.0
+    """Server mode: how long to wait for the started server to answer its health check."""
+
+    request_timeout_s: float = 1800.0
+    """Server mode: the longest one HTTP request (a whole generation batch) may take."""
+
+    def server_problems(self, mode: str, model_path: str | None) -> list[str]:
+        """What is wrong with these keys for ``mode`` (``hybrid`` or ``server``), as sentences."""
+        problems = []
+        if model_path is None and self.server_url is None:
+            problems.append("model_path is required (a local Hugging Face directory)")
+        if mode != "server" and self.server_url is not None:
+            problems.append("server_url is a server-mode key; set mode=server to use it")
+        if self.server_port < 0 or self.server_port > 65535:
+            problems.append(f"server_port must be in 0..65535, got {self.server_port}")
+        return problems

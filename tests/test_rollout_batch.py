@@ -53,3 +53,62 @@ def test_finish_reasons():
     assert finish_reason([4, 5], [2], 2, None) == "length"
     with pytest.raises(RuntimeError, match="'abort'"):
         finish_reason([4], [2], 8, "abort")
+
+
+def test_the_batcher_gathers_concurrent_requests_and_returns_each_its_own_result():
+    import asyncio
+    import threading
+
+    from rlplat.rollout_batch import RequestBatcher
+
+    batches, release = [], threading.Event()
+
+    def run_batch(items):
+        release.wait(5)  # hold the first batch so the other requests queue up behind it
+        batches.append(list(items))
+        return [item * 10 for item in items]
+
+    batcher = RequestBatcher(run_batch, "test-batcher")
+
+    async def main():
+        tasks = [asyncio.create_task(batcher.submit(number)) for number in range(5)]
+        await asyncio.sleep(0.2)
+        release.set()
+        return await asyncio.gather(*tasks)
+
+    assert asyncio.run(main()) == [0, 10, 20, 30, 40]
+    assert sorted(item for batch in batches for item in batch) == [0, 1, 2, 3, 4]
+    assert len(batches) <= 2  # the first request alone, then everything that queued meanwhile
+
+
+def test_a_failing_batch_raises_in_every_caller():
+    import asyncio
+
+    from rlplat.rollout_batch import RequestBatcher
+
+    def run_batch(items):
+        raise ValueError("engine died")
+
+    batcher = RequestBatcher(run_batch, "test-batcher")
+
+    async def main():
+        return await asyncio.gather(*(batcher.submit(number) for number in range(3)), return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(isinstance(result, ValueError) and str(result) == "engine died" for result in results)
+
+
+def test_pad_and_eos_come_from_config_and_generation_config(tmp_path):
+    import json
+
+    from rlplat.rollout_batch import pad_and_eos_token_ids
+    from rlplat.testing.tiny_models import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "model", seed=0)
+    assert pad_and_eos_token_ids(model_dir, None, None, "test") == (0, (2,))
+    generation = tmp_path / "model" / "generation_config.json"
+    generation.write_text(json.dumps({**json.loads(generation.read_text()), "eos_token_id": [2, 17]}))
+    assert pad_and_eos_token_ids(model_dir, None, None, "test") == (0, (2, 17))
+    assert pad_and_eos_token_ids(model_dir, 5, (9,), "test") == (5, (9,))
+    with pytest.raises(ValueError, match="test rollout: no pad_token_id and no EOS token known"):
+        pad_and_eos_token_ids(None, None, None, "test")

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import threading
 from typing import Any, Mapping, Sequence
 
 import torch
 
+from rlplat.rollout_batch import RequestBatcher
 from rlplat.rollout_server import ServerError, ServerProcess, free_port, python_module_argv, request_json
 from rlplat_rollout_sglang.config import SGLangRolloutConfig
 from rlplat_rollout_sglang.translate import generate_request, server_args_kwargs, server_argv
@@ -54,8 +54,7 @@ class InProcessBackend:
         self.engine = sglang.Engine(**server_args_kwargs(config))
         self.owner_pid = os.getpid()
         self.lock = threading.Lock()
-        self.pending: queue.SimpleQueue = queue.SimpleQueue()
-        self.batcher: threading.Thread | None = None
+        self.batcher = RequestBatcher(self.run_pending, "sglang-rollout-batcher")
         self.closed = False
 
     def generate(self, token_lists: Sequence[Sequence[int]], params: Sequence[Mapping[str, Any]]) -> list[dict]:
@@ -63,34 +62,12 @@ class InProcessBackend:
             return self.engine.generate(**generate_request(token_lists, params))
 
     async def generate_one(self, token_ids: list[int], params: Mapping[str, Any]) -> dict:
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self.pending.put((token_ids, params, future, loop))
-        if self.batcher is None or not self.batcher.is_alive():
-            self.batcher = threading.Thread(target=self.serve_pending, name="sglang-rollout-batcher", daemon=True)
-            self.batcher.start()
-        return await future
+        return await self.batcher.submit((token_ids, params))
 
-    def serve_pending(self) -> None:
-        """Take every queued single-prompt request, run them as one batch, hand back each result."""
-        while True:
-            try:
-                items = [self.pending.get(timeout=1.0)]
-            except queue.Empty:
-                return
-            while True:
-                try:
-                    items.append(self.pending.get_nowait())
-                except queue.Empty:
-                    break
-            try:
-                outputs = self.generate([item[0] for item in items], [item[1] for item in items])
-                outputs = [outputs] if isinstance(outputs, Mapping) else outputs
-                for item, output in zip(items, outputs, strict=True):
-                    item[3].call_soon_threadsafe(settle, item[2], output, None)
-            except BaseException as error:
-                for item in items:
-                    item[3].call_soon_threadsafe(settle, item[2], None, error)
+    def run_pending(self, items: list[tuple]) -> list[dict]:
+        """One ``Engine.generate`` call for queued single-prompt requests."""
+        outputs = self.generate([item[0] for item in items], [item[1] for item in items])
+        return [outputs] if isinstance(outputs, Mapping) else outputs
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool) -> None:
         share_by_device_uuid(named_tensors)
@@ -119,15 +96,6 @@ class InProcessBackend:
         with self.lock:
             self.engine.shutdown()
         self.closed = True
-
-
-def settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
 
 
 class ServerBackend:

@@ -6,13 +6,14 @@ import dataclasses
 from typing import Any, Mapping
 
 from rlplat.config_node import read_config_node
+from rlplat.rollout_server import ServerSettings
 
 MODES = ("hybrid", "server")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclasses.dataclass
-class SGLangRolloutConfig:
+class SGLangRolloutConfig(ServerSettings):
     mode: str = "hybrid"
     """``hybrid``: an ``sglang.Engine`` owned by the worker process, beside the training engine on the
     same GPU. ``server``: an SGLang HTTP server (``python -m sglang.launch_server``), started by the
@@ -74,23 +75,6 @@ class SGLangRolloutConfig:
     above (e.g. ``attention_backend``, ``kv_cache_dtype``, ``chunked_prefill_size``). In server mode
     each becomes its ``--flag``."""
 
-    server_url: str | None = None
-    """Server mode: the base URL of an SGLang server that is already running on this node (nothing is
-    started then). It must have been started with ``--skip-tokenizer-init`` and, for ``sleep``,
-    ``--enable-memory-saver``; ``tp_size`` must match it."""
-
-    server_host: str = "127.0.0.1"
-    """Server mode: address the started server listens on."""
-
-    server_port: int = 0
-    """Server mode: port of the started server (0: a free one)."""
-
-    server_startup_timeout_s: float = 900.0
-    """Server mode: how long to wait for the started server to answer ``GET /health``."""
-
-    request_timeout_s: float = 1800.0
-    """Server mode: the longest one HTTP request (a whole generation batch) may take."""
-
     @classmethod
     def from_any(cls, config: Any) -> "SGLangRolloutConfig":
         """Accept this dataclass, a mapping or an OmegaConf node (unknown keys are an error)."""
@@ -108,10 +92,7 @@ class SGLangRolloutConfig:
             problems.append(f"tp_size must be >= 1, got {self.tp_size}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             problems.append(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
-        if self.model_path is None and self.server_url is None:
-            problems.append("model_path is required (a local Hugging Face directory)")
-        if self.mode == "hybrid" and self.server_url is not None:
-            problems.append("server_url is a server-mode key; set mode=server to use it")
+        problems += self.server_problems(self.mode, self.model_path)
         if not isinstance(self.engine_kwargs, Mapping):
             problems.append(f"engine_kwargs must be a mapping of ServerArgs fields, got {type(self.engine_kwargs).__name__}")
         if problems:

@@ -103,8 +103,12 @@ class SGLangRollout(RolloutEngine):
         bucket = [(name, self.for_transfer(tensor)) for name, tensor in named_tensors]
         if not bucket:
             return
-        # no flush per bucket: one flush before the next generation (and none while the KV cache is released)
-        self.backend.update_weights(bucket, flush_cache=False)
+        try:
+            # no flush per bucket: one flush before the next generation (and none while the KV cache is released)
+            self.backend.update_weights(bucket, flush_cache=False)
+        except BaseException:
+            self.needs_weights = True  # partly loaded: only a full update makes the engine usable again
+            raise
         self.needs_weights = False
         self.cache_stale = self.state == AWAKE and not self.config.disable_radix_cache
 

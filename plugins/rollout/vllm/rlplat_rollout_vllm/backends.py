@@ -9,19 +9,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import queue
 import threading
 import urllib.parse
 from typing import Any, Sequence
 
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
+from rlplat.rollout_batch import RequestBatcher
 from rlplat.rollout_server import ServerProcess, free_port, python_module_argv, request_json
 from rlplat_rollout_vllm.config import VLLMRolloutConfig
 from rlplat_rollout_vllm.translate import (
     completion_payload,
     engine_kwargs,
+    repeat_greedy,
     sample_from_completion,
     samples_from_completion_response,
+    samples_per_request,
     sampling_kwargs,
     server_arguments,
 )
@@ -62,8 +64,9 @@ class InProcessBackend:
             self.llm = vllm.LLM(**engine_kwargs(config))
         self.owner_pid = os.getpid()
         self.lock = threading.Lock()
-        self.pending: queue.SimpleQueue = queue.SimpleQueue()
-        self.batcher: threading.Thread | None = None
+        self.generation_open = threading.Event()
+        self.generation_open.set()
+        self.batcher = RequestBatcher(self.run_pending, "vllm-rollout-batcher")
 
     def run(self, token_lists: Sequence[Sequence[int]], sampling_list: Sequence[SamplingParams], eos_token_ids: Sequence[int]) -> list[TokenOutput]:
         """One ``LLM.generate`` call; the samples prompt-major, ``n`` per prompt in vLLM's index order."""
@@ -73,48 +76,31 @@ class InProcessBackend:
         samples = []
         for request, sampling in zip(outputs, sampling_list):
             completions = sorted(request.outputs, key=lambda completion: completion.index)
-            if len(completions) != sampling.n:
-                raise RuntimeError(f"vllm returned {len(completions)} samples for a prompt, expected n={sampling.n}")
+            if len(completions) != samples_per_request(sampling):
+                raise RuntimeError(f"vllm returned {len(completions)} samples for a prompt, expected {samples_per_request(sampling)}")
             stop = set(sampling.stop_token_ids) | set(eos_token_ids)
-            for completion in completions:
-                samples.append(sample_from_completion(completion.token_ids, completion.logprobs, completion.finish_reason, stop, sampling.max_new_tokens))
+            returned = [sample_from_completion(c.token_ids, c.logprobs, c.finish_reason, stop, sampling.max_new_tokens) for c in completions]
+            samples += repeat_greedy(returned, sampling)
         return samples
 
     def generate(self, token_lists: Sequence[Sequence[int]], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> list[TokenOutput]:
         return self.run(token_lists, [sampling] * len(token_lists), eos_token_ids)
 
     async def generate_one(self, token_ids: list[int], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> TokenOutput:
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self.pending.put((token_ids, sampling, tuple(eos_token_ids), future, loop))
-        if self.batcher is None or not self.batcher.is_alive():
-            self.batcher = threading.Thread(target=self.serve_pending, name="vllm-rollout-batcher", daemon=True)
-            self.batcher.start()
-        return await future
+        return await self.batcher.submit((token_ids, sampling, tuple(eos_token_ids)))
 
-    def serve_pending(self) -> None:
-        """Take every queued single-prompt request, run them as one batch, hand back each result."""
-        while True:
-            try:
-                items = [self.pending.get(timeout=1.0)]
-            except queue.Empty:
-                return
-            while True:
-                try:
-                    items.append(self.pending.get_nowait())
-                except queue.Empty:
-                    break
-            groups: dict[tuple[int, ...], list] = {}
-            for item in items:
-                groups.setdefault(item[2], []).append(item)
-            for eos_token_ids, group in groups.items():
-                try:
-                    results = self.run([item[0] for item in group], [item[1] for item in group], eos_token_ids)
-                    for item, result in zip(group, results):
-                        item[4].call_soon_threadsafe(settle, item[3], result, None)
-                except BaseException as error:
-                    for item in group:
-                        item[4].call_soon_threadsafe(settle, item[3], None, error)
+    def run_pending(self, items: list[tuple]) -> list[TokenOutput]:
+        """One ``LLM.generate`` call for queued single-prompt requests (one engine: one EOS set)."""
+        self.generation_open.wait()
+        return self.run([item[0] for item in items], [item[1] for item in items], items[0][2])
+
+    def pause_generation(self) -> None:
+        """Hold new generation until :meth:`resume_generation` (calls from this thread finish the weight
+        update first; the agent-loop batcher waits)."""
+        self.generation_open.clear()
+
+    def resume_generation(self) -> None:
+        self.generation_open.set()
 
     def sleep(self, level: int) -> None:
         with self.lock:
@@ -149,15 +135,6 @@ class InProcessBackend:
             engine_core.shutdown()
 
 
-def settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
 class ServerBackend:
     """A vLLM OpenAI-compatible server: started here (``vllm serve`` with this environment's Python, on
     loopback, dev routes on) or attached to at ``server_url``. An attached server must run with
@@ -186,11 +163,19 @@ class ServerBackend:
     def generate(self, token_lists: Sequence[Sequence[int]], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> list[TokenOutput]:
         response = self.post("/v1/completions", completion_payload(token_lists, sampling, eos_token_ids, None))
         stop = set(sampling.stop_token_ids) | set(eos_token_ids)
-        return samples_from_completion_response(response, len(token_lists), sampling.n, stop, sampling.max_new_tokens)
+        samples = samples_from_completion_response(response, len(token_lists), samples_per_request(sampling), stop, sampling.max_new_tokens)
+        return repeat_greedy(samples, sampling)
 
     async def generate_one(self, token_ids: list[int], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> TokenOutput:
         # concurrent requests are batched by the server itself
         return (await asyncio.to_thread(self.generate, [token_ids], sampling, eos_token_ids))[0]
+
+    def pause_generation(self) -> None:
+        """Let requests in flight finish, hold new ones (the weights are meta tensors during an update)."""
+        self.post("/pause", query=[("mode", "wait")])
+
+    def resume_generation(self) -> None:
+        self.post("/resume")
 
     def sleep(self, level: int) -> None:
         self.post("/sleep", query=[("level", level)])

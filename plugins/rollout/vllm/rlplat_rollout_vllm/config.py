@@ -6,13 +6,14 @@ import dataclasses
 from typing import Any, Mapping
 
 from rlplat.config_node import read_config_node
+from rlplat.rollout_server import ServerSettings
 
 MODES = ("hybrid", "server")
 SLEEP_LEVELS = (1, 2)
 
 
 @dataclasses.dataclass
-class VLLMRolloutConfig:
+class VLLMRolloutConfig(ServerSettings):
     mode: str = "hybrid"
     """``hybrid``: a ``vllm.LLM`` inside the worker process, beside the training engine on the same GPU.
     ``server``: an OpenAI-compatible vLLM server, started by the engine (or found at ``server_url``)."""
@@ -28,7 +29,8 @@ class VLLMRolloutConfig:
     """Parameter dtype of the rollout model (``auto``, ``bfloat16``, ``float16``, ``float32``)."""
 
     tensor_parallel_size: int = 1
-    """GPUs one rollout engine spans."""
+    """GPUs one rollout engine spans; must be 1 (one engine per GPU worker: the weights travel as CUDA-IPC
+    handles of that worker's GPU)."""
 
     gpu_memory_utilization: float = 0.5
     """Fraction of the GPU vLLM may take for weights and KV cache; the training engine shares the rest."""
@@ -72,21 +74,6 @@ class VLLMRolloutConfig:
     engine_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """More ``vllm.EngineArgs`` fields, passed as they are (e.g. ``kv_cache_dtype``, ``max_logprobs``)."""
 
-    server_url: str | None = None
-    """Server mode: the base URL of a vLLM server that is already running (nothing is started then)."""
-
-    server_host: str = "127.0.0.1"
-    """Server mode: address the started server listens on."""
-
-    server_port: int = 0
-    """Server mode: port of the started server (0: a free one)."""
-
-    server_startup_timeout_s: float = 900.0
-    """Server mode: how long to wait for the started server to answer its health check."""
-
-    request_timeout_s: float = 1800.0
-    """Server mode: the longest one HTTP request (a whole generation batch) may take."""
-
     @classmethod
     def from_any(cls, config: Any) -> "VLLMRolloutConfig":
         read = read_config_node(config, cls, "vllm rollout config")
@@ -101,11 +88,10 @@ class VLLMRolloutConfig:
             problems.append(f"sleep_level must be one of {SLEEP_LEVELS}, got {self.sleep_level}")
         if not 0 < self.gpu_memory_utilization <= 1:
             problems.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.tensor_parallel_size < 1:
-            problems.append(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.model_path is None and self.server_url is None:
-            problems.append("model_path is required (a local Hugging Face directory)")
-        if self.mode == "hybrid" and self.server_url is not None:
-            problems.append("server_url is a server-mode key; set mode=server to use it")
+        if self.tensor_parallel_size != 1:
+            # weights reach the engine as CUDA-IPC handles of this worker's one GPU; a second GPU's
+            # tensor-parallel rank would find no handle for itself
+            problems.append(f"tensor_parallel_size must be 1 (one vLLM engine per GPU worker; weights travel by CUDA IPC from that GPU), got {self.tensor_parallel_size}")
+        problems += self.server_problems(self.mode, self.model_path)
         if problems:
             raise ValueError("vllm rollout config: " + "; ".join(problems))

@@ -41,6 +41,7 @@ class VLLMRollout(RolloutEngine):
         self.state = AWAKE
         self.needs_weights = False
         self.updating = False
+        self.paused = False
         self.weight_version = 0
 
     # -- generation ------------------------------------------------------------------------------------
@@ -76,6 +77,10 @@ class VLLMRollout(RolloutEngine):
         if not bucket:
             return
         if not self.updating:
+            if self.state == AWAKE:
+                # parameters are meta tensors between start and finish: no generation may run meanwhile
+                self.backend.pause_generation()
+                self.paused = True
             self.backend.start_weight_update()
             self.updating = True
         from vllm.distributed.weight_transfer.packed_tensor import packed_ipc_producer
@@ -83,9 +88,17 @@ class VLLMRollout(RolloutEngine):
         size = sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
         device = torch.cuda.current_device()
         gpu_uuid = str(torch.cuda.get_device_properties(device).uuid)
-        # one chunk per bucket: the buffer is the bucket's size and is read before the next bucket comes
-        for chunk in packed_ipc_producer(iter(bucket), gpu_uuid, post_iter_func=lambda item: item[1], buffer_size_bytes=size):
-            self.backend.update_weights(packed_update_info(chunk))
+        try:
+            # one chunk per bucket: the buffer is the bucket's size and is read before the next bucket comes
+            for chunk in packed_ipc_producer(iter(bucket), gpu_uuid, post_iter_func=lambda item: item[1], buffer_size_bytes=size):
+                self.backend.update_weights(packed_update_info(chunk))
+        except BaseException:
+            # vLLM closed the update and left the layers unloaded: only a full update makes it usable again
+            self.updating, self.needs_weights = False, True
+            self.resume_if_paused()
+            raise
+        # vLLM released the previous bucket's buffer on importing this one; let torch reuse that memory
+        torch.cuda.ipc_collect()
         self.needs_weights = False
 
     def for_transfer(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -106,7 +119,14 @@ class VLLMRollout(RolloutEngine):
         if self.state == AWAKE:
             # prefix-cache entries were computed with the old weights (a sleep already dropped them)
             self.backend.reset_prefix_cache()
+        self.resume_if_paused()
         torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()  # give the buckets' buffers back before vLLM maps its KV cache again
+
+    def resume_if_paused(self) -> None:
+        if self.paused:
+            self.backend.resume_generation()
+            self.paused = False
 
     # -- memory ----------------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ def sampling_kwargs(sampling: SamplingParams, eos_token_ids: Sequence[int] = ())
     """
     stop = sorted(set(sampling.stop_token_ids) | set(eos_token_ids))
     return {
-        "n": sampling.n,
+        "n": samples_per_request(sampling),
         "temperature": 0.0 if sampling.greedy else sampling.temperature,
         "top_p": 1.0 if sampling.greedy else sampling.top_p,
         "top_k": 0 if sampling.greedy else sampling.top_k,
@@ -40,6 +40,16 @@ def sampling_kwargs(sampling: SamplingParams, eos_token_ids: Sequence[int] = ())
         "logprobs": SAMPLED_TOKEN_ONLY,
         "detokenize": False,
     }
+
+
+def samples_per_request(sampling: SamplingParams) -> int:
+    """vLLM refuses ``n > 1`` with greedy sampling (all samples would be equal): ask for one and copy it."""
+    return 1 if sampling.greedy else sampling.n
+
+
+def repeat_greedy(samples: list[TokenOutput], sampling: SamplingParams) -> list[TokenOutput]:
+    """The ``n`` samples of each prompt from what vLLM returned (one per prompt when greedy)."""
+    return [sample for sample in samples for _ in range(sampling.n)] if sampling.greedy else samples
 
 
 def engine_kwargs(config: VLLMRolloutConfig) -> dict[str, Any]:
@@ -59,6 +69,9 @@ def engine_kwargs(config: VLLMRolloutConfig) -> dict[str, Any]:
         "load_format": "auto" if config.load_weights else "dummy",
         "logprobs_mode": LOGPROBS_MODE,
         "weight_transfer_config": {"backend": config.weight_transfer_backend},
+        # the model's generation_config.json must not add its sampling defaults (a repetition penalty,
+        # say) to what rlplat asks for; its EOS ids still end generation
+        "generation_config": "vllm",
     }
     values = {key: value for key, value in values.items() if value is not None}
     return {**values, **dict(config.engine_kwargs)}

@@ -185,9 +185,15 @@ def test_the_http_routes_the_server_mode_uses_exist():
     from vllm.entrypoints.serve.dev.sleep.api_router import router as sleep_router
     from vllm.entrypoints.serve.instrumentator.health import router as health_router
 
-    routes = {(route.path, method) for router in (completion_router, cache_router, sleep_router, health_router) for route in router.routes for method in route.methods}
-    for needed in [("/v1/completions", "POST"), ("/sleep", "POST"), ("/wake_up", "POST"), ("/reset_prefix_cache", "POST"), ("/health", "GET")]:
+    from vllm.entrypoints.rl.online.api_router import router as rl_router
+
+    routers = (completion_router, cache_router, sleep_router, health_router, rl_router)
+    routes = {(route.path, method) for router in routers for route in router.routes for method in route.methods}
+    for needed in [("/v1/completions", "POST"), ("/sleep", "POST"), ("/wake_up", "POST"), ("/reset_prefix_cache", "POST"),
+                   ("/health", "GET"), ("/pause", "POST"), ("/resume", "POST")]:
         assert needed in routes, needed
+    pause_endpoint = next(route.endpoint for route in rl_router.routes if route.path == "/pause")
+    assert "mode" in inspect.signature(pause_endpoint).parameters and "wait" in vllm.v1.engine.PauseMode.__args__
     sleep_endpoint = next(route.endpoint for route in sleep_router.routes if route.path == "/sleep")
     assert "level" in inspect.signature(sleep_endpoint).parameters
     wake_source = inspect.getsource(next(route.endpoint for route in sleep_router.routes if route.path == "/wake_up"))
@@ -297,6 +303,13 @@ def test_the_staged_wake_up_and_sleep_call_vllm_in_order(hybrid):
     assert [(name, args, kwargs) for name, args, kwargs in calls[2:]] == [
         ("sleep", (), {"level": 2}), ("wake_up", (), {"tags": ["weights"]}), ("wake_up", (), {"tags": ["kv_cache"]}), ("shutdown", (), {}),
     ]
+
+
+def test_greedy_asks_vllm_for_one_sample_per_prompt_and_repeats_it(hybrid):
+    out = hybrid.generate(left_padded_prompts([[1, 5, 6], [1, 4]], pad_token_id=0), SamplingParams(n=3, max_new_tokens=4, greedy=True, stop_token_ids=(2,)))
+    params = [call for call in hybrid.backend.llm.calls if call[0] == "generate"][0][1][1]
+    assert all(p.n == 1 and p.temperature == 0.0 for p in params)
+    assert len(out) == 6 and out.batch["responses"].tolist() == [[10, 11, 2, 0]] * 6
 
 
 def test_generate_tokens_batches_concurrent_requests_into_one_generate_call(hybrid):

@@ -13,6 +13,7 @@ from rlplat_rollout_vllm.translate import (
     completion_payload,
     engine_kwargs,
     packed_update_info,
+    repeat_greedy,
     sample_from_completion,
     samples_from_completion_response,
     sampling_kwargs,
@@ -33,9 +34,14 @@ class TestSamplingKwargs:
             "stop_token_ids": [3, 9], "ignore_eos": False, "seed": 5, "logprobs": 0, "detokenize": False,
         }
 
-    def test_greedy_is_temperature_zero_with_the_filters_off(self):
-        kwargs = sampling_kwargs(SamplingParams(greedy=True, temperature=0.3, top_p=0.5, top_k=7))
-        assert (kwargs["temperature"], kwargs["top_p"], kwargs["top_k"]) == (0.0, 1.0, 0)
+    def test_greedy_is_temperature_zero_with_the_filters_off_and_one_sample(self):
+        kwargs = sampling_kwargs(SamplingParams(n=3, greedy=True, temperature=0.3, top_p=0.5, top_k=7))
+        assert (kwargs["temperature"], kwargs["top_p"], kwargs["top_k"], kwargs["n"]) == (0.0, 1.0, 0, 1)
+
+    def test_the_one_greedy_sample_is_repeated_n_times(self):
+        samples = [TokenOutput([1], [-0.5], "stop"), TokenOutput([2], [-0.25], "stop")]
+        assert repeat_greedy(samples, SamplingParams(n=2, greedy=True)) == [samples[0], samples[0], samples[1], samples[1]]
+        assert repeat_greedy(samples, SamplingParams(n=2)) == samples
 
     def test_top_k_zero_means_off_in_both(self):
         assert sampling_kwargs(SamplingParams(top_k=0))["top_k"] == 0
@@ -55,6 +61,7 @@ class TestEngineKwargs:
         assert kwargs["logprobs_mode"] == "processed_logprobs"
         assert kwargs["weight_transfer_config"] == {"backend": "ipc"}
         assert kwargs["enable_sleep_mode"] is True
+        assert kwargs["generation_config"] == "vllm"  # no sampling defaults from the model's generation_config.json
 
     def test_unset_options_are_left_to_vllm_and_engine_kwargs_win(self):
         config = VLLMRolloutConfig(model_path="/m", max_model_len=None, engine_kwargs={"max_logprobs": 5, "enforce_eager": True})
@@ -88,6 +95,10 @@ class TestConfig:
         with pytest.raises(ValueError, match="model_path is required"):
             VLLMRolloutConfig.from_any({})
         VLLMRolloutConfig.from_any({"mode": "server", "server_url": "http://127.0.0.1:8000"})
+
+    def test_tensor_parallel_engines_are_refused(self):
+        with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
+            VLLMRolloutConfig.from_any({"model_path": "/m", "tensor_parallel_size": 2})
 
     def test_server_url_in_hybrid_mode_is_refused(self):
         with pytest.raises(ValueError, match="set mode=server"):
