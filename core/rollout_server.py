@@ -120,11 +120,12 @@ def python_module_argv(module: str, arguments: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", module, *arguments]
 
 
-def cli_flags(values: Mapping[str, Any], boolean_style: str = "negatable") -> list[str]:
+def cli_flags(values: Mapping[str, Any], boolean_style: str = "negatable", list_style: str = "json") -> list[str]:
     """``{"max_model_len": 512, "enforce_eager": True}`` -> ``["--max-model-len", "512", "--enforce-eager"]``.
 
     ``boolean_style`` ``"negatable"`` writes False as ``--no-NAME`` (argparse ``BooleanOptionalAction``);
-    ``"store_true"`` leaves a False flag out. Mappings and lists are written as JSON; None is left out.
+    ``"store_true"`` leaves a False flag out. Lists are one JSON argument (``list_style="json"``) or one
+    argument per item (``"separate"``, argparse ``nargs="+"``); mappings are JSON; None is left out.
     """
     flags: list[str] = []
     for key, value in values.items():
@@ -136,6 +137,8 @@ def cli_flags(values: Mapping[str, Any], boolean_style: str = "negatable") -> li
                 flags.append(flag)
             elif boolean_style == "negatable":
                 flags.append("--no-" + key.replace("_", "-"))
+        elif isinstance(value, (list, tuple)) and list_style == "separate":
+            flags += [flag, *(str(item) for item in value)]
         elif isinstance(value, (dict, list, tuple)):
             flags += [flag, json.dumps(value)]
         else:

@@ -94,3 +94,7 @@ def test_cli_flags_follow_argparse_conventions():
     assert flags == ["--max-model-len", "512", "--enforce-eager", "--no-enable-prefix-caching", "--config", '{"a": 1}']
     assert cli_flags({"disable_cuda_graph": False, "tp_size": 2}, boolean_style="store_true") == ["--tp-size", "2"]
     assert python_module_argv("pkg.mod", ["--x"]) == [sys.executable, "-m", "pkg.mod", "--x"]
+
+
+def test_cli_flags_can_write_list_items_as_separate_arguments():
+    assert cli_flags({"cuda_graph_bs": [1, 2, 4]}, list_style="separate") == ["--cuda-graph-bs", "1", "2", "4"]

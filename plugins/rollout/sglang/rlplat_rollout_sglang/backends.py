@@ -24,12 +24,27 @@ HEALTH_PATH = "/health"
 def share_by_device_uuid(named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     """Before CUDA tensors are pickled: make them carry their GPU's UUID instead of its index (SGLang's
     own patch of torch's reductions), so that a process with another ``CUDA_VISIBLE_DEVICES`` finds the
-    same GPU; SGLang's scheduler applies the matching unpickling side itself. The patch is process-wide
-    and breaks the pickling of CPU tensors, so it is applied only when a CUDA tensor is about to travel."""
-    if any(tensor.is_cuda for _, tensor in named_tensors):
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    same GPU; SGLang's scheduler applies the matching unpickling side itself.
 
-        monkey_patch_torch_reductions()
+    SGLang's patch is process-wide and breaks the pickling of CPU tensors (their reduction has no
+    device argument), which this trainer process still needs (multiprocessing queues, data loaders):
+    the patched reduction is kept for CUDA tensors only."""
+    if not any(tensor.is_cuda for _, tensor in named_tensors):
+        return
+    from torch.multiprocessing import reductions
+
+    if getattr(reductions.reduce_tensor, "rlplat_cuda_only", False):
+        return
+    from sglang.srt.utils.patch_torch import _reduce_tensor_modified, monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()
+
+    def reduce_tensor(tensor):
+        return _reduce_tensor_modified(tensor) if tensor.is_cuda else reductions._reduce_tensor_original(tensor)
+
+    reduce_tensor.rlplat_cuda_only = True
+    reductions.reduce_tensor = reduce_tensor
+    reductions.init_reductions()
 
 
 def serialized_named_tensors(named_tensors: list[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
@@ -48,10 +63,24 @@ class InProcessBackend:
     concurrent :meth:`generate_one` calls (agent loops) are gathered into one ``Engine.generate`` batch."""
 
     def __init__(self, config: SGLangRolloutConfig):
+        import multiprocessing
+
         import sglang
 
         self.config = config
-        self.engine = sglang.Engine(**server_args_kwargs(config))
+        kwargs = server_args_kwargs(config)
+        if torch.cuda.is_available():
+            kwargs.setdefault("base_gpu_id", torch.cuda.current_device())  # the worker's GPU, not always 0
+        # Engine() sets NCCL and CUDA variables and the spawn start method for its own processes; the
+        # training engine's later NCCL groups and data loaders must not inherit them
+        environment, start_method = dict(os.environ), multiprocessing.get_start_method(allow_none=True)
+        try:
+            self.engine = sglang.Engine(**kwargs)
+        finally:
+            os.environ.clear()
+            os.environ.update(environment)
+            if start_method is not None:
+                multiprocessing.set_start_method(start_method, force=True)
         self.owner_pid = os.getpid()
         self.lock = threading.Lock()
         self.batcher = RequestBatcher(self.run_pending, "sglang-rollout-batcher")
@@ -68,6 +97,18 @@ class InProcessBackend:
         """One ``Engine.generate`` call for queued single-prompt requests."""
         outputs = self.generate([item[0] for item in items], [item[1] for item in items])
         return [outputs] if isinstance(outputs, Mapping) else outputs
+
+    def begin_weight_update(self) -> None:
+        with self.lock:
+            success, message = self.engine.begin_weight_update()
+        if not success:
+            raise RuntimeError(f"sglang begin_weight_update failed: {message}")
+
+    def end_weight_update(self) -> None:
+        with self.lock:
+            success, message = self.engine.end_weight_update()
+        if not success:
+            raise RuntimeError(f"sglang end_weight_update failed: {message}")
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool) -> None:
         share_by_device_uuid(named_tensors)
@@ -126,6 +167,12 @@ class ServerBackend:
         # concurrent requests are batched by the server itself
         outputs = await asyncio.to_thread(self.generate, [token_ids], [params])
         return outputs[0] if isinstance(outputs, list) else outputs
+
+    def begin_weight_update(self) -> None:
+        self.post("/begin_weight_update", {"selector": "all"})
+
+    def end_weight_update(self) -> None:
+        self.post("/end_weight_update", {})
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], flush_cache: bool) -> None:
         payload = {"serialized_named_tensors": serialized_named_tensors(named_tensors, self.config.tp_size), "flush_cache": flush_cache}

@@ -32,11 +32,13 @@ class SGLangRolloutConfig(ServerSettings):
     updates are cast to it before they travel."""
 
     tp_size: int = 1
-    """GPUs one rollout engine spans (SGLang tensor parallelism)."""
+    """GPUs one rollout engine spans (SGLang tensor parallelism); 1 in hybrid mode, where each GPU worker
+    holds one engine on its own GPU."""
 
     mem_fraction_static: float | None = 0.5
-    """Fraction of the GPU SGLang takes for weights and KV cache; the training engine shares the rest
-    (None: SGLang chooses, which assumes it has the GPU to itself)."""
+    """Fraction of the GPU memory that is free when SGLang starts (after the training engine took its
+    share, in hybrid mode) that SGLang takes for weights and KV cache (None: SGLang chooses, which
+    assumes it has the GPU to itself)."""
 
     context_length: int | None = None
     """Prompt plus response tokens per sequence (None: from the model config)."""
@@ -90,6 +92,8 @@ class SGLangRolloutConfig(ServerSettings):
             problems.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.tp_size < 1:
             problems.append(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.mode == "hybrid" and self.tp_size != 1:
+            problems.append(f"hybrid mode runs one SGLang engine per GPU worker: tp_size must be 1 (use mode=server for more), got {self.tp_size}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             problems.append(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
         problems += self.server_problems(self.mode, self.model_path)

@@ -8,6 +8,7 @@ KV cache and CUDA graphs, so that the buckets load before the KV cache claims it
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 from typing import Any, Iterable, Sequence
@@ -52,6 +53,7 @@ class SGLangRollout(RolloutEngine):
         self.state = AWAKE
         self.needs_weights = False
         self.cache_stale = False
+        self.session_open = False
 
     # -- generation ------------------------------------------------------------------------------------
 
@@ -70,7 +72,7 @@ class SGLangRollout(RolloutEngine):
             raise ValueError(f"generate_tokens samples one response; got n={sampling.n}")
         if not prompt_ids:
             raise ValueError("generate_tokens needs at least one prompt token")
-        self.check_ready()
+        await asyncio.to_thread(self.check_ready)  # may flush the cache: Engine runs its own event loop
         params = per_sample_params(sampling, 1, self.eos_token_ids, self.seeds_for(sampling, 1))[0]
         output = await self.backend.generate_one(list(prompt_ids), params)
         return sample_from_output(output, set(sampling.stop_token_ids) | set(self.eos_token_ids), sampling.max_new_tokens)
@@ -90,6 +92,7 @@ class SGLangRollout(RolloutEngine):
             raise RuntimeError(f"sglang rollout is {self.state}: call {step} before generating")
         if self.needs_weights:
             raise RuntimeError("sglang rollout woke up without its weights: call update_weights() with the full weights before generating")
+        self.end_weight_update()
         if self.cache_stale:
             # radix-cache entries were computed with the previous weights
             self.backend.flush_cache()
@@ -103,6 +106,10 @@ class SGLangRollout(RolloutEngine):
         bucket = [(name, self.for_transfer(tensor)) for name, tensor in named_tensors]
         if not bucket:
             return
+        if not self.session_open:
+            # SGLang 0.5.23 loads tensors only inside a weight-update session
+            self.backend.begin_weight_update()
+            self.session_open = True
         try:
             # no flush per bucket: one flush before the next generation (and none while the KV cache is released)
             self.backend.update_weights(bucket, flush_cache=False)
@@ -111,6 +118,12 @@ class SGLangRollout(RolloutEngine):
             raise
         self.needs_weights = False
         self.cache_stale = self.state == AWAKE and not self.config.disable_radix_cache
+
+    def end_weight_update(self) -> None:
+        """Close the weight-update session the last :meth:`update_weights` opened (if any)."""
+        if self.session_open:
+            self.session_open = False
+            self.backend.end_weight_update()
 
     def for_transfer(self, tensor: torch.Tensor) -> torch.Tensor:
         """Floating-point tensors in the rollout's dtype (half the bytes of float32 masters), on this
@@ -128,6 +141,7 @@ class SGLangRollout(RolloutEngine):
     def sleep(self) -> None:
         if self.state == ASLEEP:
             return
+        self.end_weight_update()
         # releasing the KV cache flushes the radix cache too
         self.backend.release_memory(list(ALL_MEMORY_TAGS) if self.state == AWAKE else [WEIGHTS])
         self.state = ASLEEP
@@ -141,11 +155,15 @@ class SGLangRollout(RolloutEngine):
         self.needs_weights = True
 
     def wake_up_kv_cache(self) -> None:
+        self.end_weight_update()
         if self.state == ASLEEP:
             self.wake_up_weights()
         if self.state == WEIGHTS_ONLY:
             self.backend.resume_memory(list(KV_CACHE_TAGS))
             self.state = AWAKE
+            self.backend.flush_cache()
+            self.cache_stale = False
+        elif self.cache_stale:
             self.backend.flush_cache()
             self.cache_stale = False
         if torch.cuda.is_available():
@@ -156,8 +174,12 @@ class SGLangRollout(RolloutEngine):
         self.wake_up_kv_cache()
 
     def close(self) -> None:
-        """Shut the engine down (hybrid) or stop the server this engine started (server mode)."""
-        self.backend.close()
+        """Shut the engine down (hybrid) or stop the server this engine started (server mode); an open
+        weight-update session is closed first (an attached server outlives this engine)."""
+        try:
+            self.end_weight_update()
+        finally:
+            self.backend.close()
 
     def __del__(self):
         backend = getattr(self, "backend", None)

@@ -107,7 +107,7 @@ def server_argv(config: SGLangRolloutConfig, host: str, port: int) -> list[str]:
     """Arguments of ``python -m sglang.launch_server``: one flag per ``ServerArgs`` field. SGLang's boolean
     flags are ``store_true``, so a False one is left out (every boolean here defaults to False)."""
     values = {**server_args_kwargs(config), "host": host, "port": port}
-    return cli_flags(values, boolean_style="store_true")
+    return cli_flags(values, boolean_style="store_true", list_style="separate")
 
 
 def sample_from_output(output: Mapping[str, Any], stop_token_ids: Iterable[int], max_new_tokens: int) -> TokenOutput:

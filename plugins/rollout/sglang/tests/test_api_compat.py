@@ -67,13 +67,16 @@ def fake_outputs(request: dict) -> list[dict]:
 
 class RecordingEngine:
     """Stands in for ``sglang.Engine``: records the constructor's keywords and every method call (any
-    attribute is callable, so a misspelt method name is recorded and then fails the check)."""
+    attribute is callable, so a misspelt method name is recorded and then fails the check). Like SGLang
+    0.5.23's scheduler (managers/scheduler_components/weight_updater.py), it loads tensors only inside a
+    session opened by ``begin_weight_update`` and closed by ``end_weight_update``."""
 
     created: list["RecordingEngine"] = []
 
     def __init__(self, **kwargs):
         self.kwargs = kwargs
         self.calls: list[tuple[str, tuple, dict]] = []
+        self.session = False
         RecordingEngine.created.append(self)
 
     def __getattr__(self, name):
@@ -81,8 +84,14 @@ class RecordingEngine:
             self.calls.append((name, args, kwargs))
             if name == "generate":
                 return fake_outputs(kwargs)
+            if name == "begin_weight_update":
+                opened, self.session = not self.session, True
+                return opened, "Success" if opened else "a weight-update session is already open"
+            if name == "end_weight_update":
+                closed, self.session = self.session, False
+                return closed, "Success" if closed else "no weight-update session is open"
             if name == "update_weights_from_tensor":
-                return True, "Success"
+                return (True, "Success") if self.session else (False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
             if name == "flush_cache":
                 return SimpleNamespace(success=True, message="")
             return None
@@ -135,7 +144,8 @@ def test_every_engine_call_binds_to_the_real_engine_signature(hybrid, named_weig
         assert callable(real), f"sglang.Engine has no method {name!r}"
         inspect.signature(real).bind(None, *args, **kwargs)
         names.add(name)
-    assert names == {"generate", "update_weights_from_tensor", "flush_cache", "release_memory_occupation", "resume_memory_occupation", "shutdown"}
+    assert names == {"generate", "begin_weight_update", "update_weights_from_tensor", "end_weight_update", "flush_cache",
+                     "release_memory_occupation", "resume_memory_occupation", "shutdown"}
 
 
 def test_the_engine_keywords_are_server_args_fields_and_build_server_args(hybrid):
@@ -162,7 +172,10 @@ def test_the_engine_call_sequence_follows_the_staged_wake_up(hybrid, named_weigh
     ]
     sequence = [name for name, _, _ in engine.calls]
     first_update = sequence.index("update_weights_from_tensor")
-    assert sequence[first_update + 1 : first_update + 3] == ["flush_cache", "generate"]  # stale radix cache dropped once
+    assert sequence[first_update - 1] == "begin_weight_update"
+    # the session closes, then the stale radix cache is dropped once, before the next generation
+    assert sequence[first_update + 1 : first_update + 4] == ["end_weight_update", "flush_cache", "generate"]
+    assert sequence.count("begin_weight_update") == sequence.count("end_weight_update") == 3  # one per sync, buckets inside
     assert all(kwargs["flush_cache"] is False for name, _, kwargs in engine.calls if name == "update_weights_from_tensor")
 
 
@@ -205,7 +218,26 @@ def test_updated_tensors_survive_sglangs_serializer(hybrid, named_weights):
 def test_the_cuda_ipc_patch_exists():
     from sglang.srt.utils import patch_torch
 
-    assert callable(patch_torch.monkey_patch_torch_reductions)
+    assert callable(patch_torch.monkey_patch_torch_reductions) and callable(patch_torch._reduce_tensor_modified)
+
+
+def test_after_the_cuda_ipc_patch_cpu_tensors_still_pickle():
+    from torch.multiprocessing import reductions
+
+    names = ("reduce_tensor", "rebuild_cuda_tensor", "_reduce_tensor_original", "_rebuild_cuda_tensor_original")
+    saved = {name: getattr(reductions, name) for name in names if hasattr(reductions, name)}
+    try:
+        backends.share_by_device_uuid([("w", SimpleNamespace(is_cuda=True))])  # as when a CUDA bucket is about to travel
+        assert reductions._reduce_tensor_original is saved["reduce_tensor"]  # SGLang's patch is in place...
+        restored = MultiprocessingSerializer.deserialize(MultiprocessingSerializer.serialize([("cpu", torch.ones(3))]))
+        assert torch.equal(restored[0][1], torch.ones(3))  # ...and CPU tensors (SGLang's own patch breaks them) still travel
+    finally:
+        for name in names:
+            if name in saved:
+                setattr(reductions, name, saved[name])
+            elif hasattr(reductions, name):
+                delattr(reductions, name)
+        reductions.init_reductions()
 
 
 def test_top_k_all_is_sglangs_constant():
@@ -263,7 +295,7 @@ def server(monkeypatch, model_dir):
         calls.append(("/" + path, payload, method or ("GET" if payload is None else "POST")))
         if path == "generate":
             return fake_outputs(payload)
-        if path == "update_weights_from_tensor":
+        if path in ("update_weights_from_tensor", "begin_weight_update", "end_weight_update"):
             return {"success": True, "message": "Success"}
         if path == "flush_cache":
             return "Cache flushed."
@@ -297,7 +329,8 @@ def test_every_route_exists_with_its_method_and_every_body_validates(server, nam
         assert not set(payload) - body_fields(cls), f"{path}: {sorted(set(payload) - body_fields(cls))} are not fields of {cls.__name__}"
         pydantic.TypeAdapter(cls).validate_python(payload)
         paths.add(path)
-    assert paths == {"/generate", "/update_weights_from_tensor", "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation"}
+    assert paths == {"/generate", "/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update", "/flush_cache",
+                     "/release_memory_occupation", "/resume_memory_occupation"}
 
 
 def test_the_health_route_answers_get(http_routes):
