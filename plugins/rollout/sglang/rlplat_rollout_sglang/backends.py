@@ -77,8 +77,12 @@ class InProcessBackend:
         try:
             self.engine = sglang.Engine(**kwargs)
         finally:
-            os.environ.clear()
-            os.environ.update(environment)
+            for name in {*os.environ, *environment}:
+                if name.startswith("NCCL_") or name == "CUDA_DEVICE_MAX_CONNECTIONS":
+                    if name in environment:
+                        os.environ[name] = environment[name]
+                    else:
+                        os.environ.pop(name, None)
             if start_method is not None:
                 multiprocessing.set_start_method(start_method, force=True)
         self.owner_pid = os.getpid()
