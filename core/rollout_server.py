@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 
 class ServerError(RuntimeError):
@@ -165,6 +165,20 @@ class ServerSettings:
 
     request_timeout_s: float = 1800.0
     """Server mode: the longest one HTTP request (a whole generation batch) may take."""
+
+    def start_or_attach(self, module: str, arguments: Callable[[str, int], Sequence[str]], *, health_path: str,
+                        env: Mapping[str, str] | None = None, name: str) -> tuple[str, ServerProcess | None]:
+        """The server's base URL, and the process when one was started: ``server_url`` as it is, else
+        ``python -m module arguments(host, port)`` on ``server_host`` (a free port unless
+        ``server_port``), waited for until its ``health_path`` answers."""
+        if self.server_url is not None:
+            return self.server_url.rstrip("/"), None
+        port = self.server_port or free_port(self.server_host)
+        base_url = f"http://{self.server_host}:{port}"
+        server = ServerProcess(python_module_argv(module, arguments(self.server_host, port)), base_url=base_url,
+                               health_path=health_path, env=env, name=name)
+        server.wait_ready(self.server_startup_timeout_s)
+        return base_url, server
 
     def server_problems(self, mode: str, model_path: str | None) -> list[str]:
         """What is wrong with these keys for ``mode`` (``hybrid`` or ``server``), as sentences."""

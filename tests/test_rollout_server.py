@@ -98,3 +98,28 @@ def test_cli_flags_follow_argparse_conventions():
 
 def test_cli_flags_can_write_list_items_as_separate_arguments():
     assert cli_flags({"cuda_graph_bs": [1, 2, 4]}, list_style="separate") == ["--cuda-graph-bs", "1", "2", "4"]
+
+
+def test_server_settings_start_a_server_module_or_attach_to_a_url(tmp_path):
+    from rlplat.rollout_server import ServerSettings
+
+    (tmp_path / "fake_rollout_server.py").write_text(SERVER)
+    settings = ServerSettings(server_startup_timeout_s=30)
+    base_url, process = settings.start_or_attach("fake_rollout_server", lambda host, port: [str(port)], health_path="/health",
+                                                 env={"PYTHONPATH": str(tmp_path)}, name="fake server")
+    try:
+        assert base_url.startswith("http://127.0.0.1:") and process.process.poll() is None
+        assert request_json(base_url + "/ping", {}, timeout=10) == {"path": "/ping", "body": {}}
+        attached_url, none = ServerSettings(server_url=base_url + "/").start_or_attach("unused", lambda host, port: [], health_path="/health", name="x")
+        assert (attached_url, none) == (base_url, None)
+    finally:
+        process.stop()
+
+
+def test_server_settings_problems_are_sentences():
+    from rlplat.rollout_server import ServerSettings
+
+    assert ServerSettings().server_problems("hybrid", "/m") == []
+    assert ServerSettings().server_problems("hybrid", None) == ["model_path is required (a local Hugging Face directory)"]
+    assert ServerSettings(server_url="http://x").server_problems("hybrid", "/m") == ["server_url is a server-mode key; set mode=server to use it"]
+    assert ServerSettings(server_port=70000).server_problems("server", "/m") == ["server_port must be in 0..65535, got 70000"]

@@ -31,6 +31,7 @@ _LAZY_NAMES = {
     "AlgorithmConformance": "rlplat.testing.algorithms",
     "CommandConformance": "rlplat.testing.commands",
     "RolloutEngineConformance": "rlplat.testing.rollouts",
+    "TinyModelRolloutFixtures": "rlplat.testing.rollouts",
     "left_padded_prompts": "rlplat.testing.rollouts",
     "RewardManagerConformance": "rlplat.testing.reward_managers",
     "TrainingEngineConformance": "rlplat.testing.engines",

@@ -152,3 +152,35 @@ class RolloutEngineConformance:
         after = rollout.generate(prompts, sampling)
         assert torch.equal(before.batch["responses"], after.batch["responses"])
         assert torch.equal(before.batch["rollout_log_probs"], after.batch["rollout_log_probs"])
+
+
+TINY_MODEL_PROMPTS = [[1, 5, 6, 14, 7, 8, 15], [1, 9, 14, 10, 15], [1, 4, 15]]
+
+
+class TinyModelRolloutFixtures:
+    """The conformance suite's fixtures for the tiny Qwen2 of :mod:`rlplat.testing.tiny_models` made with
+    seed 0 (``save_tiny_model(directory, seed=0)``) and its arithmetic tokenizer: three prompts of
+    different lengths, pad 0, EOS 2, ``=`` (15) as a stop token the random model samples often, and the
+    model's weights by name. Mix in before :class:`RolloutEngineConformance`; provide ``rollout``."""
+
+    @pytest.fixture
+    def prompt_token_lists(self):
+        return TINY_MODEL_PROMPTS
+
+    @pytest.fixture
+    def pad_token_id(self):
+        return 0
+
+    @pytest.fixture
+    def stop_token_id(self):
+        return 15
+
+    @pytest.fixture
+    def eos_token_ids(self):
+        return (2,)
+
+    @pytest.fixture
+    def named_weights(self):
+        from rlplat.testing.tiny_models import tiny_causal_lm
+
+        return list(tiny_causal_lm(seed=0).state_dict().items())

@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from rlplat.contracts.rollout import SamplingParams
-from rlplat.testing import RolloutEngineConformance, left_padded_prompts
+from rlplat.testing import RolloutEngineConformance, TinyModelRolloutFixtures, left_padded_prompts
+from rlplat.testing.rollouts import TINY_MODEL_PROMPTS as PROMPTS
 from rlplat.testing.tiny_models import save_tiny_model
 from rlplat_rollout_hf.rollout import HFRollout
 from rlplat_rollout_hf.sampling import choose, filtered_logits
-
-PROMPTS = [[1, 5, 6, 14, 7, 8, 15], [1, 9, 14, 10, 15], [1, 4, 15]]
 
 
 @pytest.fixture(scope="module")
@@ -24,32 +23,10 @@ def engine(model_dir):
     return HFRollout({"model_path": model_dir})
 
 
-class TestHFRolloutConformance(RolloutEngineConformance):
+class TestHFRolloutConformance(TinyModelRolloutFixtures, RolloutEngineConformance):
     @pytest.fixture
     def rollout(self, engine):
         return engine
-
-    @pytest.fixture
-    def prompt_token_lists(self):
-        return PROMPTS
-
-    @pytest.fixture
-    def pad_token_id(self):
-        return 0
-
-    @pytest.fixture
-    def stop_token_id(self):
-        return 15  # '='
-
-    @pytest.fixture
-    def eos_token_ids(self):
-        return (2,)
-
-    @pytest.fixture
-    def named_weights(self, model_dir):
-        from transformers import AutoModelForCausalLM
-
-        return list(AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items())
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

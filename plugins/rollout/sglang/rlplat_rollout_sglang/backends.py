@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from rlplat.rollout_batch import RequestBatcher
-from rlplat.rollout_server import ServerError, ServerProcess, free_port, python_module_argv, request_json
+from rlplat.rollout_server import ServerError, request_json
 from rlplat_rollout_sglang.config import SGLangRolloutConfig
 from rlplat_rollout_sglang.translate import generate_request, server_args_kwargs, server_argv
 
@@ -151,15 +151,9 @@ class ServerBackend:
     def __init__(self, config: SGLangRolloutConfig):
         self.config = config
         self.owner_pid = os.getpid()
-        self.server: ServerProcess | None = None
-        if config.server_url is not None:
-            self.base_url = config.server_url.rstrip("/")
-        else:
-            port = config.server_port or free_port(config.server_host)
-            self.base_url = f"http://{config.server_host}:{port}"
-            argv = python_module_argv("sglang.launch_server", server_argv(config, config.server_host, port))
-            self.server = ServerProcess(argv, base_url=self.base_url, health_path=HEALTH_PATH, name="sglang server")
-            self.server.wait_ready(config.server_startup_timeout_s)
+        self.base_url, self.server = config.start_or_attach(
+            "sglang.launch_server", lambda host, port: server_argv(config, host, port), health_path=HEALTH_PATH, name="sglang server",
+        )
 
     def post(self, path: str, payload: Any = None) -> Any:
         return request_json(self.base_url + path, payload, method="POST", timeout=self.config.request_timeout_s)

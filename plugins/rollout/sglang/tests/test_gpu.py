@@ -1,7 +1,7 @@
 """The sglang rollout with a real SGLang engine on a tiny Qwen2 built locally: the conformance suite in
 hybrid and in server mode, plus weight updates that must change (and restore) the samples.
 
-Needs a CUDA GPU and sglang: ``make test-sglang-gpu`` or ``scripts/gpu_check.sh``.
+Needs a CUDA GPU and sglang: ``make test-sglang-gpu`` (or ``make gpu-check-sglang``, which adds a GRPO run).
 """
 
 from __future__ import annotations
@@ -10,15 +10,14 @@ import pytest
 import torch
 
 from rlplat.contracts.rollout import SamplingParams
-from rlplat.testing import RolloutEngineConformance, left_padded_prompts
+from rlplat.testing import RolloutEngineConformance, TinyModelRolloutFixtures, left_padded_prompts
+from rlplat.testing.rollouts import TINY_MODEL_PROMPTS as PROMPTS
 from rlplat.testing.tiny_models import save_tiny_model, tiny_causal_lm
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-PROMPTS = [[1, 5, 6, 14, 7, 8, 15], [1, 9, 14, 10, 15], [1, 4, 15]]
 
 # The tiny model's head size is 32, which the default FlashInfer kernels may not cover: Triton attention
 # takes any head size. Deterministic inference makes SGLang honour per-request seeds.
@@ -51,32 +50,12 @@ def weights_of(seed: int) -> list[tuple[str, torch.Tensor]]:
     return list(tiny_causal_lm(seed).state_dict().items())
 
 
-class SGLangConformance(RolloutEngineConformance):
+class SGLangConformance(TinyModelRolloutFixtures, RolloutEngineConformance):
     mode = "hybrid"
 
     @pytest.fixture
     def rollout(self, engine):
         return engine
-
-    @pytest.fixture
-    def prompt_token_lists(self):
-        return PROMPTS
-
-    @pytest.fixture
-    def pad_token_id(self):
-        return 0
-
-    @pytest.fixture
-    def stop_token_id(self):
-        return 15  # '='
-
-    @pytest.fixture
-    def eos_token_ids(self):
-        return (2,)
-
-    @pytest.fixture
-    def named_weights(self):
-        return weights_of(0)
 
     def test_top_k_one_is_greedy(self, rollout, prompts):
         """SGLang samples ``top_k=1`` on its greedy path and reports ``log_softmax(logits)`` there, not the

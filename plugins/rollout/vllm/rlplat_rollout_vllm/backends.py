@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
 from rlplat.rollout_batch import RequestBatcher
-from rlplat.rollout_server import ServerProcess, free_port, python_module_argv, request_json
+from rlplat.rollout_server import request_json
 from rlplat_rollout_vllm.config import VLLMRolloutConfig
 from rlplat_rollout_vllm.translate import (
     completion_payload,
@@ -143,15 +143,10 @@ class ServerBackend:
     def __init__(self, config: VLLMRolloutConfig):
         self.config = config
         self.owner_pid = os.getpid()
-        self.server: ServerProcess | None = None
-        if config.server_url is not None:
-            self.base_url = config.server_url.rstrip("/")
-        else:
-            port = config.server_port or free_port(config.server_host)
-            self.base_url = f"http://{config.server_host}:{port}"
-            argv = python_module_argv("vllm.entrypoints.cli.main", server_arguments(config, config.server_host, port))
-            self.server = ServerProcess(argv, base_url=self.base_url, health_path="/health", env=SERVER_ENV, name="vllm server")
-            self.server.wait_ready(config.server_startup_timeout_s)
+        self.base_url, self.server = config.start_or_attach(
+            "vllm.entrypoints.cli.main", lambda host, port: server_arguments(config, host, port),
+            health_path="/health", env=SERVER_ENV, name="vllm server",
+        )
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
         self.weights = HTTPVLLMWeightSyncClient(self.base_url, timeout=config.request_timeout_s)

@@ -13,11 +13,11 @@ if not torch.cuda.is_available():
     pytest.skip("vllm generation needs a CUDA GPU", allow_module_level=True)
 
 from rlplat.contracts.rollout import SamplingParams  # noqa: E402
-from rlplat.testing import RolloutEngineConformance, left_padded_prompts  # noqa: E402
+from rlplat.testing import RolloutEngineConformance, TinyModelRolloutFixtures, left_padded_prompts  # noqa: E402
+from rlplat.testing.rollouts import TINY_MODEL_PROMPTS as PROMPTS  # noqa: E402
 from rlplat.testing.tiny_models import save_tiny_model  # noqa: E402
 from rlplat_rollout_vllm.rollout import VLLMRollout  # noqa: E402
 
-PROMPTS = [[1, 5, 6, 14, 7, 8, 15], [1, 9, 14, 10, 15], [1, 4, 15]]
 SETTINGS = {"dtype": "bfloat16", "gpu_memory_utilization": 0.2, "max_model_len": 128, "enforce_eager": True}
 
 
@@ -47,23 +47,7 @@ def server_engine(model_dir):
     engine.close()
 
 
-class Fixtures:
-    @pytest.fixture
-    def prompt_token_lists(self):
-        return PROMPTS
-
-    @pytest.fixture
-    def pad_token_id(self):
-        return 0
-
-    @pytest.fixture
-    def stop_token_id(self):
-        return 15
-
-    @pytest.fixture
-    def eos_token_ids(self):
-        return (2,)
-
+class Fixtures(TinyModelRolloutFixtures):
     @pytest.fixture
     def named_weights(self, hf_weights):
         return hf_weights
