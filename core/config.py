@@ -312,7 +312,13 @@ def validate_config(config: DictConfig) -> None:
                 hint = suggest(key, sorted(allowed)).replace(" Did you mean '", " Did you mean 'algorithm.")
                 raise ConfigError(f"unknown config key 'algorithm.{key}'.{hint}")
 
-    rollout_schema = registry.entry("rollout", config.rollout.name).config_schema
+    rollout_entry = registry.entry("rollout", config.rollout.name)
+    if rollout_entry.metadata.get("needs_gpu") and not config.cluster.use_gpu:
+        raise ConfigError(
+            f"rollout {config.rollout.name!r} runs on GPUs only: set cluster.use_gpu=true "
+            "(and cluster.devices_per_node to the GPUs per machine), or use the hf rollout on CPUs."
+        )
+    rollout_schema = rollout_entry.config_schema
     if isinstance(rollout_schema, str):
         from rlplat.registry import resolve_dotted_path
 

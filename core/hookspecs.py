@@ -27,7 +27,8 @@ callback owned by core; the hook calls it once per thing it provides and returns
 ``config_schema``
     A structured-config dataclass (or its dotted path) describing the entry's config node.
 ``metadata``
-    Anything else a consumer of this kind documents (e.g. an algorithm's ``needs_critic``).
+    Anything else a consumer of this kind documents (e.g. an algorithm's ``needs_critic``; a rollout's
+    ``needs_gpu``, checked against ``cluster.use_gpu`` when a run's config is validated).
 
 Hooks are called once per plugin, in load order; none of them returns a value, so no answer "wins".
 New arguments may be added to a hook later; an implementation may accept any subset of them.

@@ -369,3 +369,11 @@ def test_memory_bodies_carry_sglangs_tags(server, named_weights):
     tags = [payload["tags"] for path, payload, _ in calls if path.endswith("memory_occupation")]
     assert tags == [list(translate.ALL_MEMORY_TAGS), [GPU_MEMORY_TYPE_WEIGHTS], list(translate.KV_CACHE_TAGS)]
     assert all(set(t) <= set(GPU_MEMORY_ALL_TYPES) for t in tags)
+
+
+def test_a_run_with_this_rollout_and_no_gpus_is_refused_at_config_validation():
+    from rlplat.cli.run import demo_overrides
+    from rlplat.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"rollout 'sglang' runs on GPUs only: set cluster.use_gpu=true"):
+        load_config(None, demo_overrides(), algo="grpo", engine="fsdp2", rollout="sglang")
