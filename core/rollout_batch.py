@@ -8,13 +8,14 @@ the padding, position and masking rules in one place.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 from typing import Any, Callable, Sequence
 
 import torch
 
-from rlplat.contracts.rollout import TokenOutput
+from rlplat.contracts.rollout import RolloutEngine, TokenOutput
 from rlplat.protocol import DataProto
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -171,3 +172,40 @@ def settle(future: asyncio.Future, result: Any, error: BaseException | None) -> 
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def transfer_copy(tensor: torch.Tensor, dtype: str, device: torch.device | int | None) -> torch.Tensor:
+    """A weight as a rollout backend takes it: detached, floating point in ``dtype`` (a torch dtype name;
+    ``"auto"`` keeps it: half the bytes of float32 masters otherwise), on ``device`` (None: where it
+    is), contiguous."""
+    tensor = tensor.detach()
+    if dtype != "auto" and tensor.is_floating_point():
+        tensor = tensor.to(dtype=getattr(torch, dtype))
+    if device is not None:
+        tensor = tensor.to(device=device)
+    return tensor.contiguous()
+
+
+class BackendRolloutEngine(RolloutEngine):
+    """What the rollouts driving an inference library (vLLM, SGLang) share: ``wake_up`` is the staged
+    wake-up in one go, and ``close`` ends the ``backend`` (an object with ``close()`` and
+    ``owner_pid``), also when the engine is collected in the process that built it (a copy unpickled
+    elsewhere does not own the engine or server)."""
+
+    backend: Any
+
+    def wake_up(self) -> None:
+        self.wake_up_weights()
+        self.wake_up_kv_cache()
+
+    def close(self) -> None:
+        """Stop the engine (hybrid) or the server this engine started (server mode)."""
+        self.backend.close()
+
+    def __del__(self):
+        backend = getattr(self, "backend", None)
+        if backend is not None and os.getpid() == backend.owner_pid:
+            try:
+                backend.close()
+            except Exception:
+                pass

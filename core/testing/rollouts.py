@@ -26,6 +26,11 @@ def left_padded_prompts(token_lists: list[list[int]], pad_token_id: int, uids: l
     return DataProto.from_dict({"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}, {"uid": uids})
 
 
+def assert_same_samples(before: DataProto, after: DataProto) -> None:
+    assert torch.equal(before.batch["responses"], after.batch["responses"])
+    assert torch.equal(before.batch["rollout_log_probs"], after.batch["rollout_log_probs"])
+
+
 class RolloutEngineConformance:
     """Fixtures to provide: ``rollout`` (a ready engine with weights loaded), ``prompt_token_lists``
     (a few prompts of different lengths as token-id lists), ``pad_token_id`` and ``stop_token_id`` (a
@@ -145,9 +150,7 @@ class RolloutEngineConformance:
             rollout.generate(prompts, sampling)
         rollout.wake_up()
         rollout.update_weights(named_weights)
-        after = rollout.generate(prompts, sampling)
-        assert torch.equal(before.batch["responses"], after.batch["responses"])
-        assert torch.equal(before.batch["rollout_log_probs"], after.batch["rollout_log_probs"])
+        assert_same_samples(before, rollout.generate(prompts, sampling))
 
     def test_a_staged_wake_up_weights_then_kv_cache_reproduces_the_samples(self, rollout, prompts, named_weights):
         if named_weights is None:
@@ -158,9 +161,7 @@ class RolloutEngineConformance:
         rollout.wake_up_weights()
         rollout.update_weights(named_weights)
         rollout.wake_up_kv_cache()
-        after = rollout.generate(prompts, sampling)
-        assert torch.equal(before.batch["responses"], after.batch["responses"])
-        assert torch.equal(before.batch["rollout_log_probs"], after.batch["rollout_log_probs"])
+        assert_same_samples(before, rollout.generate(prompts, sampling))
 
 
 TINY_MODEL_PROMPTS = [[1, 5, 6, 14, 7, 8, 15], [1, 9, 14, 10, 15], [1, 4, 15]]

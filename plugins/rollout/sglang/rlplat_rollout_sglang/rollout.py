@@ -9,15 +9,14 @@ KV cache and CUDA graphs, so that the buckets load before the KV cache claims it
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 from typing import Any, Iterable, Sequence
 
 import torch
 
-from rlplat.contracts.rollout import RolloutEngine, SamplingParams, TokenOutput
+from rlplat.contracts.rollout import SamplingParams, TokenOutput
 from rlplat.protocol import DataProto
-from rlplat.rollout_batch import assemble_rollout, pad_and_eos_token_ids, prompt_token_lists
+from rlplat.rollout_batch import BackendRolloutEngine, assemble_rollout, pad_and_eos_token_ids, prompt_token_lists, transfer_copy
 from rlplat_rollout_sglang.backends import InProcessBackend, ServerBackend
 from rlplat_rollout_sglang.config import SGLangRolloutConfig
 from rlplat_rollout_sglang.translate import (
@@ -34,7 +33,7 @@ from rlplat_rollout_sglang.translate import (
 AWAKE, WEIGHTS_ONLY, ASLEEP = "awake", "weights only", "asleep"
 
 
-class SGLangRollout(RolloutEngine):
+class SGLangRollout(BackendRolloutEngine):
     """See the :class:`~rlplat.contracts.rollout.RolloutEngine` contract and the module docstring.
 
     States: awake; weights only (after :meth:`wake_up_weights`); asleep. Generation needs awake and,
@@ -128,13 +127,7 @@ class SGLangRollout(RolloutEngine):
     def for_transfer(self, tensor: torch.Tensor) -> torch.Tensor:
         """Floating-point tensors in the rollout's dtype (half the bytes of float32 masters), on this
         worker's GPU when it has one: CUDA tensors travel as IPC handles, CPU ones through shared memory."""
-        dtype = getattr(torch, self.config.dtype) if self.config.dtype != "auto" else None
-        tensor = tensor.detach()
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype=dtype)
-        if torch.cuda.is_available():
-            tensor = tensor.to(device=torch.cuda.current_device())
-        return tensor.contiguous()
+        return transfer_copy(tensor, self.config.dtype, torch.cuda.current_device() if torch.cuda.is_available() else None)
 
     # -- memory ----------------------------------------------------------------------------------------
 
@@ -169,22 +162,10 @@ class SGLangRollout(RolloutEngine):
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # drop the IPC-shared buckets the scheduler has let go of
 
-    def wake_up(self) -> None:
-        self.wake_up_weights()
-        self.wake_up_kv_cache()
-
     def close(self) -> None:
         """Shut the engine down (hybrid) or stop the server this engine started (server mode); an open
         weight-update session is closed first (an attached server outlives this engine)."""
         try:
             self.end_weight_update()
         finally:
-            self.backend.close()
-
-    def __del__(self):
-        backend = getattr(self, "backend", None)
-        if backend is not None and os.getpid() == backend.owner_pid:
-            try:
-                backend.close()
-            except Exception:
-                pass
+            super().close()

@@ -70,7 +70,11 @@ class InProcessBackend:
 
     def run(self, token_lists: Sequence[Sequence[int]], sampling_list: Sequence[SamplingParams], eos_token_ids: Sequence[int]) -> list[TokenOutput]:
         """One ``LLM.generate`` call; the samples prompt-major, ``n`` per prompt in vLLM's index order."""
-        params = [self.vllm.SamplingParams(**sampling_kwargs(sampling, eos_token_ids)) for sampling in sampling_list]
+        built: dict[SamplingParams, Any] = {}  # a batch shares one setting: build it once
+        for sampling in sampling_list:
+            if sampling not in built:
+                built[sampling] = self.vllm.SamplingParams(**sampling_kwargs(sampling, eos_token_ids))
+        params = [built[sampling] for sampling in sampling_list]
         with self.lock:
             outputs = self.llm.generate([{"prompt_token_ids": list(tokens)} for tokens in token_lists], params, use_tqdm=False)
         samples = []

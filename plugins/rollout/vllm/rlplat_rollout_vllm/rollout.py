@@ -9,14 +9,13 @@ in two stages, weights then KV cache.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Iterable, Sequence
 
 import torch
 
-from rlplat.contracts.rollout import RolloutEngine, SamplingParams, TokenOutput
+from rlplat.contracts.rollout import SamplingParams, TokenOutput
 from rlplat.protocol import DataProto
-from rlplat.rollout_batch import assemble_rollout, pad_and_eos_token_ids, prompt_token_lists
+from rlplat.rollout_batch import BackendRolloutEngine, assemble_rollout, pad_and_eos_token_ids, prompt_token_lists, transfer_copy
 from rlplat_rollout_vllm.backends import InProcessBackend, ServerBackend
 from rlplat_rollout_vllm.config import VLLMRolloutConfig
 from rlplat_rollout_vllm.translate import packed_update_info
@@ -24,7 +23,7 @@ from rlplat_rollout_vllm.translate import packed_update_info
 AWAKE, WEIGHTS_ONLY, ASLEEP = "awake", "weights only", "asleep"
 
 
-class VLLMRollout(RolloutEngine):
+class VLLMRollout(BackendRolloutEngine):
     """See the :class:`~rlplat.contracts.rollout.RolloutEngine` contract and the module docstring.
 
     States: awake; weights only (after :meth:`wake_up_weights`); asleep. Generation needs awake and,
@@ -102,13 +101,10 @@ class VLLMRollout(RolloutEngine):
         self.needs_weights = False
 
     def for_transfer(self, tensor: torch.Tensor) -> torch.Tensor:
-        """On this GPU, floating-point tensors in the rollout's dtype (half the bytes of float32 masters)."""
+        """On this GPU (the IPC handles are this GPU's), in the rollout's dtype."""
         if not torch.cuda.is_available():
             raise RuntimeError("vllm rollout: update_weights needs a CUDA device (weights travel by CUDA IPC)")
-        dtype = getattr(torch, self.config.dtype, None) if self.config.dtype != "auto" else None
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype=dtype)
-        return tensor.detach().to(device=torch.cuda.current_device()).contiguous()
+        return transfer_copy(tensor, self.config.dtype, torch.cuda.current_device())
 
     def finish_weight_update(self) -> None:
         if not self.updating:
@@ -153,20 +149,3 @@ class VLLMRollout(RolloutEngine):
         if self.state == WEIGHTS_ONLY:
             self.backend.wake_up(["kv_cache"])
             self.state = AWAKE
-
-    def wake_up(self) -> None:
-        self.wake_up_weights()
-        self.wake_up_kv_cache()
-
-    def close(self) -> None:
-        """Stop the engine (hybrid) or the server this engine started (server mode)."""
-        self.backend.close()
-
-    def __del__(self):
-        backend = getattr(self, "backend", None)
-        if backend is not None and os.getpid() == backend.owner_pid:
-            try:
-                backend.close()
-            except Exception:
-                pass
-
