@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rlplat.contracts.rollout import RolloutEngine, TokenOutput
+from rlplat.contracts.rollout import RolloutEngine, SamplingParams, TokenOutput
 from rlplat.protocol import DataProto
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -37,6 +37,14 @@ def prompt_token_lists(prompts: DataProto, engine: str) -> list[list[int]]:
         raise ValueError(f"{engine} rollout: prompt rows {empty} have no token with attention_mask 1")
     return token_lists
 
+
+
+def check_single_request(prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
+    """The arguments ``generate_tokens`` accepts: a non-empty prompt and one sample."""
+    if sampling.n != 1:
+        raise ValueError(f"generate_tokens samples one response; got n={sampling.n}")
+    if not prompt_ids:
+        raise ValueError("generate_tokens needs at least one prompt token")
 
 def assemble_rollout(prompts: DataProto, samples: Sequence[TokenOutput], n: int, max_new_tokens: int, pad_token_id: int) -> DataProto:
     """The contract's output batch from ``len(prompts) * n`` samples, those of one prompt adjacent.

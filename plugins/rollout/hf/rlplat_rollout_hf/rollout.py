@@ -9,6 +9,7 @@ import torch
 
 from rlplat.contracts.rollout import RolloutEngine, SamplingParams, TokenOutput
 from rlplat.protocol import DataProto
+from rlplat.rollout_batch import check_single_request
 from rlplat_rollout_hf.config import HFRolloutConfig
 from rlplat_rollout_hf.sampling import choose
 
@@ -139,10 +140,7 @@ class HFRollout(RolloutEngine):
         return responses, log_probs, response_mask
 
     async def generate_tokens(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> TokenOutput:
-        if sampling.n != 1:
-            raise ValueError(f"generate_tokens samples one response; got n={sampling.n}")
-        if not prompt_ids:
-            raise ValueError("generate_tokens needs at least one prompt token")
+        check_single_request(prompt_ids, sampling)
         return await asyncio.to_thread(self.generate_tokens_now, list(prompt_ids), sampling)
 
     def generate_tokens_now(self, prompt_ids: list[int], sampling: SamplingParams) -> TokenOutput:

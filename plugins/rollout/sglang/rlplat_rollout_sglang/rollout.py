@@ -16,7 +16,7 @@ import torch
 
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
 from rlplat.protocol import DataProto
-from rlplat.rollout_batch import BackendRolloutEngine, assemble_rollout, pad_and_eos_token_ids, prompt_token_lists, transfer_copy
+from rlplat.rollout_batch import BackendRolloutEngine, assemble_rollout, check_single_request, pad_and_eos_token_ids, prompt_token_lists, transfer_copy
 from rlplat_rollout_sglang.backends import InProcessBackend, ServerBackend
 from rlplat_rollout_sglang.config import SGLangRolloutConfig
 from rlplat_rollout_sglang.translate import (
@@ -67,10 +67,7 @@ class SGLangRollout(BackendRolloutEngine):
         return assemble_rollout(prompts, samples, sampling.n, sampling.max_new_tokens, self.pad_token_id)
 
     async def generate_tokens(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> TokenOutput:
-        if sampling.n != 1:
-            raise ValueError(f"generate_tokens samples one response; got n={sampling.n}")
-        if not prompt_ids:
-            raise ValueError("generate_tokens needs at least one prompt token")
+        check_single_request(prompt_ids, sampling)
         await asyncio.to_thread(self.check_ready)  # may flush the cache: Engine runs its own event loop
         params = per_sample_params(sampling, 1, self.eos_token_ids, self.seeds_for(sampling, 1))[0]
         output = await self.backend.generate_one(list(prompt_ids), params)

@@ -15,7 +15,7 @@ import torch
 
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
 from rlplat.protocol import DataProto
-from rlplat.rollout_batch import BackendRolloutEngine, assemble_rollout, pad_and_eos_token_ids, prompt_token_lists, transfer_copy
+from rlplat.rollout_batch import BackendRolloutEngine, assemble_rollout, check_single_request, pad_and_eos_token_ids, prompt_token_lists, transfer_copy
 from rlplat_rollout_vllm.backends import InProcessBackend, ServerBackend
 from rlplat_rollout_vllm.config import VLLMRolloutConfig
 from rlplat_rollout_vllm.translate import packed_update_info
@@ -52,10 +52,7 @@ class VLLMRollout(BackendRolloutEngine):
         return assemble_rollout(prompts, samples, sampling.n, sampling.max_new_tokens, self.pad_token_id)
 
     async def generate_tokens(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> TokenOutput:
-        if sampling.n != 1:
-            raise ValueError(f"generate_tokens samples one response; got n={sampling.n}")
-        if not prompt_ids:
-            raise ValueError("generate_tokens needs at least one prompt token")
+        check_single_request(prompt_ids, sampling)
         self.check_ready()
         return await self.backend.generate_one(list(prompt_ids), sampling, self.eos_token_ids)
 
