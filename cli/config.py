@@ -20,9 +20,13 @@ def show(
 ) -> None:
     """Print the resolved config as YAML; a config error is printed in one paragraph (exit code 2)."""
     from rlplat.config import ConfigError, load_config, to_yaml
+    from rlplat.verl_keys import translate_command_line
 
     try:
-        resolved = load_config(config, overrides or [], algo=algo, engine=engine, rollout=rollout, validate=not no_validate)
+        config, arguments, notes = translate_command_line(config, overrides or [], algo=algo, rollout=rollout)
+        for note in notes:  # verl's keys become rlplat's, one note each
+            typer.echo(f"rlplat: {note}", err=True)
+        resolved = load_config(config, arguments, algo=algo, engine=engine, rollout=rollout, validate=not no_validate)
     except ConfigError as error:
         typer.echo(f"rlplat: config error: {error}", err=True)
         raise typer.Exit(2)

@@ -54,8 +54,15 @@ def run(
     """Train with the chosen algorithm, engine and rollout; the run directory holds the resolved config,
     metrics (JSONL, TensorBoard) and checkpoints."""
     from rlplat.config import ConfigError, load_config
+    from rlplat.verl_keys import translate_command_line
 
-    arguments = list(overrides or [])
+    try:  # verl's keys (actor_rollout_ref.actor.optim.lr=...) become rlplat's, one note each
+        config, arguments, notes = translate_command_line(config, list(overrides or []), algo=algo, rollout=rollout)
+    except ConfigError as error:
+        typer.echo(f"rlplat: config error: {error}", err=True)
+        raise typer.Exit(2)
+    for note in notes:
+        typer.echo(f"rlplat: {note}", err=True)
     if config is None and not any(a.startswith(("model.path=", "data.train_files=")) for a in arguments):
         try:
             arguments = demo_overrides() + arguments
