@@ -2,19 +2,35 @@
 
 Three parts: ``batch`` (a ``tensordict.TensorDict`` with one batch dimension), ``non_tensor_batch``
 (str -> numpy array of the same length, usually ``dtype=object``) and ``meta_info`` (a dict that is
-not split). Method names and semantics follow verl's ``DataProto`` so code ports over, with these
-differences:
+not split). Method and function names follow verl's ``verl.protocol`` and keep its meaning, so code
+ports over; verl 0.9.1's own DataProto tests run against this module (``make test-verl-compat``,
+docs/verl-dataproto.md). Where rlplat behaves differently it says so here:
 
-- Operations return new objects that share tensor storage; none modifies its receiver. The single
-  exception is :meth:`DataProto.pop`, which, like ``dict.pop``, removes what it returns.
-- There is one padding mechanism, :meth:`pad_to_divisor` / :meth:`unpad`; dispatch uses the same one.
-- :meth:`union` returns a new object and raises on a key both sides hold with different values.
-- :meth:`concat` merges ``meta_info`` by a documented rule (see :func:`merge_meta_info`).
+- Operations return new objects that share tensor storage; none modifies its receiver. The
+  exceptions, each verl's meaning: :meth:`DataProto.pop` (like ``dict.pop``) removes what it returns;
+  :meth:`DataProto.reorder` reorders in place and returns None (:meth:`DataProto.select_idxs` gives a
+  reordered new object); the module functions :func:`union_tensor_dict` and :func:`union_numpy_dict`
+  merge into their first argument. verl's ``union``, ``rename`` and ``to`` modify their receiver and
+  return it; here they return a new object, so use the returned value (verl's own code always does).
+- There is one padding mechanism, :meth:`pad_to_divisor` / :meth:`unpad`
+  (:func:`pad_dataproto_to_divisor` / :func:`unpad_dataproto` under verl's names); dispatch uses the
+  same one. verl's ``auto_padding`` is refused.
+- :meth:`union` raises on a key both sides hold with different values; equal copies are accepted,
+  NaN in the same place counting as equal. :meth:`concat` merges ``meta_info`` by
+  :func:`merge_meta_info` (metrics gathered).
+- A list per row stays one object per row in ``non_tensor_batch`` (verl's ``np.array(dtype=object)``
+  turns equal-length rows into a 2-D array); :meth:`chunk` gives exactly n near-equal parts where
+  verl refuses a length that does not divide.
+- Errors about the data are :class:`DataProtoError`: a ``ValueError`` that is also an
+  ``AssertionError``, because verl signals the same conditions with ``assert``.
 - Pickling (protocol 5) hands every tensor and numeric numpy array over as an out-of-band buffer, so
   the Ray object store maps them instead of copying. A consequence: tensors of a DataProto that came
   out of ``ray.get`` are views of the shared object store; clone a tensor before changing it in place.
 - :meth:`load_from_disk` never unpickles arbitrary code: tensors are raw bytes, and the unpickler
   only admits the numpy and builtin types a batch holds.
+
+The file is longer than a contract file should be because verl's module-level helpers live here too:
+``from verl.protocol import X`` ports to ``from rlplat.protocol import X``.
 """
 
 from __future__ import annotations
@@ -23,6 +39,7 @@ import copy
 import dataclasses
 import io
 import math
+import numbers
 import pickle
 import warnings
 from collections.abc import Mapping, Sequence
@@ -31,10 +48,23 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+__all__ = [
+    "DataProto", "DataProtoError", "DataProtoItem", "deserialize_single_tensor", "deserialize_tensordict",
+    "fold_batch_dim", "load_data_proto_bytes", "merge_meta_info", "pad_dataproto_to_divisor",
+    "serialize_single_tensor", "serialize_tensordict", "unfold_batch_dim", "union_numpy_dict",
+    "union_tensor_dict", "unpad_dataproto"
+]
 
 METRICS_KEY = "metrics"
 FORMAT_VERSION = 1
+
+
+class DataProtoError(ValueError, AssertionError):
+    """Data that does not fit together: rows of different lengths, a key both sides of a union hold
+    with different values, conflicting ``meta_info``. A ``ValueError``; also an ``AssertionError``
+    because verl raises that for the same conditions, so code written for verl still catches it."""
 
 
 def as_object_array(values: Any) -> np.ndarray:
@@ -51,43 +81,145 @@ def as_object_array(values: Any) -> np.ndarray:
 def merge_meta_info(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The rule :meth:`DataProto.concat` uses for ``meta_info``.
 
-    ``meta_info["metrics"]`` (a dict of name -> value or list of values) is gathered: the result maps
-    each name to the list of every part's values, in order. Every other key must have equal values in
-    all the parts that hold it (a key missing from some parts is taken from the others); unequal values
-    raise a ``ValueError`` naming the key.
+    ``meta_info["metrics"]`` is gathered. Each part's value is a dict of name -> value (or list of
+    values), a list of such dicts (what verl's agent loop and workers produce), or None. The result
+    maps each name to the list of all the values in part order, lists flattened:
+    ``[{"loss": 0.5}]`` and ``{"loss": [0.6, 0.7]}`` give ``{"loss": [0.5, 0.6, 0.7]}``. Every other
+    key must have equal values in all the parts that hold it (a key missing from some parts is taken
+    from the others); unequal values raise a :class:`DataProtoError` naming the key.
     """
     merged: dict[str, Any] = {}
     gathered: dict[str, list[Any]] = {}
     has_metrics = False
-    for part in parts:
+    for position, part in enumerate(parts):
         for key, value in part.items():
             if key == METRICS_KEY:
+                if value is None:
+                    continue
                 has_metrics = True
-                for name, metric in dict(value).items():
-                    gathered.setdefault(name, []).extend(metric if isinstance(metric, list) else [metric])
+                for metrics in value if isinstance(value, (list, tuple)) else [value]:
+                    if not isinstance(metrics, Mapping):
+                        raise DataProtoError(
+                            f"cannot concat DataProto: part {position}'s meta_info['metrics'] holds a "
+                            f"{type(metrics).__name__}; expected a dict of name -> value, or a list of such dicts"
+                        )
+                    for name, metric in metrics.items():
+                        gathered.setdefault(name, []).extend(metric if isinstance(metric, list) else [metric])
             elif key not in merged:
                 merged[key] = value
             elif not values_equal(merged[key], value):
-                raise ValueError(
-                    f"cannot concat DataProto: meta_info[{key!r}] differs between parts "
-                    f"({merged[key]!r:.60} vs {value!r:.60}); only meta_info['metrics'] is gathered"
+                raise DataProtoError(
+                    f"cannot concat DataProto: Conflicting values for meta_info key {key!r} "
+                    f"({merged[key]!r:.60} vs {value!r:.60} in part {position}); only meta_info['metrics'] "
+                    "is gathered, every other key must be equal in all parts"
                 )
     if has_metrics:
         merged[METRICS_KEY] = gathered
     return merged
 
 
-def values_equal(left: Any, right: Any) -> bool:
+def tensors_equal(left: torch.Tensor, right: torch.Tensor) -> bool:
+    """Same shape and values, NaN in the same place counting as equal."""
+    if left is right:
+        return True
+    if left.shape != right.shape:
+        return False
+    if torch.equal(left, right):
+        return True
+    if not (left.is_floating_point() or left.is_complex()):
+        return False
+    return bool(((left == right) | (left.isnan() & right.isnan())).all())
+
+
+def is_nan(value: Any) -> bool:
+    return isinstance(value, (float, np.floating)) and math.isnan(value)
+
+
+def values_equal(left: Any, right: Any, _path: set[tuple[int, int]] | None = None) -> bool:
+    """Deep equality of batch values (verl's ``_deep_equal`` rule, extended to containers).
+
+    NaN equals NaN in the same place; numpy arrays must agree in dtype and shape, object arrays,
+    lists, tuples and dicts are compared element by element; tensors by :func:`tensors_equal`;
+    numbers by value (``1 == 1.0``), everything else only with a value of the same type. A structure
+    that refers back to itself compares equal to one that does so at the same place.
+    """
     if left is right:
         return True
     if isinstance(left, torch.Tensor) or isinstance(right, torch.Tensor):
-        return isinstance(left, torch.Tensor) and isinstance(right, torch.Tensor) and torch.equal(left, right)
+        return isinstance(left, torch.Tensor) and isinstance(right, torch.Tensor) and tensors_equal(left, right)
     if isinstance(left, np.ndarray) or isinstance(right, np.ndarray):
-        return np.array_equal(np.asarray(left, dtype=object), np.asarray(right, dtype=object))
+        if not (isinstance(left, np.ndarray) and isinstance(right, np.ndarray)):
+            return False
+        if left.dtype != right.dtype or left.shape != right.shape:
+            return False
+        if left.dtype != object:
+            return bool(np.array_equal(left, right, equal_nan=left.dtype.kind in "fc"))
+        pairs: Any = zip(left.flat, right.flat)
+    elif isinstance(left, Mapping) and isinstance(right, Mapping):
+        if type(left) is not type(right) or left.keys() != right.keys():
+            return False
+        pairs = ((left[key], right[key]) for key in left)
+    elif isinstance(left, (list, tuple)) and type(left) is type(right):
+        if len(left) != len(right):
+            return False
+        pairs = zip(left, right)
+    else:
+        if is_nan(left) and is_nan(right):
+            return True
+        if type(left) is not type(right) and not (isinstance(left, numbers.Number) and isinstance(right, numbers.Number)):
+            return False
+        try:
+            return bool(left == right)
+        except Exception:
+            return False
+    path = set() if _path is None else _path
+    pair = (id(left), id(right))
+    if pair in path:
+        return True
+    path.add(pair)
     try:
-        return bool(left == right)
-    except Exception:
-        return False
+        return all(values_equal(a, b, path) for a, b in pairs)
+    finally:
+        path.discard(pair)
+
+
+def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
+    """Add ``tensor_dict2``'s columns to ``tensor_dict1`` **in place** and return ``tensor_dict1``
+    (verl's meaning). A column both hold must be equal (:func:`tensors_equal`), else
+    :class:`DataProtoError`. :meth:`DataProto.union` uses it on a shallow copy of its receiver's batch."""
+    if tensor_dict1.batch_size != tensor_dict2.batch_size:
+        raise DataProtoError(
+            f"union: the two batches have batch sizes {list(tensor_dict1.batch_size)} and {list(tensor_dict2.batch_size)}"
+        )
+    present = set(tensor_dict1.keys(include_nested=True, leaves_only=True))
+    added = {}
+    for key in tensor_dict2.keys(include_nested=True, leaves_only=True):
+        value = tensor_dict2.get(key)
+        if key not in present:
+            added[key] = value
+        elif not tensors_equal(tensor_dict1.get(key), value):
+            raise DataProtoError(f"union: batch key {key!r} is in both with different values")
+    if added:
+        tensor_dict1.update(added)
+    return tensor_dict1
+
+
+def union_numpy_dict(tensor_dict1: dict[str, np.ndarray], tensor_dict2: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Add ``tensor_dict2``'s arrays to the dict ``tensor_dict1`` **in place** and return it (verl's
+    meaning). An array both hold must be equal by :func:`values_equal` (NaN in the same place, arrays
+    per row), else :class:`DataProtoError`."""
+    for key, value in tensor_dict2.items():
+        if key in tensor_dict1:
+            for side, array in (("tensor_dict1", tensor_dict1[key]), ("tensor_dict2", value)):
+                if not isinstance(array, np.ndarray):
+                    raise TypeError(f"union_numpy_dict: {side}[{key!r}] is a {type(array).__name__}, not a numpy array")
+            if not values_equal(tensor_dict1[key], value):
+                raise DataProtoError(
+                    f"`{key}` in tensor_dict1 and tensor_dict2 are not the same object. A key both dicts hold "
+                    "must have equal values (NaN equals NaN in the same place)"
+                )
+        tensor_dict1[key] = value
+    return tensor_dict1
 
 
 def to_index_tensor(indices: Any, length: int) -> torch.Tensor:
@@ -110,6 +242,14 @@ def to_index_tensor(indices: Any, length: int) -> torch.Tensor:
     if not length:
         raise IndexError("index out of range for an empty DataProto")
     return torch.where(index < 0, index + length, index)
+
+
+def refuse_auto_padding(auto_padding: bool) -> None:
+    if auto_padding:
+        raise DataProtoError(
+            "auto_padding is verl's second padding mechanism; rlplat has one: pad with "
+            "data.pad_to_divisor(divisor) and drop it with unpad(pad_size) (dispatch does both for you)"
+        )
 
 
 @dataclasses.dataclass
@@ -145,9 +285,22 @@ class DataProto:
         tensors: Mapping[str, torch.Tensor] | None = None,
         non_tensors: Mapping[str, Any] | None = None,
         meta_info: Mapping[str, Any] | None = None,
+        num_batch_dims: int = 1,
+        auto_padding: bool = False,
     ) -> "DataProto":
         """Build from ``tensors`` (all with the same first dimension) and ``non_tensors`` (sequences of
-        that length, turned into numpy object arrays unless already numpy arrays)."""
+        that length, turned into numpy object arrays unless already numpy arrays).
+
+        ``num_batch_dims`` and ``auto_padding`` are verl's arguments: a DataProto has exactly one batch
+        dimension, and padding is :meth:`pad_to_divisor`'s job, so anything but ``1`` and ``False``
+        raises :class:`DataProtoError`.
+        """
+        if num_batch_dims != 1:
+            raise DataProtoError(
+                f"from_dict: num_batch_dims={num_batch_dims}, but a DataProto has exactly one batch dimension "
+                "(fold rows into groups with fold_batch_dim instead)"
+            )
+        refuse_auto_padding(auto_padding)
         tensors = dict(tensors or {})
         non_tensor_batch = {key: as_object_array(value) for key, value in (non_tensors or {}).items()}
         batch = None
@@ -155,24 +308,68 @@ class DataProto:
             sizes = {key: value.shape[0] if value.dim() else None for key, value in tensors.items()}
             first = next(iter(sizes.values()))
             if any(size != first for size in sizes.values()) or first is None:
-                raise ValueError(f"every tensor needs the same first (batch) dimension; got {sizes}")
+                raise DataProtoError(f"every tensor needs the same first (batch) dimension; got {sizes}")
             batch = TensorDict(tensors, batch_size=[first])
         return cls(batch, non_tensor_batch, meta_info)
 
     @classmethod
-    def from_single_dict(cls, data: Mapping[str, Any], meta_info: Mapping[str, Any] | None = None) -> "DataProto":
+    def from_single_dict(
+        cls, data: Mapping[str, Any], meta_info: Mapping[str, Any] | None = None, auto_padding: bool = False
+    ) -> "DataProto":
         """Build from one dict: tensors go to ``batch``, numpy arrays and lists to ``non_tensor_batch``."""
         tensors = {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
         others = {k: v for k, v in data.items() if not isinstance(v, torch.Tensor)}
         for key, value in others.items():
             if not isinstance(value, (np.ndarray, list, tuple)):
                 raise TypeError(f"from_single_dict: {key!r} is a {type(value).__name__}, not a tensor, array or list")
-        return cls.from_dict(tensors, others, meta_info)
+        return cls.from_dict(tensors, others, meta_info, auto_padding=auto_padding)
+
+    @classmethod
+    def from_tensordict(
+        cls, tensor_dict: TensorDict, meta_info: Mapping[str, Any] | None = None, num_batch_dims: int = 1
+    ) -> "DataProto":
+        """The inverse of :meth:`to_tensordict`: tensors (and nested TensorDicts) go to ``batch``, each
+        ``NonTensorStack`` to a ``non_tensor_batch`` column (one object per row), each ``NonTensorData``
+        to ``meta_info`` (added to a copy of ``meta_info``)."""
+        if num_batch_dims != 1:
+            raise DataProtoError(f"from_tensordict: num_batch_dims={num_batch_dims}; a DataProto has one batch dimension")
+        meta = dict(meta_info or {})
+        tensors: dict[str, Any] = {}
+        non_tensor: dict[str, np.ndarray] = {}
+        for key, value in tensor_dict.items():
+            if isinstance(value, NonTensorStack):
+                non_tensor[key] = as_object_array([element.data for element in value])
+            elif isinstance(value, NonTensorData):
+                meta[key] = value.data
+            else:
+                tensors[key] = value
+        batch = None
+        if tensors:
+            batch = TensorDict(tensors, batch_size=tensor_dict.batch_size[:1], device=tensor_dict.device)
+        return cls(batch, non_tensor, meta)
+
+    def to_tensordict(self) -> TensorDict:
+        """One TensorDict with one batch dimension holding everything (verl 0.9's trainer format):
+        tensors as they are, each ``non_tensor_batch`` column as a ``NonTensorStack`` of one
+        ``NonTensorData`` per row, each ``meta_info`` key as a ``NonTensorData``. Tensors are shared,
+        not copied. A key in two parts raises :class:`DataProtoError`."""
+        source: dict[str, Any] = dict(self.batch.items()) if self.batch is not None else {}
+        for part, items in (("non_tensor_batch", self.non_tensor_batch), ("meta_info", self.meta_info)):
+            clashes = sorted(set(items) & set(source))
+            if clashes:
+                raise DataProtoError(f"to_tensordict: {part} key(s) {clashes} are also batch or non_tensor_batch keys")
+            for key, value in items.items():
+                if part == "meta_info":
+                    source[key] = NonTensorData(value)
+                else:
+                    source[key] = NonTensorStack.from_list([NonTensorData(row) for row in value])
+        device = self.batch.device if self.batch is not None else None
+        return TensorDict(source, batch_size=[len(self)], device=device)
 
     def check_consistency(self) -> None:
-        """Raise ``ValueError`` (naming the key) unless every column has the same number of rows."""
+        """Raise :class:`DataProtoError` (naming the key) unless every column has the same number of rows."""
         if self.batch is not None and len(self.batch.batch_size) != 1:
-            raise ValueError(f"DataProto.batch must have exactly one batch dimension, got {self.batch.batch_size}")
+            raise DataProtoError(f"DataProto.batch must have exactly one batch dimension, got {self.batch.batch_size}")
         length = self.batch.batch_size[0] if self.batch is not None else None
         for key, value in self.non_tensor_batch.items():
             if not isinstance(value, np.ndarray):
@@ -180,7 +377,7 @@ class DataProto:
             if length is None:
                 length = len(value)
             elif len(value) != length:
-                raise ValueError(f"non_tensor_batch[{key!r}] has {len(value)} rows, the batch has {length}")
+                raise DataProtoError(f"non_tensor_batch[{key!r}] has {len(value)} rows, the batch has {length}")
 
     # -- size and access ---------------------------------------------------------------------------------
 
@@ -219,7 +416,7 @@ class DataProto:
         window = slice(start, end, step)
         batch = self.batch[window] if self.batch is not None else None
         non_tensor = {key: value[window] for key, value in self.non_tensor_batch.items()}
-        return DataProto(batch, non_tensor, self.meta_info)
+        return type(self)(batch, non_tensor, self.meta_info)
 
     def select_idxs(self, idxs: Any) -> "DataProto":
         """Rows at ``idxs`` (ints, in that order, repeats allowed) or where a boolean mask is True."""
@@ -227,7 +424,7 @@ class DataProto:
         batch = self.batch[index] if self.batch is not None else None
         numpy_index = index.numpy()
         non_tensor = {key: value[numpy_index] for key, value in self.non_tensor_batch.items()}
-        return DataProto(batch, non_tensor, self.meta_info)
+        return type(self)(batch, non_tensor, self.meta_info)
 
     def select(
         self,
@@ -236,7 +433,8 @@ class DataProto:
         meta_info_keys: Sequence[str] | None = None,
         deepcopy: bool = False,
     ) -> "DataProto":
-        """A DataProto with only these keys (None keeps all of that part); ``deepcopy`` copies data."""
+        """A DataProto with only these keys (None keeps all of that part); ``deepcopy`` copies data.
+        A key that is not there raises ``KeyError`` (verl silently skips missing non-tensor and meta keys)."""
         batch = self.batch
         if batch_keys is not None and batch is not None:
             self._require(batch_keys, self.tensor_keys(), "batch")
@@ -255,7 +453,7 @@ class DataProto:
             batch = batch.clone() if batch is not None else None
             non_tensor = copy.deepcopy(non_tensor)
             meta = copy.deepcopy(meta)
-        return DataProto(batch, non_tensor, meta)
+        return type(self)(batch, non_tensor, meta)
 
     @staticmethod
     def _require(wanted: Sequence[str], present: Any, part: str) -> None:
@@ -275,8 +473,8 @@ class DataProto:
         non_tensor_batch_keys: Sequence[str] | None = None,
         meta_info_keys: Sequence[str] | None = None,
     ) -> "DataProto":
-        """Remove these keys from this DataProto and return them as a new one (the one method that
-        modifies its receiver, like ``dict.pop``)."""
+        """Remove these keys from this DataProto and return them as a new one (modifies its receiver,
+        like ``dict.pop`` and verl's ``pop``)."""
         popped = self.select(batch_keys or [], non_tensor_batch_keys or [], meta_info_keys or [])
         if self.batch is not None and batch_keys:
             self.batch = self.batch.exclude(*batch_keys)
@@ -287,62 +485,49 @@ class DataProto:
         return popped
 
     def rename(self, old_keys: str | Sequence[str], new_keys: str | Sequence[str]) -> "DataProto":
-        """A DataProto whose batch keys ``old_keys`` are called ``new_keys``."""
+        """A DataProto whose batch keys ``old_keys`` are called ``new_keys`` (verl renames its receiver
+        and returns it; use the returned value)."""
         old = [old_keys] if isinstance(old_keys, str) else list(old_keys)
         new = [new_keys] if isinstance(new_keys, str) else list(new_keys)
         if len(old) != len(new):
-            raise ValueError(f"rename: {len(old)} old keys but {len(new)} new keys")
+            raise DataProtoError(f"rename: {len(old)} old keys but {len(new)} new keys")
         if self.batch is None:
             raise KeyError(f"rename: no tensors to rename ({old})")
         self._require(old, self.batch.keys(), "batch")
         batch = self.batch.clone(recurse=False)
         for source, target in zip(old, new):
             batch.rename_key_(source, target)
-        return DataProto(batch, self.non_tensor_batch, self.meta_info)
+        return type(self)(batch, self.non_tensor_batch, self.meta_info)
 
     def union(self, other: "DataProto") -> "DataProto":
-        """All keys of both. A key both hold must have equal values (else ``ValueError`` naming it);
-        meta_info follows the same rule."""
+        """A new DataProto with all keys of both; neither side changes (verl's union changes its
+        receiver and returns it; use the returned value). A key both hold must have equal values
+        (NaN in the same place counts as equal), else :class:`DataProtoError` naming it; meta_info
+        follows the same rule."""
         if len(self) != len(other) and (self.batch is not None or self.non_tensor_batch) and (
             other.batch is not None or other.non_tensor_batch
         ):
-            raise ValueError(f"union of DataProtos with {len(self)} and {len(other)} rows")
+            raise DataProtoError(f"union of DataProtos with {len(self)} and {len(other)} rows")
         batch = self.batch
         if other.batch is not None:
-            if batch is None:
-                batch = other.batch
-            else:
-                present = set(batch.keys(include_nested=True, leaves_only=True))
-                added = {}
-                for key in other.batch.keys(include_nested=True, leaves_only=True):
-                    value = other.batch.get(key)
-                    if key not in present:
-                        added[key] = value
-                    elif not torch.equal(batch.get(key), value):
-                        raise ValueError(f"union: batch key {key!r} is in both DataProtos with different values")
-                if added:
-                    batch = batch.clone(recurse=False)
-                    batch.update(added)
+            batch = other.batch if batch is None else union_tensor_dict(batch.clone(recurse=False), other.batch)
         non_tensor = dict(self.non_tensor_batch)
-        for key, value in other.non_tensor_batch.items():
-            if key in non_tensor:
-                if not values_equal(non_tensor[key], value):
-                    raise ValueError(f"union: non_tensor_batch key {key!r} is in both DataProtos with different values")
-                continue
-            non_tensor[key] = value
         meta = dict(self.meta_info)
-        for key, value in other.meta_info.items():
-            if key in meta and not values_equal(meta[key], value):
-                raise ValueError(f"union: meta_info key {key!r} is in both DataProtos with different values")
-            meta[key] = value
-        return DataProto(batch, non_tensor, meta)
+        for part, merged, added in (("non_tensor_batch", non_tensor, other.non_tensor_batch), ("meta_info", meta, other.meta_info)):
+            for key, value in added.items():
+                if key not in merged:
+                    merged[key] = value
+                elif not values_equal(merged[key], value):
+                    raise DataProtoError(f"union: {part} key {key!r} is in both DataProtos with different values")
+        return type(self)(batch, non_tensor, meta)
 
     # -- splitting and joining ---------------------------------------------------------------------------
 
     def chunk(self, chunks: int) -> list["DataProto"]:
-        """Exactly ``chunks`` parts of near-equal size (the first ``len % chunks`` one row longer)."""
+        """Exactly ``chunks`` parts of near-equal size, the first ``len % chunks`` one row longer
+        (``np.array_split``'s rule; verl refuses a length that ``chunks`` does not divide)."""
         if chunks < 1:
-            raise ValueError(f"chunk: chunks must be >= 1, got {chunks}")
+            raise DataProtoError(f"chunk: chunks must be >= 1, got {chunks}")
         base, extra = divmod(len(self), chunks)
         sizes = [base + (1 if i < extra else 0) for i in range(chunks)]
         return self._split_sizes(sizes)
@@ -350,7 +535,7 @@ class DataProto:
     def split(self, split_size: int) -> list["DataProto"]:
         """Parts of ``split_size`` rows (the last may be shorter)."""
         if split_size < 1:
-            raise ValueError(f"split: split_size must be >= 1, got {split_size}")
+            raise DataProtoError(f"split: split_size must be >= 1, got {split_size}")
         length = len(self)
         sizes = [min(split_size, length - start) for start in range(0, length, split_size)]
         return self._split_sizes(sizes or [0])
@@ -366,29 +551,29 @@ class DataProto:
     def concat(data: Sequence["DataProto"]) -> "DataProto":
         """Rows of every part in order; ``meta_info`` merged by :func:`merge_meta_info`."""
         if not data:
-            raise ValueError("concat needs at least one DataProto")
+            raise DataProtoError("concat needs at least one DataProto")
         with_batch = [part.batch is not None for part in data]
         if any(with_batch) and not all(with_batch):
-            raise ValueError("concat: some parts have tensors and some do not")
+            raise DataProtoError("concat: some parts have tensors and some do not")
         batch = None
         if all(with_batch):
             keys = set(data[0].tensor_keys())
             for position, part in enumerate(data[1:], start=1):
                 if set(part.tensor_keys()) != keys:
-                    raise ValueError(f"concat: part {position} has tensor keys {sorted(map(str, part.tensor_keys()))}, part 0 has {sorted(map(str, keys))}")
+                    raise DataProtoError(f"concat: part {position} has tensor keys {sorted(map(str, part.tensor_keys()))}, part 0 has {sorted(map(str, keys))}")
             batch = torch.cat([part.batch for part in data], dim=0)
         non_tensor = {}
         for key in data[0].non_tensor_batch:
             missing = [i for i, part in enumerate(data) if key not in part.non_tensor_batch]
             if missing:
-                raise ValueError(f"concat: non_tensor_batch key {key!r} is missing from part(s) {missing}")
+                raise DataProtoError(f"concat: non_tensor_batch key {key!r} is missing from part(s) {missing}")
             non_tensor[key] = np.concatenate([part.non_tensor_batch[key] for part in data])
-        return DataProto(batch, non_tensor, merge_meta_info([part.meta_info for part in data]))
+        return type(data[0])(batch, non_tensor, merge_meta_info([part.meta_info for part in data]))
 
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> "DataProto":
         """Each row ``repeat_times`` times: ``interleave`` gives a a b b, otherwise a b a b."""
         if repeat_times < 1:
-            raise ValueError(f"repeat: repeat_times must be >= 1, got {repeat_times}")
+            raise DataProtoError(f"repeat: repeat_times must be >= 1, got {repeat_times}")
         length = len(self)
         if interleave:
             index = torch.arange(length).repeat_interleave(repeat_times)
@@ -405,11 +590,66 @@ class DataProto:
                 )
         numpy_index = index.numpy()
         non_tensor = {key: value[numpy_index] for key, value in self.non_tensor_batch.items()}
-        return DataProto(batch, non_tensor, self.meta_info)
+        return type(self)(batch, non_tensor, self.meta_info)
 
-    def reorder(self, indices: Any) -> "DataProto":
-        """Rows in the order of ``indices`` (a permutation); a new object, unlike verl's in-place reorder."""
-        return self.select_idxs(indices)
+    def sample_level_repeat(self, repeat_times: Sequence[int] | np.ndarray | torch.Tensor) -> "DataProto":
+        """Row i ``repeat_times[i]`` times, in order (``[3, 1, 2]`` on a b c gives a a a b c c)."""
+        counts = torch.as_tensor(np.asarray(repeat_times.cpu() if isinstance(repeat_times, torch.Tensor) else repeat_times))
+        if counts.shape != (len(self),) or counts.is_floating_point() or (counts.numel() and counts.min() < 0):
+            raise DataProtoError(
+                f"sample_level_repeat: repeat_times must hold one non-negative int per row ({len(self)}), "
+                f"got {counts.dtype} of shape {tuple(counts.shape)}"
+            )
+        return self.select_idxs(torch.arange(len(self)).repeat_interleave(counts.long()))
+
+    def unfold_column_chunks(self, n_split: int, split_keys: Sequence[str] | None = None) -> "DataProto":
+        """Cut each row of the ``split_keys`` columns along their second dimension into ``n_split``
+        pieces that become consecutive rows; every other column repeats each row ``n_split`` times.
+
+        A ``non_tensor_batch`` column of one list (or tuple) per row is split list-wise, each piece a
+        row of its own; a 2-D array column along its second dimension.
+        """
+        split = set(split_keys or [])
+        unknown = split - set(self.batch.keys() if self.batch is not None else []) - set(self.non_tensor_batch)
+        if unknown:
+            raise KeyError(f"unfold_column_chunks: split_keys {sorted(unknown)} are not columns of this DataProto")
+        if n_split < 1:
+            raise DataProtoError(f"unfold_column_chunks: n_split must be >= 1, got {n_split}")
+        length = len(self) * n_split
+
+        def pieces(key: str, value: Any) -> Any:
+            if key not in split:
+                return value.repeat_interleave(n_split, dim=0) if not isinstance(value, np.ndarray) else np.repeat(value, n_split, axis=0)
+            if isinstance(value, np.ndarray) and value.ndim == 1:
+                rows = []
+                for row in value:
+                    if not isinstance(row, (list, tuple)) or len(row) % n_split:
+                        raise DataProtoError(f"unfold_column_chunks: a row of {key!r} is not a list that splits into {n_split}")
+                    step = len(row) // n_split
+                    rows.extend(row[piece * step : (piece + 1) * step] for piece in range(n_split))
+                return as_object_array(rows)
+            if value.ndim < 2 or value.shape[1] % n_split:
+                raise DataProtoError(f"unfold_column_chunks: {key!r} of shape {tuple(value.shape)} does not split into {n_split} along dim 1")
+            return value.reshape(length, value.shape[1] // n_split, *value.shape[2:])
+
+        batch = None
+        if self.batch is not None:
+            columns = {key: pieces(key, value) for key, value in self.batch.items()}
+            batch = TensorDict(columns, batch_size=[length], device=self.batch.device)
+        non_tensor = {key: pieces(key, value) for key, value in self.non_tensor_batch.items()}
+        return type(self)(batch, non_tensor, self.meta_info)
+
+    def reorder(self, indices: Any) -> None:
+        """Put the rows in the order of ``indices`` (a permutation) **in place** and return None:
+        verl's meaning, and an exception to "operations return new objects". For a reordered new
+        object use :meth:`select_idxs`."""
+        index = to_index_tensor(indices, len(self))
+        if not torch.equal(index.sort().values, torch.arange(len(self))):
+            raise DataProtoError(
+                f"reorder: indices must be a permutation of the {len(self)} rows; use select_idxs to pick rows"
+            )
+        reordered = self.select_idxs(index)
+        self.batch, self.non_tensor_batch = reordered.batch, reordered.non_tensor_batch
 
     def pad_to_divisor(self, divisor: int) -> tuple["DataProto", int]:
         """Append copies of the first rows (cycling) until the length divides by ``divisor``.
@@ -418,7 +658,7 @@ class DataProto:
         This is the only padding mechanism: dispatch uses it too.
         """
         if divisor < 1:
-            raise ValueError(f"pad_to_divisor: divisor must be >= 1, got {divisor}")
+            raise DataProtoError(f"pad_to_divisor: divisor must be >= 1, got {divisor}")
         length = len(self)
         pad_size = (-length) % divisor
         if pad_size == 0:
@@ -429,26 +669,39 @@ class DataProto:
     def unpad(self, pad_size: int) -> "DataProto":
         """Drop the last ``pad_size`` rows that :meth:`pad_to_divisor` appended."""
         if pad_size < 0 or pad_size > len(self):
-            raise ValueError(f"unpad: pad_size {pad_size} is not within 0..{len(self)}")
+            raise DataProtoError(f"unpad: pad_size {pad_size} is not within 0..{len(self)}")
         return self if pad_size == 0 else self.slice(0, len(self) - pad_size)
 
     def with_meta_info(self, meta_info: Mapping[str, Any]) -> "DataProto":
         """The same rows with ``meta_info`` replaced."""
-        return DataProto(self.batch, self.non_tensor_batch, meta_info)
+        return type(self)(self.batch, self.non_tensor_batch, meta_info)
 
     def make_iterator(
-        self, mini_batch_size: int, epochs: int = 1, seed: int | None = None, shuffle: bool | None = None
+        self,
+        mini_batch_size: int,
+        epochs: int = 1,
+        seed: int | None = None,
+        dataloader_kwargs: Mapping[str, Any] | None = None,
+        *,
+        shuffle: bool | None = None,
     ) -> Iterator["DataProto"]:
-        """Mini-batches of ``mini_batch_size`` rows, ``epochs`` passes.
+        """Mini-batches of ``mini_batch_size`` rows, ``epochs`` passes, in row order unless shuffled.
 
-        With a ``seed`` (or ``shuffle=True``) each epoch uses its own permutation drawn from a generator
-        seeded with ``seed + epoch``, so the sequence is the same on every run and every rank. The
-        length must divide by ``mini_batch_size``.
+        Shuffle with ``shuffle=True`` or, as in verl, ``dataloader_kwargs={"shuffle": True}`` (the only
+        DataLoader argument that means something here); a ``seed`` alone does not shuffle, as in verl.
+        Shuffled, each epoch uses its own permutation from a generator seeded with ``seed + epoch``,
+        so the sequence is the same on every run and every rank. The length must divide by
+        ``mini_batch_size``.
         """
         length = len(self)
         if mini_batch_size < 1 or length % mini_batch_size:
-            raise ValueError(f"make_iterator: {length} rows do not split into mini-batches of {mini_batch_size}")
-        shuffle = seed is not None if shuffle is None else shuffle
+            raise DataProtoError(f"make_iterator: {length} rows do not split into mini-batches of {mini_batch_size}")
+        options = dict(dataloader_kwargs or {})
+        unsupported = sorted(set(options) - {"shuffle"})
+        if unsupported:
+            raise TypeError(f"make_iterator: dataloader_kwargs {unsupported} are not supported; only 'shuffle' is")
+        if shuffle is None:
+            shuffle = bool(options.get("shuffle", False))
 
         def iterate() -> Iterator[DataProto]:
             for epoch in range(epochs):
@@ -463,25 +716,34 @@ class DataProto:
         return iterate()
 
     def to(self, device: str | torch.device) -> "DataProto":
-        """Tensors moved to ``device`` (a new object)."""
+        """Tensors moved to ``device``: a new object (verl moves its receiver's and returns it; use the
+        returned value)."""
         batch = self.batch.to(device) if self.batch is not None else None
-        return DataProto(batch, self.non_tensor_batch, self.meta_info)
+        return type(self)(batch, self.non_tensor_batch, self.meta_info)
 
     # -- serialization -----------------------------------------------------------------------------------
 
-    def __reduce_ex__(self, protocol: int):
+    def _state(self, protocol: int) -> tuple:
         leaves = []
         if self.batch is not None:
             for key in self.batch.keys(include_nested=True, leaves_only=True):
-                tensor = self.batch.get(key).detach()
-                if tensor.device.type != "cpu":
-                    tensor = tensor.cpu()
-                tensor = tensor.contiguous()
-                raw = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else np.zeros(0, np.uint8)
+                dtype_name, shape, raw = serialize_single_tensor(self.batch.get(key))
                 buffer = pickle.PickleBuffer(raw) if protocol >= 5 else raw.tobytes()
-                leaves.append((key, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), buffer))
+                leaves.append((key, dtype_name, shape, buffer))
         length = len(self) if self.batch is not None else None
-        return (rebuild_data_proto, (FORMAT_VERSION, length, leaves, self.non_tensor_batch, self.meta_info))
+        return (FORMAT_VERSION, length, leaves, self.non_tensor_batch, self.meta_info)
+
+    def __reduce_ex__(self, protocol: int):
+        return (rebuild_data_proto, self._state(protocol))
+
+    def __getstate__(self) -> tuple:
+        """A self-contained state (tensors as bytes) for ``__setstate__``; pickling itself goes through
+        ``__reduce_ex__``, which hands tensors over without copying."""
+        return self._state(protocol=4)
+
+    def __setstate__(self, state: tuple) -> None:
+        restored = rebuild_data_proto(*state)
+        self.batch, self.non_tensor_batch, self.meta_info = restored.batch, restored.non_tensor_batch, restored.meta_info
 
     def save_to_disk(self, path: str | Path) -> None:
         """Write to ``path`` (atomically: a temporary file renamed into place)."""
@@ -498,26 +760,116 @@ class DataProto:
             return BatchUnpickler(handle).load()
 
 
+def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
+    """verl's name for ``data.pad_to_divisor(size_divisor)``: the one padding mechanism."""
+    return data.pad_to_divisor(size_divisor)
+
+
+def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
+    """verl's name for ``data.unpad(pad_size)``."""
+    return data.unpad(pad_size)
+
+
+def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
+    """Group consecutive rows: ``[rows, ...]`` columns become ``[new_batch_size, rows // new_batch_size, ...]``
+    (a new object; ``data`` is unchanged, where verl reshapes ``data``'s non-tensor arrays)."""
+    length = len(data)
+    if new_batch_size < 1 or length % new_batch_size:
+        raise DataProtoError(f"fold_batch_dim: {length} rows do not fold into {new_batch_size} groups")
+    batch = None
+    if data.batch is not None:
+        batch = data.batch.apply(lambda t: t.reshape(new_batch_size, -1, *t.shape[1:]), batch_size=[new_batch_size])
+    non_tensor = {key: value.reshape(new_batch_size, -1, *value.shape[1:]) for key, value in data.non_tensor_batch.items()}
+    return type(data)(batch, non_tensor, data.meta_info)
+
+
+def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
+    """The inverse of :func:`fold_batch_dim`: the first ``batch_dims`` dimensions of every column become
+    one batch dimension (a new object; ``data`` is unchanged)."""
+    columns = [data.batch.get(key) for key in data.tensor_keys()] + list(data.non_tensor_batch.values())
+    leading = {tuple(column.shape[:batch_dims]) for column in columns}
+    if len(leading) > 1:
+        raise DataProtoError(f"unfold_batch_dim: the columns' first {batch_dims} dimensions differ: {sorted(leading)}")
+    length = math.prod(leading.pop()) if leading else 0
+    batch = None
+    if data.batch is not None:
+        batch = data.batch.apply(lambda t: t.reshape(length, *t.shape[batch_dims:]), batch_size=[length])
+    non_tensor = {key: value.reshape(length, *value.shape[batch_dims:]) for key, value in data.non_tensor_batch.items()}
+    return type(data)(batch, non_tensor, data.meta_info)
+
+
+def serialize_single_tensor(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], np.ndarray]:
+    """``(dtype name, shape, bytes as a uint8 numpy array)`` of a tensor, moved to the CPU (verl's format;
+    no pickled code). The array is a view of the tensor's memory when it is already contiguous on the CPU."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    tensor = tensor.contiguous()
+    raw = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else np.zeros(0, np.uint8)
+    return str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), raw
+
+
+def tensor_from_bytes(dtype_name: str, shape: Sequence[int], buffer: Any, copy: bool) -> torch.Tensor:
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise DataProtoError(f"serialized tensor names dtype {dtype_name!r}, which is not a torch dtype")
+    if math.prod(shape) == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    if copy:
+        buffer = bytearray(buffer)
+    with warnings.catch_warnings():
+        # Buffers from the object store are read-only; the tensors are views of them.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(tuple(shape))
+
+
+def deserialize_single_tensor(serialized: tuple[str, Sequence[int], Any]) -> torch.Tensor:
+    """The tensor :func:`serialize_single_tensor` described, in memory of its own (a copy)."""
+    dtype_name, shape, data = serialized
+    return tensor_from_bytes(dtype_name, shape, data, copy=True)
+
+
+def serialize_tensordict(batch: TensorDict) -> tuple[tuple[int, ...], str | None, dict[Any, tuple]]:
+    """``(batch size, device, {key: serialized tensor})`` of a TensorDict (verl's format): each leaf by
+    :func:`serialize_single_tensor`, a nested tensor as ``(layout name, [its tensors])``; nested
+    TensorDicts under tuple keys."""
+    encoded: dict[Any, tuple] = {}
+    for key in batch.keys(include_nested=True, leaves_only=True):
+        value = batch.get(key)
+        if value.is_nested:
+            encoded[key] = (str(value.layout).removeprefix("torch."), [serialize_single_tensor(t) for t in value.unbind()])
+        else:
+            encoded[key] = serialize_single_tensor(value)
+    return tuple(batch.batch_size), (str(batch.device) if batch.device is not None else None), encoded
+
+
+def deserialize_tensordict(serialized: tuple[Sequence[int], str | None, Mapping[Any, tuple]]) -> TensorDict:
+    """The TensorDict :func:`serialize_tensordict` described (tensors copied into memory of their own)."""
+    batch_size, device, encoded = serialized
+    batch = TensorDict(batch_size=list(batch_size), device=device)
+    for key, value in encoded.items():
+        if len(value) == 3:
+            batch.set(key, deserialize_single_tensor(value))
+        elif len(value) == 2:
+            layout_name, parts = value
+            layout = getattr(torch, layout_name, None)
+            if not isinstance(layout, torch.layout):
+                raise DataProtoError(f"serialized nested tensor {key!r} names layout {layout_name!r}, which is not a torch layout")
+            batch.set(key, torch.nested.as_nested_tensor([deserialize_single_tensor(part) for part in parts], layout=layout))
+        else:
+            raise DataProtoError(f"serialized tensor {key!r} has {len(value)} fields; expected 3 (a tensor) or 2 (a nested tensor)")
+    return batch
+
+
 def rebuild_data_proto(version: int, length: int | None, leaves: list, non_tensor_batch: dict, meta_info: dict) -> DataProto:
     """Inverse of ``DataProto.__reduce_ex__``: tensors are rebuilt over the received buffers, no copy."""
     if version != FORMAT_VERSION:
-        raise ValueError(f"DataProto serialized with format {version}; this rlplat reads format {FORMAT_VERSION}")
+        raise DataProtoError(f"DataProto serialized with format {version}; this rlplat reads format {FORMAT_VERSION}")
     batch = None
     if length is not None:
-        tensors = {}
-        for key, dtype_name, shape, buffer in leaves:
-            dtype = getattr(torch, dtype_name)
-            if math.prod(shape) == 0:
-                tensor = torch.empty(shape, dtype=dtype)
-            else:
-                with warnings.catch_warnings():
-                    # Buffers from the object store are read-only; the tensors are views of them.
-                    warnings.simplefilter("ignore", UserWarning)
-                    tensor = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(shape)
-            tensors[key] = tensor
         batch = TensorDict(batch_size=[length])
-        for key, tensor in tensors.items():
-            batch.set(key, tensor)
+        for key, dtype_name, shape, buffer in leaves:
+            batch.set(key, tensor_from_bytes(dtype_name, shape, buffer, copy=False))
     return DataProto(batch, non_tensor_batch, meta_info)
 
 

@@ -93,7 +93,7 @@ class TrainingEngineConformance:
 
     def test_forward_keeps_row_order(self, engine, engine_batch):
         permutation = torch.randperm(len(engine_batch), generator=torch.Generator().manual_seed(0))
-        shuffled = engine.forward(engine_batch.reorder(permutation)).batch["log_probs"]
+        shuffled = engine.forward(engine_batch.select_idxs(permutation)).batch["log_probs"]
         in_order = engine.forward(engine_batch).batch["log_probs"]
         torch.testing.assert_close(shuffled, in_order[permutation], atol=LOG_PROB_TOLERANCE, rtol=0)
 

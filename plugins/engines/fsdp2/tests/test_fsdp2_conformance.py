@@ -52,7 +52,7 @@ class BrokenEngine(FSDP2Engine):
 
     def forward(self, batch, **kwargs):
         order = torch.argsort(batch.batch["attention_mask"].sum(-1), stable=True)
-        return super().forward(batch.reorder(order), **kwargs)
+        return super().forward(batch.select_idxs(order), **kwargs)
 
     def named_weights(self, bucket_bytes=512 << 20):
         yield [pair for bucket in super().named_weights() for pair in bucket]
