@@ -48,7 +48,7 @@ def run_trl(warmup: int, steps: int, threads: int, output_dir: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
     from rlplat import demo
-    from rlplat.demo.scorer import exact_match
+    from rlplat.scorers import exact_match
 
     rows = pq.read_table(demo.train_file()).to_pylist()
     # rlplat's data loader: no chat template on the demo tokenizer -> message contents concatenated, encoded
@@ -118,7 +118,7 @@ def run_rlplat(backend: str, warmup: int, steps: int, threads: int, output_dir: 
 
     torch.set_num_threads(threads)
     os.environ["RAY_ADDRESS"] = "local"  # a private Ray cluster, never one recorded by someone else
-    from rlplat.cli.run import demo_overrides
+    from rlplat.demo import overrides as demo_overrides
     from rlplat.config import load_config
     from rlplat.tracking import read_metrics
     from rlplat.trainer import Trainer

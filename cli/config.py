@@ -1,4 +1,5 @@
-"""``rlplat config show``: the resolved config a run would use, validated as a run would."""
+"""``rlplat config show`` and ``rlplat config explain``: the resolved config a run would use, validated
+as a run would, and what each of its keys means."""
 
 from __future__ import annotations
 
@@ -6,28 +7,55 @@ from typing import List, Optional
 
 import typer
 
-app = typer.Typer(help="Inspect the resolved run config.", no_args_is_help=True)
+from rlplat.cli.command_line import ALGO, CONFIG, ENGINE, OVERRIDES, ROLLOUT, resolved_config
+
+app = typer.Typer(help="Inspect the resolved run config and what its keys mean.", no_args_is_help=True)
 
 
 @app.command("show")
 def show(
-    overrides: Optional[List[str]] = typer.Argument(None, help="Dotted overrides, e.g. actor.optim.lr=1e-6."),
-    algo: Optional[str] = typer.Option(None, "--algo", help="Registered algorithm (kind 'algorithm')."),
-    engine: Optional[str] = typer.Option(None, "--engine", help="Registered training engine (kind 'engine')."),
-    rollout: Optional[str] = typer.Option(None, "--rollout", help="Registered rollout engine (kind 'rollout')."),
-    config: Optional[str] = typer.Option(None, "--config", help="YAML file merged over the defaults."),
+    overrides: Optional[List[str]] = OVERRIDES,
+    algo: Optional[str] = ALGO,
+    engine: Optional[str] = ENGINE,
+    rollout: Optional[str] = ROLLOUT,
+    config: Optional[str] = CONFIG,
     no_validate: bool = typer.Option(False, "--no-validate", help="Print without checking paths and plugins."),
+    doc: bool = typer.Option(False, "--doc", help="Print every key with its type, default, owner and description instead."),
 ) -> None:
-    """Print the resolved config as YAML; a config error is printed in one paragraph (exit code 2)."""
-    from rlplat.config import ConfigError, load_config, to_yaml
-    from rlplat.verl_keys import translate_command_line
+    """Print the resolved config as YAML (with no model or config: the built-in demo's, as `rlplat run`
+    uses it); a config error is printed in one paragraph (exit code 2)."""
+    from rlplat.config import to_yaml
 
-    try:
-        config, arguments, notes = translate_command_line(config, overrides or [], algo=algo, rollout=rollout)
-        for note in notes:  # verl's keys become rlplat's, one note each
-            typer.echo(f"rlplat: {note}", err=True)
-        resolved = load_config(config, arguments, algo=algo, engine=engine, rollout=rollout, validate=not no_validate)
-    except ConfigError as error:
-        typer.echo(f"rlplat: config error: {error}", err=True)
-        raise typer.Exit(2)
+    resolved = resolved_config(config, overrides, algo=algo, engine=engine, rollout=rollout, validate=not no_validate or doc)
+    if doc:
+        from rlplat.config_explain import explain, render
+
+        typer.echo(render(explain(resolved)))
+        return
     typer.echo(to_yaml(resolved), nl=False)
+
+
+@app.command("explain")
+def explain_keys(
+    key: Optional[str] = typer.Argument(None, help="A key or node, e.g. actor.optim.lr or actor.engine_config (default: every key)."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="Dotted overrides that choose plugins, e.g. rollout.name=hf."),
+    algo: Optional[str] = ALGO,
+    engine: Optional[str] = ENGINE,
+    rollout: Optional[str] = ROLLOUT,
+    config: Optional[str] = CONFIG,
+) -> None:
+    """Print a key (or every key under a node) with its type, default, value in this config, owner (core
+    or the plugin that declares it) and description; the chosen plugins decide what their nodes hold."""
+    from rlplat.config_explain import explain, render
+
+    if key is not None and "=" in key:  # only overrides were given
+        overrides, key = [key, *(overrides or [])], None
+    resolved = resolved_config(config, overrides, algo=algo, engine=engine, rollout=rollout)
+    keys = explain(resolved)
+    text = render(keys, key)
+    if not text:
+        from rlplat.config_node import did_you_mean
+
+        typer.echo(f"rlplat: no config key {key!r}.{did_you_mean(key, [doc.key for doc in keys])}", err=True)
+        raise typer.Exit(2)
+    typer.echo(text)

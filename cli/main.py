@@ -1,16 +1,13 @@
-"""``rlplat``: assembles the built-in commands and the commands plugins register (kind ``command``)."""
+"""``rlplat``: mounts every registered command (kind ``command``): rlplat's own (``run``, ``config``,
+``plugins``, ``plot``, registered by rlplat through ``register_commands`` like any plugin's) and those
+plugins add."""
 
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import typer
-
-from rlplat.cli import config as config_command
-from rlplat.cli import plot as plot_command
-from rlplat.cli import plugins as plugins_command
-from rlplat.cli import run as run_command
 
 HELP = "rlplat: reinforcement-learning post-training of language models (PPO, GRPO and their family)."
 
@@ -34,33 +31,43 @@ def build_app() -> typer.Typer:
     ) -> None:
         """rlplat: reinforcement-learning post-training of language models."""
 
-    app.add_typer(plugins_command.app, name="plugins")
-    app.add_typer(config_command.app, name="config")
-    app.command("run", help=run_command.help_text())(run_command.run)
-    app.command("plot")(plot_command.plot)
-    add_plugin_commands(app)
+    for entry in command_entries():
+        mount(app, entry)
     return app
 
 
-def add_plugin_commands(app: typer.Typer) -> None:
-    """Mount every registered ``command`` entry; one that fails to load is reported, not fatal."""
+def command_entries() -> list[Any]:
+    """Every usable command entry, rlplat's own first. A name two plugins claim goes to rlplat's entry
+    when one of them is rlplat's (the other is reported), and to neither otherwise."""
     from rlplat import registry
 
-    built_in = {"plugins", "config", "run", "plot"}
-    for entry in registry.entries("command"):
-        if entry.name in built_in:
-            typer.echo(f"rlplat: ignoring command {entry.name!r} from {entry.origin}: the name is built in", err=True)
+    entries = registry.entries("command")
+    for (kind, name), claimants in registry.conflicts().items():
+        if kind != "command":
             continue
-        try:
-            command = entry.load()
-            if isinstance(command, typer.Typer):
-                app.add_typer(command, name=entry.name, help=entry.description or None)
-            elif callable(command):
-                app.command(name=entry.name, help=entry.description or None)(command)
-            else:
-                raise TypeError(f"expected a typer.Typer or a function, got {type(command).__name__}")
-        except Exception as error:  # one broken plugin must not take the CLI down
-            typer.echo(f"rlplat: command {entry.name!r} from {entry.origin} is unusable: {error}", err=True)
+        own = [entry for entry in claimants if entry.plugin == "rlplat"]
+        others = ", ".join(entry.origin for entry in claimants if entry.plugin != "rlplat")
+        if own:
+            typer.echo(f"rlplat: ignoring command {name!r} from {others}: the name is rlplat's own", err=True)
+            entries.append(own[0])
+        else:
+            typer.echo(f"rlplat: command {name!r} is registered by {others}; neither is mounted", err=True)
+    return sorted(entries, key=lambda entry: entry.plugin != "rlplat")
+
+
+def mount(app: typer.Typer, entry: Any) -> None:
+    """Mount one command entry; one that fails to load is reported, not fatal."""
+    try:
+        command = entry.load()
+        if isinstance(command, typer.Typer):
+            app.add_typer(command, name=entry.name, help=entry.description or None)
+        elif callable(command):
+            help_text = getattr(command, "help_text", None)
+            app.command(name=entry.name, help=help_text() if callable(help_text) else entry.description or None)(command)
+        else:
+            raise TypeError(f"expected a typer.Typer or a function, got {type(command).__name__}")
+    except Exception as error:  # one broken plugin must not take the CLI down
+        typer.echo(f"rlplat: command {entry.name!r} from {entry.origin} is unusable: {error}", err=True)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

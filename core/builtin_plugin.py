@@ -1,7 +1,8 @@
-"""What rlplat itself registers, through the same hooks as any plugin: the built-in dispatch modes.
+"""What rlplat itself registers, through the same hooks as any plugin: the dispatch modes, the worker
+roles, the default reward scorer and the ``rlplat`` commands.
 
 It is loaded first by every :class:`rlplat.registry.Registry` (it cannot be disabled by the plugin
-switches, since worker groups need it) and listed as plugin ``rlplat``.
+switches, since worker groups and the CLI need it) and listed as plugin ``rlplat``.
 """
 
 from rlplat.hookspecs import hookimpl
@@ -14,8 +15,40 @@ DISPATCH_MODES = {
     "DP_MESH": ("DataParallelMesh", "DataProto split over declared data-parallel ranks; one output per DP group"),
 }
 
+COMMANDS = {
+    "run": ("rlplat.cli.run:run", "Train a policy (no arguments: the built-in demo)."),
+    "config": ("rlplat.cli.config:app", "Inspect the resolved run config and what its keys mean."),
+    "plugins": ("rlplat.cli.plugins:app", "List the installed plugins and what they register."),
+    "plot": ("rlplat.cli.plot:plot", "Write a run's metrics as PNG charts."),
+}
+
+ROLES = {
+    "actor": "the policy's engine, its reference model and (colocated) its rollout",
+    "rollout": "the rollout in a resource pool of its own (roles.rollout.placement=separate)",
+    "critic": "the value model (PPO, or critic.enable=true)",
+}
+
 
 @hookimpl
 def register_dispatch_modes(register):
     for name, (attribute, description) in DISPATCH_MODES.items():
         register(name, f"rlplat.controller.dispatch:{attribute}", description=description)
+
+
+@hookimpl
+def register_roles(register):
+    for name, description in ROLES.items():
+        register(name, f"rlplat.workers.roles:{name}", description=description,
+                 config_schema="rlplat.contracts.role:RoleConfig")
+
+
+@hookimpl
+def register_reward_scorers(register):
+    register("exact_match", "rlplat.scorers:exact_match",
+             description="1 when the response equals the ground truth (whitespace stripped), else 0; the default.")
+
+
+@hookimpl
+def register_commands(register):
+    for name, (target, description) in COMMANDS.items():
+        register(name, target, description=description)

@@ -2,28 +2,35 @@
 worker starts.
 
 ``load_config(config_file, overrides, algo=..., engine=..., rollout=...)`` builds it in this order:
-the defaults below, then the chosen algorithm's defaults (its spec's ``default_config``: the
-``algorithm`` node, and the ``actor`` / ``critic`` / ``reward`` settings it implies), then the YAML
-file, then the dotted ``key=value`` overrides. A misspelled key, an unknown plugin, batch sizes that do
-not divide, an algorithm that needs a critic without one, or a missing model or data path raises
-:class:`ConfigError`: one paragraph saying what, where, and the closest valid choice.
+the defaults below, then the chosen algorithm's defaults (:meth:`Algorithm.default_nodes`: the
+``algorithm`` node, and the ``actor.loss`` / ``critic.loss`` / ``reward`` settings it implies), then the
+YAML file, then the dotted ``key=value`` overrides.
+
+Core's nodes are typed here. The nodes plugins own (``actor.engine_config``, ``critic.engine_config``,
+``rollout.config``, ``reward.config``, ``actor.loss`` and its ``policy_loss``, ``critic.loss``,
+``algorithm``, ``roles.<name>``) are checked by :func:`validate_config` in one loop
+(:func:`plugin_nodes`) against the schema each plugin declares, with the same reader the plugin uses in
+its worker (:func:`rlplat.config_node.read_config_node`). A misspelled or mistyped key anywhere, an
+unknown plugin, invalid sampling settings, a missing reward function, batch sizes that do not divide, an
+algorithm that needs a critic without one, or a missing model or data path raises :class:`ConfigError`:
+one paragraph saying what, where, and the closest valid choice, before any worker or run directory exists.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
+import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from rlplat.config_node import ConfigError, did_you_mean, read_config_node, resolve_schema
 from rlplat.data import DataConfig
 
-
-class ConfigError(ValueError):
-    """A config problem, explained in one paragraph for the person who wrote the config."""
+__all__ = ["ConfigError", "RLConfig", "load_config", "validate_config", "plugin_nodes", "engine_node",
+           "rollout_node", "sampling_node", "to_yaml"]
 
 
 @dataclasses.dataclass
@@ -69,10 +76,12 @@ class ActorConfig:
     max_token_len_per_gpu: int = 16384
     """Token budget of one micro-batch under ``use_dynamic_bsz``."""
     loss: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    """The algorithm's actor-loss settings (``clip_ratio``, ``loss_agg_mode``, ``use_kl_loss``,
-    ``kl_loss_coef``, ``entropy_coeff``, ...); the algorithm's defaults fill what is not set."""
+    """The loss settings (``clip_ratio``, ``loss_agg_mode``, ``use_kl_loss``, ``kl_loss_coef``,
+    ``entropy_coeff``, ``policy_loss.loss_mode``, ...; :class:`rlplat.losses.PolicyLossConfig` for the
+    actor, ``ValueLossConfig`` for the critic); the algorithm's defaults fill what is not set."""
     engine_config: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    """More keys of the engine's own node (e.g. ``enable_gradient_checkpointing``)."""
+    """The engine's own keys (e.g. ``enable_gradient_checkpointing``), checked against the schema the
+    engine registers; ``rlplat config explain actor.engine_config`` lists them."""
 
 
 @dataclasses.dataclass
@@ -101,7 +110,7 @@ class RolloutConfig:
     """Put the rollout to sleep after each generation and wake it (weights, then KV cache) at the next
     weight sync, so that training has its memory: what a colocated vllm or sglang rollout on a GPU needs."""
     config: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    """More keys of the rollout's own node."""
+    """The rollout's own keys, checked against the schema the rollout registers."""
 
 
 @dataclasses.dataclass
@@ -117,11 +126,14 @@ class RewardConfig:
     manager: str = "naive"
     """Registered reward manager (kind ``reward_manager``)."""
     scorer: Optional[str] = None
-    """Registered scorer (kind ``reward_scorer``); None with no custom function uses the demo's exact match."""
+    """Registered scorer (kind ``reward_scorer``). None: the custom function when one is given, else
+    ``exact_match`` (1 when the response equals the ground truth, stripped). Giving both a scorer and a
+    custom function is an error."""
     custom_function: CustomFunctionConfig = dataclasses.field(default_factory=CustomFunctionConfig)
     """A scorer from a file instead of a registered one."""
     config: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    """The reward manager's own settings (``fallback_score``, ``timeout_s``, overlong buffer, ...)."""
+    """The reward manager's own settings (``fallback_score``, ``timeout_s``, overlong buffer, ...),
+    checked against the schema the manager registers."""
 
 
 @dataclasses.dataclass
@@ -175,10 +187,15 @@ class RLConfig:
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     algorithm: Dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "grpo"})
     """``name`` of the registered algorithm plus its node (``adv_estimator``, ``gamma``, ``lam``,
-    ``kl_ctrl``, ...); the algorithm's defaults fill what is not set."""
+    ``kl_ctrl``, ...; :class:`rlplat.contracts.algorithm.AlgorithmConfig` or the algorithm's schema);
+    the algorithm's defaults fill what is not set."""
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
+    roles: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Placement of worker roles (kind ``role``): ``roles.critic.placement=separate``,
+    ``roles.rollout.placement=separate roles.rollout.devices_per_node=2``, and a plugin role's own keys
+    (:class:`rlplat.contracts.role.RoleConfig` or the role's schema)."""
 
 
 def known_keys(node: Any, prefix: str = "") -> list[str]:
@@ -192,43 +209,27 @@ def known_keys(node: Any, prefix: str = "") -> list[str]:
     return keys
 
 
-def suggest(key: str, candidates: Sequence[str]) -> str:
-    match = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.5)
-    return f" Did you mean '{match[0]}'?" if match else ""
-
-
 def merge_checked(base: DictConfig, extra: Any, source: str) -> DictConfig:
     try:
         return OmegaConf.merge(base, extra)
     except (ConfigKeyError, ConfigAttributeError) as error:
         key = getattr(error, "full_key", None) or str(error)
-        raise ConfigError(f"{source}: unknown config key '{key}'.{suggest(str(key), known_keys(base))}") from None
+        raise ConfigError(f"{source}: unknown config key '{key}'.{did_you_mean(str(key), known_keys(base))}") from None
     except ValidationError as error:
         raise ConfigError(f"{source}: {error.full_key} = {error.value!r} has the wrong type ({error.msg.splitlines()[0]}).") from None
     except OmegaConfBaseException as error:
         raise ConfigError(f"{source}: {str(error).splitlines()[0]}") from None
 
 
-def algorithm_defaults(name: str) -> dict[str, Any]:
-    """The chosen algorithm's defaults laid out as config nodes."""
+def algorithm_spec(name: str) -> Any:
+    """The registered algorithm's spec; a :class:`ConfigError` naming what is available otherwise."""
     from rlplat import registry
     from rlplat.registry import RegistryError
 
     try:
-        spec = registry.get("algorithm", name)()
+        return registry.get("algorithm", name)()
     except RegistryError as error:
         raise ConfigError(f"algorithm.name: {error}") from None
-    defaults = dict(spec.default_config)
-    nodes: dict[str, Any] = {"algorithm": {"name": name}}
-    if "actor" in defaults:
-        nodes["actor"] = {"loss": defaults.pop("actor")}
-    if "critic" in defaults:
-        nodes["critic"] = {"loss": defaults.pop("critic")}
-    if "reward" in defaults:
-        reward = dict(defaults.pop("reward"))
-        nodes["reward"] = {"manager": reward.pop("manager", "naive"), "config": reward}
-    nodes["algorithm"].update(defaults)
-    return nodes
 
 
 def load_config(
@@ -266,7 +267,8 @@ def load_config(
     name = OmegaConf.select(override_node, "algorithm.name") or algo
     if name is None and file_node is not None:
         name = OmegaConf.select(file_node, "algorithm.name")
-    config = merge_checked(config, algorithm_defaults(name or "grpo"), f"algorithm {name or 'grpo'!r} defaults")
+    name = name or "grpo"
+    config = merge_checked(config, algorithm_spec(name).default_nodes(), f"algorithm {name!r} defaults")
     if file_node is not None:
         config = merge_checked(config, file_node, f"--config {config_file}")
     config = merge_checked(config, shortcuts, "command line")
@@ -276,41 +278,199 @@ def load_config(
     return config
 
 
-def validate_config(config: DictConfig) -> None:
-    """Raise :class:`ConfigError` for the first problem found (checks that need no worker)."""
+# -- the nodes each component receives -----------------------------------------------------------------
+
+#: EngineBuildConfig key -> (run-config key it comes from; ``{role}`` is actor or critic).
+ENGINE_BUILD_SOURCES = {
+    "model_path": "model.path", "seed": "trainer.seed", "lr": "{role}.optim.lr",
+    "weight_decay": "{role}.optim.weight_decay", "betas": "{role}.optim.betas",
+    "lr_warmup_steps": "{role}.optim.warmup_steps", "lr_scheduler_type": "{role}.optim.lr_scheduler_type",
+    "min_lr_ratio": "{role}.optim.min_lr_ratio", "grad_clip": "{role}.optim.grad_clip",
+    "total_training_steps": "trainer.total_training_steps (in optimizer steps)", "ppo_mini_batch_size": "{role}.ppo_mini_batch_size",
+    "ppo_epochs": "{role}.ppo_epochs", "micro_batch_size_per_gpu": "{role}.micro_batch_size_per_gpu",
+    "use_dynamic_bsz": "{role}.use_dynamic_bsz", "max_token_len_per_gpu": "{role}.max_token_len_per_gpu",
+    "value_model": "the role (true for the critic)",
+}
+ROLLOUT_BUILD_SOURCES = {"model_path": "model.path", "load_weights": "the trainer (false: the engine syncs its weights in)"}
+
+
+def engine_node(config: DictConfig, role: str, total_steps: int) -> dict[str, Any]:
+    """What the engine factory of ``role`` (``actor`` or ``critic``) receives: the
+    :class:`~rlplat.contracts.engine.EngineBuildConfig` keys from the run config, then ``<role>.engine_config``."""
+    node, optim = config[role], config[role].optim
+    build = {
+        "model_path": config.model.path, "seed": config.trainer.seed, "lr": optim.lr,
+        "weight_decay": optim.weight_decay, "betas": list(optim.betas), "lr_warmup_steps": optim.warmup_steps,
+        "lr_scheduler_type": optim.lr_scheduler_type, "min_lr_ratio": optim.min_lr_ratio,
+        "grad_clip": optim.grad_clip,
+        "total_training_steps": total_steps * (config.data.train_batch_size // node.ppo_mini_batch_size) * node.ppo_epochs,
+        "ppo_mini_batch_size": node.ppo_mini_batch_size * config.rollout.n, "ppo_epochs": node.ppo_epochs,
+        "micro_batch_size_per_gpu": node.micro_batch_size_per_gpu, "use_dynamic_bsz": node.use_dynamic_bsz,
+        "max_token_len_per_gpu": node.max_token_len_per_gpu, "value_model": role == "critic",
+    }
+    return {**build, **OmegaConf.to_container(node.engine_config, resolve=True)}
+
+
+def rollout_node(config: DictConfig) -> dict[str, Any]:
+    """What the rollout factory receives: the :class:`~rlplat.contracts.rollout.RolloutBuildConfig` keys,
+    then ``rollout.config``."""
+    return {"model_path": config.model.path, "load_weights": False,
+            **OmegaConf.to_container(config.rollout.config, resolve=True)}
+
+
+#: SamplingParams field -> the run-config key that sets it.
+SAMPLING_SOURCES = {"n": "rollout.n", "temperature": "rollout.temperature", "top_p": "rollout.top_p",
+                    "top_k": "rollout.top_k", "max_new_tokens": "rollout.response_length"}
+
+
+def sampling_node(config: DictConfig) -> dict[str, Any]:
+    """The default :class:`~rlplat.contracts.rollout.SamplingParams` fields of a run's generation."""
+    rollout = config.rollout
+    return {"n": rollout.n, "temperature": rollout.temperature, "top_p": rollout.top_p,
+            "top_k": rollout.top_k, "max_new_tokens": rollout.response_length}
+
+
+def total_training_steps(config: DictConfig, rows_per_epoch: int) -> int:
+    """``trainer.total_training_steps``, or ``trainer.total_epochs`` passes over ``rows_per_epoch`` prompts."""
+    if config.trainer.total_training_steps:
+        return int(config.trainer.total_training_steps)
+    per_epoch = rows_per_epoch / config.data.train_batch_size
+    return int(per_epoch if config.data.drop_last else math.ceil(per_epoch)) * config.trainer.total_epochs
+
+
+def uses_critic(config: DictConfig, algorithm: Any) -> bool:
+    return algorithm.needs_critic if config.critic.enable is None else bool(config.critic.enable)
+
+
+# -- plugin-owned nodes ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class PluginNode:
+    """A node of the run config whose schema a plugin declares: its dotted ``key``, who owns it, the
+    schema (None: the owner declares none, so only core's keys are known), what the owner receives
+    (``values``) and which of its keys core fills in (the user may not set them in the node)."""
+
+    key: str
+    owner: str
+    schema: Any
+    values: dict[str, Any]
+    core_keys: dict[str, str] = dataclasses.field(default_factory=dict)
+    user_keys: tuple[str, ...] = ()
+
+    def check(self) -> Any:
+        """The node read with its schema (the plugin's own reader); :class:`ConfigError` if it does not fit."""
+        for key in self.user_keys:
+            if key in self.core_keys:
+                raise ConfigError(f"'{self.key}.{key}' is set from {self.core_keys[key]}: set that instead [{self.owner}].")
+        if self.schema is None:
+            return self.values
+        missing = [key for key in self.core_keys if key not in {f.name for f in dataclasses.fields(self.schema)}]
+        if missing:
+            raise ConfigError(
+                f"{self.owner} declares the config schema {self.schema.__name__}, which lacks the keys core passes "
+                f"to every such plugin ({', '.join(missing)}); the plugin must extend its contract's build config."
+            )
+        try:
+            return read_config_node(self.values, self.schema, self.key)
+        except ConfigError as error:
+            raise ConfigError(f"{error} [{self.owner}]") from None
+
+
+def entry_schema(kind: str, name: str, key: str) -> tuple[Any, str]:
+    """``(schema dataclass or None, owner description)`` of a registry entry, checked to be usable."""
     from rlplat import registry
     from rlplat.registry import RegistryError
 
-    def check_entry(kind: str, name: str, key: str) -> Any:
+    try:
+        entry = registry.entry(kind, name)
+    except RegistryError as error:
+        raise ConfigError(f"{key}: {error}") from None
+    if entry.status != "ok":
+        raise ConfigError(f"{key}: {kind} {name!r} is {entry.status}.")
+    owner = f"{kind} {name!r} from {entry.origin}"
+    try:
+        return resolve_schema(entry.config_schema), owner
+    except Exception as error:
+        raise ConfigError(f"{key}: the config schema of {owner} cannot be loaded: {error}") from None
+
+
+def plugin_nodes(config: DictConfig, algorithm: Any, total_steps: int) -> list[PluginNode]:
+    """Every plugin-owned node of ``config`` with its schema and owner (see the module docstring)."""
+    from rlplat.contracts.algorithm import AlgorithmConfig
+    from rlplat.contracts.engine import EngineBuildConfig
+    from rlplat.contracts.role import RoleConfig
+
+    def user_keys(node: Any) -> tuple[str, ...]:
+        return tuple(OmegaConf.to_container(node, resolve=True)) if node is not None else ()
+
+    nodes = []
+    for role in ("actor", "critic"):
+        schema, owner = entry_schema("engine", config[role].engine, f"{role}.engine")
+        sources = {key: source.format(role=role) for key, source in ENGINE_BUILD_SOURCES.items()}
+        nodes.append(PluginNode(f"{role}.engine_config", owner, schema, engine_node(config, role, total_steps),
+                                {k: sources[k] for k in (f.name for f in dataclasses.fields(EngineBuildConfig))},
+                                user_keys(config[role].engine_config)))
+    schema, owner = entry_schema("rollout", config.rollout.name, "rollout.name")
+    nodes.append(PluginNode("rollout.config", owner, schema, rollout_node(config), dict(ROLLOUT_BUILD_SOURCES),
+                            user_keys(config.rollout.config)))
+    schema, owner = entry_schema("reward_manager", config.reward.manager, "reward.manager")
+    nodes.append(PluginNode("reward.config", owner, schema, OmegaConf.to_container(config.reward.config, resolve=True)))
+    for role in ("actor", "critic"):
+        loss_node = OmegaConf.to_container(config[role].loss, resolve=True)
+        for engine_set in ("global_token_count", "global_sequence_count"):
+            if loss_node.get(engine_set) is not None:
+                raise ConfigError(f"'{role}.loss.{engine_set}' is set per micro-batch by the loss function; remove it.")
         try:
-            entry = registry.entry(kind, name)
-        except RegistryError as error:
-            raise ConfigError(f"{key}: {error}") from None
-        if entry.status != "ok":
-            raise ConfigError(f"{key}: {kind} {name!r} is {entry.status}.")
-        return entry
+            schema = algorithm.loss_schema(role)
+        except Exception as error:
+            raise ConfigError(f"{role}.loss: the {role} loss of algorithm {algorithm.name!r} cannot be loaded: {error}") from None
+        nodes.append(PluginNode(f"{role}.loss", f"the {role} loss of algorithm {algorithm.name!r}", schema, loss_node))
+    policy_node = dict(OmegaConf.to_container(config.actor.loss, resolve=True).get("policy_loss") or {})
+    loss_mode = policy_node.get("loss_mode", algorithm.policy_loss)
+    schema, owner = entry_schema("policy_loss", loss_mode, "actor.loss.policy_loss.loss_mode")
+    nodes.append(PluginNode("actor.loss.policy_loss", owner, schema, {"loss_mode": loss_mode, **policy_node}))
+    schema, owner = entry_schema("algorithm", config.algorithm.name, "algorithm.name")
+    nodes.append(PluginNode("algorithm", owner, schema or AlgorithmConfig, OmegaConf.to_container(config.algorithm, resolve=True)))
+    from rlplat import registry
 
-    algorithm = registry.get("algorithm", config.algorithm.name)()
-    check_entry("engine", config.actor.engine, "actor.engine")
-    check_entry("rollout", config.rollout.name, "rollout.name")
-    check_entry("reward_manager", config.reward.manager, "reward.manager")
-    check_entry("advantage_estimator", config.algorithm.get("adv_estimator", algorithm.adv_estimator), "algorithm.adv_estimator")
+    for name, node in OmegaConf.to_container(config.roles, resolve=True).items():
+        if name not in registry.names("role"):
+            raise ConfigError(f"roles.{name}: unknown role {name!r}; the roles are {', '.join(registry.names('role'))}."
+                              f"{did_you_mean(name, registry.names('role'), 'roles.')}")
+        schema, owner = entry_schema("role", name, f"roles.{name}")
+        nodes.append(PluginNode(f"roles.{name}", owner, schema or RoleConfig, node or {}))
+    return nodes
+
+
+# -- validation -------------------------------------------------------------------------------------------
+
+def validate_config(config: DictConfig) -> None:
+    """Raise :class:`ConfigError` for the first problem found (checks that need no worker)."""
+    from rlplat import registry
+
+    algorithm = algorithm_spec(config.algorithm.name)
+    for kind, key in (("engine", "actor.engine"), ("engine", "critic.engine"), ("rollout", "rollout.name"),
+                      ("reward_manager", "reward.manager"), ("advantage_estimator", "algorithm.adv_estimator")):
+        entry_schema(kind, OmegaConf.select(config, key), key)
     if config.reward.scorer is not None:
-        check_entry("reward_scorer", config.reward.scorer, "reward.scorer")
-    if config.reward.custom_function.path is not None and not Path(config.reward.custom_function.path).is_file():
-        raise ConfigError(f"reward.custom_function.path: {config.reward.custom_function.path} does not exist.")
+        entry_schema("reward_scorer", config.reward.scorer, "reward.scorer")
+    if config.model.path is None:
+        raise ConfigError("model.path is not set: give a local Hugging Face directory (model.path=/path/to/model).")
+    if not Path(config.model.path).is_dir():
+        raise ConfigError(f"model.path: {config.model.path} is not a directory (a local Hugging Face model folder is expected).")
+    data = read_config_node(config.data, DataConfig, "data")
+    if not data.train_files:
+        raise ConfigError("data.train_files is empty: give one or more parquet files (data.train_files=[a.parquet]).")
+    for key in ("train_files", "val_files"):
+        for path in getattr(data, key):
+            if not Path(path).is_file():
+                raise ConfigError(f"data.{key}: {path} does not exist.")
 
-    schema = registry.entry("algorithm", config.algorithm.name).config_schema
-    if isinstance(schema, str):
-        from rlplat.registry import resolve_dotted_path
-
-        schema = resolve_dotted_path(schema)
-    if dataclasses.is_dataclass(schema):
-        allowed = {field.name for field in dataclasses.fields(schema)} | {"name", "filter_groups"}
-        for key in config.algorithm:
-            if key not in allowed:
-                hint = suggest(key, sorted(allowed)).replace(" Did you mean '", " Did you mean 'algorithm.")
-                raise ConfigError(f"unknown config key 'algorithm.{key}'.{hint}")
+    check_sampling(config)
+    for node in plugin_nodes(config, algorithm, total_training_steps(config, parquet_rows(data.train_files))):
+        node.check()
+    check_scorer(config)
+    check_roles(config, algorithm, registry)
 
     rollout_entry = registry.entry("rollout", config.rollout.name)
     if rollout_entry.metadata.get("needs_gpu") and not config.cluster.use_gpu:
@@ -318,39 +478,92 @@ def validate_config(config: DictConfig) -> None:
             f"rollout {config.rollout.name!r} runs on GPUs only: set cluster.use_gpu=true "
             "(and cluster.devices_per_node to the GPUs per machine), or use the hf rollout on CPUs."
         )
-    rollout_schema = rollout_entry.config_schema
-    if isinstance(rollout_schema, str):
-        from rlplat.registry import resolve_dotted_path
-
-        rollout_schema = resolve_dotted_path(rollout_schema)
-    if dataclasses.is_dataclass(rollout_schema):
-        allowed = {field.name for field in dataclasses.fields(rollout_schema)}
-        for key in config.rollout.config:
-            if key not in allowed:
-                hint = suggest(key, sorted(allowed)).replace(" Did you mean '", " Did you mean 'rollout.config.")
-                raise ConfigError(f"unknown config key 'rollout.config.{key}' for rollout {config.rollout.name!r}.{hint}")
-
-    critic_enabled = config.critic.enable
-    if algorithm.needs_critic and critic_enabled is False:
+    if algorithm.needs_critic and config.critic.enable is False:
         raise ConfigError(
             f"algorithm {algorithm.name!r} needs a critic, but critic.enable=false. Remove that override or "
             "choose an algorithm without a critic (e.g. grpo)."
         )
-    if config.model.path is None:
-        raise ConfigError("model.path is not set: give a local Hugging Face directory (model.path=/path/to/model).")
-    if not Path(config.model.path).is_dir():
-        raise ConfigError(f"model.path: {config.model.path} is not a directory (a local Hugging Face model folder is expected).")
-    if not config.data.train_files:
-        raise ConfigError("data.train_files is empty: give one or more parquet files (data.train_files=[a.parquet]).")
-    for key in ("train_files", "val_files"):
-        for path in config.data[key]:
-            if not Path(path).is_file():
-                raise ConfigError(f"data.{key}: {path} does not exist.")
+    if config.cluster.backend not in ("ray", "local"):
+        raise ConfigError(f"cluster.backend must be 'ray' or 'local', got {config.cluster.backend!r}.")
+    check_batch_sizes(config, ["actor"] + (["critic"] if uses_critic(config, algorithm) else []))
+    from rlplat.tracking import BACKENDS
 
-    world = config.cluster.nnodes * config.cluster.devices_per_node if config.cluster.backend == "ray" else 1
+    for name in config.trainer.logger:
+        if name not in BACKENDS:
+            raise ConfigError(f"trainer.logger: unknown logging backend {name!r}; the backends are {', '.join(BACKENDS)}."
+                              f"{did_you_mean(name, BACKENDS)}")
+    if config.trainer.resume not in ("auto", "disable") and not Path(config.trainer.resume).exists():
+        raise ConfigError(f"trainer.resume: {config.trainer.resume} is neither auto, disable nor an existing checkpoint.")
+
+
+def parquet_rows(files: Sequence[str]) -> int:
+    """Rows of the parquet files, read from their metadata (no data is loaded)."""
+    import pyarrow.parquet as pq
+
+    rows = 0
+    for path in files:
+        try:
+            rows += pq.ParquetFile(path).metadata.num_rows
+        except Exception as error:
+            raise ConfigError(f"data.train_files: {path} is not a readable parquet file ({error}).") from None
+    return rows
+
+
+def check_sampling(config: DictConfig) -> None:
+    from rlplat.contracts.rollout import SamplingParams
+
+    try:
+        SamplingParams(**sampling_node(config))
+    except ValueError as error:
+        problems = str(error).split(": ", 1)[-1].split("; ")
+        named = [next((problem.replace(field, key, 1) for field, key in SAMPLING_SOURCES.items()
+                       if problem.startswith(f"{field} ")), problem) for problem in problems]
+        raise ConfigError(f"invalid sampling settings: {'; '.join(named)}.") from None
+
+
+def check_scorer(config: DictConfig) -> None:
+    """The reward node selects exactly one scorer, and a custom function exists in its file."""
+    from rlplat.scorers import scorer_for
+
+    reward = config.reward
+    try:
+        scorer_for(reward.scorer, reward.custom_function.path, reward.custom_function.name)
+    except ConfigError:
+        raise
+    except Exception as error:
+        raise ConfigError(f"{error}".rstrip(".") + ".") from None
+
+
+def check_roles(config: DictConfig, algorithm: Any, registry: Any) -> None:
+    from rlplat.contracts.role import RoleConfig
+
+    for name, node in OmegaConf.to_container(config.roles, resolve=True).items():
+        role = registry.get("role", name)()
+        schema = resolve_schema(registry.entry("role", name).config_schema) or RoleConfig
+        settings = read_config_node(node or {}, schema, f"roles.{name}")
+        if not role.movable and settings.placement != role.default_placement:
+            raise ConfigError(f"roles.{name}.placement: the {name} role always runs {role.default_placement}.")
+        if settings.placement == "separate" and config.cluster.backend == "local":
+            raise ConfigError(f"roles.{name}.placement=separate needs cluster.backend=ray (the local backend is one process).")
+
+
+def processes_of(config: DictConfig, role: str) -> tuple[int, str]:
+    """Worker processes of ``role`` and the keys that set them: the cluster's, or its own pool's when
+    ``roles.<role>.placement=separate``."""
+    cluster = config.cluster
+    if cluster.backend != "ray":
+        return 1, "cluster.backend=local"
+    node = config.roles.get(role) or {}
+    if node.get("placement") == "separate":
+        processes = (node.get("nnodes") or cluster.nnodes) * (node.get("devices_per_node") or cluster.devices_per_node)
+        return processes, f"roles.{role}.nnodes x roles.{role}.devices_per_node"
+    return cluster.nnodes * cluster.devices_per_node, "cluster.nnodes x cluster.devices_per_node"
+
+
+def check_batch_sizes(config: DictConfig, roles: list[str]) -> None:
     prompts, n = config.data.train_batch_size, config.rollout.n
-    roles = ["actor"] + (["critic"] if algorithm.needs_critic or critic_enabled else [])
     for role in roles:
+        world, source = processes_of(config, role)
         mini = config[role].ppo_mini_batch_size
         if prompts % mini:
             raise ConfigError(
@@ -359,15 +572,12 @@ def validate_config(config: DictConfig) -> None:
             )
         if (mini * n) % world:
             raise ConfigError(
-                f"{role}.ppo_mini_batch_size={mini} prompts x rollout.n={n} = {mini * n} responses do not split over "
-                f"{world} worker processes (cluster.nnodes x cluster.devices_per_node); make them a multiple of {world}."
+                f"{role}.ppo_mini_batch_size={mini} prompts x rollout.n={n} = {mini * n} responses do not split over the "
+                f"{world} worker processes of the {role} ({source}); make them a multiple of {world}."
             )
-    if (prompts * n) % world:
-        raise ConfigError(f"data.train_batch_size x rollout.n = {prompts * n} responses do not split over {world} worker processes.")
-    if config.cluster.backend not in ("ray", "local"):
-        raise ConfigError(f"cluster.backend must be 'ray' or 'local', got {config.cluster.backend!r}.")
-    if config.trainer.resume not in ("auto", "disable") and not Path(config.trainer.resume).exists():
-        raise ConfigError(f"trainer.resume: {config.trainer.resume} is neither auto, disable nor an existing checkpoint.")
+        if (prompts * n) % world:
+            raise ConfigError(f"data.train_batch_size x rollout.n = {prompts * n} responses do not split over the "
+                              f"{world} worker processes of the {role}.")
 
 
 def to_yaml(config: DictConfig) -> str:

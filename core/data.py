@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import hashlib
 import logging
 import math
@@ -39,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from rlplat.config_node import ConfigError, read_config_node
 from rlplat.protocol import DataProto
 
 logger = logging.getLogger("rlplat.data")
@@ -48,7 +48,7 @@ REQUIRED_COLUMNS = ("data_source", "reward_model")
 STATE_FORMAT = 1
 
 
-class DataError(ValueError):
+class DataError(ConfigError):
     """The data files or their rows do not fit the schema or the ``data.*`` config; the message says
     which file, row and column, and what to do."""
 
@@ -114,27 +114,13 @@ def as_file_list(files: Any) -> list[str]:
 
 
 def read_data_config(config: Any) -> DataConfig:
-    """``config`` (a :class:`DataConfig`, a Mapping or an OmegaConf DictConfig) -> the dataclass.
-
-    Raises :class:`DataError` naming an unknown key and the closest known one.
-    """
-    if isinstance(config, DataConfig):
-        return config
-    if not isinstance(config, Mapping) and type(config).__name__ == "DictConfig":
-        from omegaconf import OmegaConf
-
-        config = OmegaConf.to_container(config, resolve=True)
-    if not isinstance(config, Mapping):
-        raise TypeError(f"the data config must be a DataConfig or a mapping, got {type(config).__name__}")
-    known = [field.name for field in dataclasses.fields(DataConfig)]
-    unknown = []
-    for key in config:
-        if key not in known:
-            match = difflib.get_close_matches(str(key), known, n=1)
-            unknown.append(f"data.{key}" + (f" (did you mean data.{match[0]}?)" if match else ""))
-    if unknown:
-        raise DataError(f"unknown data config key(s): {', '.join(unknown)}")
-    return DataConfig(**config)
+    """``config`` (a :class:`DataConfig`, a Mapping or an OmegaConf DictConfig) -> the dataclass, read
+    with core's one config reader (an unknown key names the closest known one). From Python, one path
+    is accepted where a list of files is expected."""
+    if isinstance(config, Mapping):
+        config = {key: [value] if key in ("train_files", "val_files") and isinstance(value, (str, os.PathLike)) else value
+                  for key, value in config.items()}
+    return read_config_node(config, DataConfig, "data")
 
 
 class RLDataset:

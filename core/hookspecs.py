@@ -48,7 +48,9 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 def register_engines(register):
     """Register training engines (kind ``engine``).
 
-    The factory builds a :class:`rlplat.contracts.engine.TrainingEngine` from ``(config, **kwargs)``.
+    The factory builds a :class:`rlplat.contracts.engine.TrainingEngine` from ``(config, **kwargs)``;
+    ``config`` maps the :class:`rlplat.contracts.engine.EngineBuildConfig` keys and the role's
+    ``engine_config`` node. ``config_schema`` extends ``EngineBuildConfig`` with the engine's own keys.
     """
 
 
@@ -56,7 +58,10 @@ def register_engines(register):
 def register_rollouts(register):
     """Register rollout engines (kind ``rollout``).
 
-    The factory builds a :class:`rlplat.contracts.rollout.RolloutEngine` from ``(config, **kwargs)``.
+    The factory builds a :class:`rlplat.contracts.rollout.RolloutEngine` from ``(config, **kwargs)``;
+    ``config`` maps the :class:`rlplat.contracts.rollout.RolloutBuildConfig` keys and ``rollout.config``.
+    ``config_schema`` extends ``RolloutBuildConfig``. ``metadata={"needs_gpu": True}`` makes a run on CPUs
+    a config error.
     """
 
 
@@ -64,7 +69,9 @@ def register_rollouts(register):
 def register_reward_managers(register):
     """Register reward managers (kind ``reward_manager``).
 
-    The factory builds a :class:`rlplat.contracts.reward.RewardManager` from ``(scorer, tokenizer, config)``.
+    The factory builds a :class:`rlplat.contracts.reward.RewardManager` from ``(scorer, tokenizer, config)``:
+    the scorer ``reward.scorer`` / ``reward.custom_function`` selects, the policy's tokenizer, and the
+    ``reward.config`` node, typed by ``config_schema``.
     """
 
 
@@ -82,7 +89,7 @@ def register_advantage_estimators(register):
     """Register advantage estimators (kind ``advantage_estimator``).
 
     The factory *is* the estimator, following :class:`rlplat.contracts.algorithm.AdvantageEstimator`,
-    ``fn(token_level_rewards, response_mask, index, values=None, config=None) -> (advantages, returns)``.
+    ``fn(token_level_rewards, response_mask, index, values=None, config=None, **extra) -> (advantages, returns)``.
     """
 
 
@@ -92,6 +99,7 @@ def register_policy_losses(register):
 
     The factory *is* the loss, following :class:`rlplat.contracts.algorithm.PolicyLoss`,
     ``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config) -> (loss, metrics)``.
+    ``config_schema`` types the ``actor.loss.policy_loss`` node (``loss_mode`` and the loss's own knobs).
     """
 
 
@@ -100,7 +108,9 @@ def register_algorithms(register):
     """Register whole algorithms (kind ``algorithm``).
 
     The factory returns an :class:`rlplat.contracts.algorithm.Algorithm`: which estimator and loss it
-    uses, whether it needs a critic or a reference model, its default config and its loop hooks.
+    uses, whether it needs a critic or a reference model, its default config, losses and loop hooks.
+    The factory takes no arguments. ``config_schema`` types the ``algorithm`` node (default:
+    :class:`rlplat.contracts.algorithm.AlgorithmConfig`, which a schema with more keys extends).
     """
 
 
@@ -120,4 +130,14 @@ def register_commands(register):
     The factory returns a ``typer.Typer`` (mounted as ``rlplat NAME ...``) or a plain function (mounted
     as the single command ``rlplat NAME``). Keep the module that holds it light: the CLI resolves
     command factories at start-up.
+    """
+
+
+@hookspec
+def register_roles(register):
+    """Register worker roles (kind ``role``): the worker groups a run builds and where they go.
+
+    The factory takes no arguments and returns a :class:`rlplat.contracts.role.Role`. ``config_schema``
+    (a subclass of :class:`rlplat.contracts.role.RoleConfig`) types the role's ``roles.<name>`` node.
+    rlplat registers its own roles (``actor``, ``rollout``, ``critic``) through this hook.
     """

@@ -40,6 +40,7 @@ HOOK_OF_KIND: dict[str, str] = {
     "algorithm": "register_algorithms",
     "dispatch_mode": "register_dispatch_modes",
     "command": "register_commands",
+    "role": "register_roles",
 }
 KINDS: tuple[str, ...] = tuple(HOOK_OF_KIND)
 

@@ -22,6 +22,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from rlplat.contracts.rollout import RolloutBuildConfig
+
 
 class ServerError(RuntimeError):
     """The server could not be started, died, or answered a request with an error."""
@@ -147,8 +149,9 @@ def cli_flags(values: Mapping[str, Any], boolean_style: str = "negatable", list_
 
 
 @dataclasses.dataclass
-class ServerSettings:
-    """The server-mode keys of a rollout config (a backend's config dataclass inherits them)."""
+class ServerSettings(RolloutBuildConfig):
+    """The server-mode keys of a rollout config (a backend's config dataclass inherits them, with the
+    keys every rollout receives)."""
 
     server_url: str | None = None
     """Server mode: the base URL of a server that is already running on this node (nothing is started

@@ -4,8 +4,9 @@ load batch -> generate (n per prompt) -> algorithm.after_generate -> reward -> a
 -> old log-probs -> reference log-probs -> values -> KL in the reward -> advantages -> update critic
 -> update actor -> sync weights to the rollout -> validate / checkpoint / log.
 
-The heavy work runs in worker groups (``rlplat.workers``); the driver holds the data loader, the reward
-manager and the advantage estimator. A run is exact across a kill: sampling seeds derive from
+The heavy work runs in worker groups, one per role (kind ``role``, :mod:`rlplat.placement`); roles take
+part in each step through :meth:`Role.on_stage`. The driver holds the data loader, the reward manager
+and the advantage estimator. A run is exact across a kill: sampling seeds derive from
 ``(trainer.seed, step)``, and a checkpoint holds the engines' state, the data position, the driver's RNG
 and the KL coefficient.
 """
@@ -23,14 +24,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlplat.checkpoint import CheckpointManager, capture_rng_state, graceful_interrupt, restore_rng_state
-from rlplat.config import validate_config
+from rlplat.config import sampling_node, total_training_steps, validate_config
+from rlplat.config_node import read_config_node, resolve_schema
+from rlplat.contracts.role import RunContext
 from rlplat.contracts.rollout import SamplingParams
-from rlplat.controller.host import WorkerSpec
 from rlplat.data import build_loaders
+from rlplat.placement import Placement, enabled_roles, place
 from rlplat.protocol import DataProto
 from rlplat.tracking import Tracker
-from rlplat.workers.actor_rollout_ref import ActorRolloutRefWorker, log_prob_mismatch
-from rlplat.workers.critic import CriticWorker
+from rlplat.workers.actor_rollout_ref import log_prob_mismatch
 
 
 @contextlib.contextmanager
@@ -70,84 +72,65 @@ class Trainer:
         from transformers import AutoTokenizer
 
         from rlplat import registry
+        from rlplat.contracts.algorithm import AlgorithmConfig
+        from rlplat.scorers import scorer_for
 
         validate_config(config)
         self.config = config
         self.node = OmegaConf.to_container(config, resolve=True)
-        spec = registry.get("algorithm", config.algorithm.name)()
-        self.algorithm = dataclasses.replace(spec, default_config=self.node["algorithm"])
+        self.algorithm = registry.get("algorithm", config.algorithm.name)()
+        schema = resolve_schema(registry.entry("algorithm", config.algorithm.name).config_schema) or AlgorithmConfig
+        self.algorithm.config = read_config_node(self.node["algorithm"], schema, "algorithm")
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
         self.train_loader, self.val_loader = build_loaders(config.data, self.tokenizer)
-        reward = self.node["reward"]
-        scorer = registry.get("reward_scorer", reward["scorer"]) if reward["scorer"] and not reward["custom_function"]["path"] else None
-        manager_config = {**reward["config"], "custom_function": reward["custom_function"]}
-        if reward["scorer"]:
-            manager_config["scorer"] = reward["scorer"]
-        self.reward = registry.get("reward_manager", reward["manager"])(scorer, self.tokenizer, manager_config)
+        reward = config.reward
+        scorer = scorer_for(reward.scorer, reward.custom_function.path, reward.custom_function.name)
+        self.reward = registry.get("reward_manager", reward.manager)(scorer, self.tokenizer, self.node["reward"]["config"])
         algorithm_node = self.node["algorithm"]
-        self.estimator = registry.get("advantage_estimator", algorithm_node.get("adv_estimator", spec.adv_estimator))
+        self.estimator = registry.get("advantage_estimator", algorithm_node["adv_estimator"])
         self.kl_controller = None
         if algorithm_node.get("use_kl_in_reward"):
             self.kl_controller = self.algorithm.resolve("kl_controller")(algorithm_node.get("kl_ctrl"))
-        self.use_critic = self.algorithm.needs_critic if config.critic.enable is None else bool(config.critic.enable)
+        self.use_reference = self.algorithm.uses_reference(self.node["actor"]["loss"], algorithm_node)
         self.run_dir = Path(config.trainer.output_dir)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", config.trainer.keep_last)
-        steps_per_epoch = len(self.train_loader)
-        self.total_steps = config.trainer.total_training_steps or steps_per_epoch * config.trainer.total_epochs
-        self.actor = self.critic = None
+        self.total_steps = total_training_steps(config, self.train_loader.rows_per_epoch)
+        self.context = RunContext(config, self.algorithm, self.total_steps)
+        self.placement: Placement | None = None
+        self.actor = self.critic = self.rollout = None
         self.step = 0
 
     # -- set-up --------------------------------------------------------------------------------------
 
-    def engine_node(self, role: str) -> dict[str, Any]:
-        node, n = self.node[role], self.node["rollout"]["n"]
-        optim = node["optim"]
-        return {
-            "model_path": self.node["model"]["path"], "seed": self.node["trainer"]["seed"], "lr": optim["lr"],
-            "weight_decay": optim["weight_decay"], "betas": optim["betas"], "lr_warmup_steps": optim["warmup_steps"],
-            "lr_scheduler_type": optim["lr_scheduler_type"], "min_lr_ratio": optim["min_lr_ratio"],
-            "grad_clip": optim["grad_clip"], "total_training_steps": self.total_steps,
-            "ppo_mini_batch_size": node["ppo_mini_batch_size"] * n, "ppo_epochs": node["ppo_epochs"],
-            "micro_batch_size_per_gpu": node["micro_batch_size_per_gpu"], "use_dynamic_bsz": node["use_dynamic_bsz"],
-            "max_token_len_per_gpu": node["max_token_len_per_gpu"], **node["engine_config"],
-        }
-
     def sampling(self) -> dict[str, Any]:
-        rollout = self.node["rollout"]
-        return {"n": rollout["n"], "temperature": rollout["temperature"], "top_p": rollout["top_p"],
-                "top_k": rollout["top_k"], "max_new_tokens": rollout["response_length"]}
+        return sampling_node(self.config)
 
     def build_workers(self) -> None:
-        roles = ["actor", "rollout"] + (["ref"] if self.algorithm.needs_reference else [])
-        actor_config = {
-            "roles": roles, "engine": self.node["actor"]["engine"], "engine_config": self.engine_node("actor"),
-            "rollout": self.node["rollout"]["name"], "algorithm": self.algorithm.name, "sampling": self.sampling(),
-            "rollout_config": {"model_path": self.node["model"]["path"], "load_weights": False, **self.node["rollout"]["config"]},
-            "actor": self.node["actor"]["loss"],
-            "free_rollout_between_phases": self.node["rollout"]["free_between_phases"],
-        }
-        specs = {"actor": WorkerSpec(ActorRolloutRefWorker, actor_config)}
-        if self.use_critic:
-            specs["critic"] = WorkerSpec(CriticWorker, {
-                "engine": self.node["critic"]["engine"], "engine_config": self.engine_node("critic"),
-                "algorithm": self.algorithm.name, "critic": self.node["critic"]["loss"] or None,
-            })
-        cluster = self.config.cluster
-        if cluster.backend == "local":
-            from rlplat.controller.local_backend import LocalWorkerGroup
-
-            groups = LocalWorkerGroup.colocated(specs, use_gpu=cluster.use_gpu)
-        else:
-            from rlplat.controller.ray_backend import RayWorkerGroup, ResourcePool, start_ray
-
-            start_ray(cluster.address)
-            self.pool = ResourcePool([cluster.devices_per_node] * cluster.nnodes, use_gpu=cluster.use_gpu)
-            groups = RayWorkerGroup.colocated(self.pool, specs)
+        """One worker group per enabled role (:mod:`rlplat.placement`), each started by its role."""
+        self.placement = place(enabled_roles(self.context), self.context)
+        groups = self.placement.groups
         self.actor, self.critic = groups["actor"], groups.get("critic")
-        for group in groups.values():
-            group.init_model()
+        self.rollout = groups.get("rollout", self.actor)
+        for name, group in groups.items():
+            self.placement.roles[name].start(group)
+        if self.rollout is not self.actor:
+            self.sync_weights()
 
-    # -- the loop ------------------------------------------------------------------------------------
+    def sync_weights(self) -> None:
+        """The actor's weights to the rollout: inside each process when colocated, else through the
+        object store (the rollout group fetches the actor's buckets itself)."""
+        if self.rollout is self.actor:
+            self.actor.sync_weights()
+        else:
+            self.rollout.load_weights(self.actor.call_async("export_weights"))
+
+    def stage(self, name: str, batch: DataProto) -> DataProto:
+        """Let every role take part in stage ``name`` of the step (:meth:`Role.on_stage`)."""
+        for role_name, role in self.placement.roles.items():
+            added = role.on_stage(name, self.placement.groups[role_name], batch)
+            if added is not None and name != "updated":
+                batch = batch.union(added)
+        return batch
 
     def fit(self) -> dict[str, float]:
         """Train to ``total_steps``, resuming per ``trainer.resume``; returns the last step's metrics."""
@@ -176,7 +159,7 @@ class Trainer:
 
     def generate(self, prompts: DataProto, sampling: SamplingParams | None = None) -> DataProto:
         overrides = dataclasses.asdict(sampling) if sampling is not None else {}
-        return self.actor.generate_sequences(prompts.with_meta_info({**prompts.meta_info, **overrides}))
+        return self.rollout.generate_sequences(prompts.with_meta_info({**prompts.meta_info, **overrides}))
 
     def train_step(self) -> dict[str, float]:
         timing: dict[str, float] = {}
@@ -184,24 +167,27 @@ class Trainer:
         seed = self.config.trainer.seed * 1_000_003 + self.step
         with timed(timing, "gen"):
             batch = self.generate_filled_batch(seed, timing)
+        batch = self.stage("scored", batch)
         with timed(timing, "old_log_prob"):
             batch = batch.union(self.actor.compute_log_prob(batch))
-        if self.algorithm.needs_reference:
+        if self.use_reference:
             with timed(timing, "ref"):
                 batch = batch.union(self.actor.compute_ref_log_prob(batch))
-        if self.use_critic:
+        if self.critic is not None:
             with timed(timing, "values"):
                 batch = batch.union(self.critic.compute_values(batch))
         with timed(timing, "adv"):
             batch, reward_kl_metrics = self.compute_advantage(batch)
+        batch = self.stage("prepared", batch)
         metrics: dict[str, Any] = {**reward_kl_metrics, **log_prob_mismatch(batch)}
-        if self.use_critic:
+        if self.critic is not None:
             with timed(timing, "update_critic"):
                 metrics.update(self.critic.update_critic(batch).meta_info["metrics"])
         with timed(timing, "update_actor"):
             metrics.update(self.actor.update_actor(batch).meta_info["metrics"])
         with timed(timing, "sync_weights"):
-            self.actor.sync_weights()
+            self.sync_weights()
+        self.stage("updated", batch)
         metrics.update(batch_metrics(batch))
         metrics.update(batch.meta_info.get("reward_metrics", {}))
         timing["timing_s/step"] = time.perf_counter() - started
@@ -212,13 +198,14 @@ class Trainer:
     def generate_filled_batch(self, seed: int, timing: dict[str, float]) -> DataProto:
         """Prompts -> responses -> rewards, through the algorithm's hooks; an algorithm that drops
         groups (DAPO) gets more prompts until its accumulator is full."""
-        accumulator = self.algorithm.make_accumulator(self.config.data.train_batch_size) if hasattr(self.algorithm, "make_accumulator") else None
+        accumulator = self.algorithm.make_accumulator(self.config.data.train_batch_size)
         attempt = 0
         while True:
             prompts = self.train_loader.next_batch()
             prompts = prompts.with_meta_info({**prompts.meta_info, "seed": seed + 7919 * attempt})
             batch = self.generate(prompts)
             batch = self.algorithm.after_generate(batch, self.generate, SamplingParams(**{**self.sampling(), "seed": seed}))
+            batch = self.stage("generated", batch)
             with timed(timing, "reward"):
                 scored = self.reward(batch)
             batch = batch.union(scored.select(batch_keys=["token_level_scores"], meta_info_keys=[]))
@@ -243,7 +230,7 @@ class Trainer:
                 tensors["response_mask"], self.kl_controller, self.node["algorithm"])
         else:
             rewards = tensors["token_level_scores"]
-        extra = {"reward_baselines": tensors["reward_baselines"]} if "reward_baselines" in tensors.keys() else {}
+        extra = self.algorithm.estimator_inputs(batch)
         values = tensors["values"] if "values" in tensors.keys() else None
         advantages, returns = self.estimator(rewards, tensors["response_mask"], np.asarray(batch.non_tensor_batch["uid"]),
                                              values=values, config=self.node["algorithm"], **extra)
@@ -271,9 +258,8 @@ class Trainer:
 
     def save(self) -> Path:
         def write(directory: Path) -> None:
-            self.actor.save_checkpoint(str(directory))
-            if self.critic is not None:
-                self.critic.save_checkpoint(str(directory))
+            for name, group in self.placement.groups.items():
+                self.placement.roles[name].save_checkpoint(group, str(directory))
 
         state = {"data": self.train_loader.state_dict(), "rng": capture_rng_state(),
                  "kl_coef": self.kl_controller.value if self.kl_controller is not None else None}
@@ -283,9 +269,10 @@ class Trainer:
         path = self.checkpoints.resolve(self.config.trainer.resume)
         if path is None:
             return
-        self.actor.load_checkpoint(str(path))
-        if self.critic is not None:
-            self.critic.load_checkpoint(str(path))
+        for name, group in self.placement.groups.items():
+            self.placement.roles[name].load_checkpoint(group, str(path))
+        if self.rollout is not self.actor:
+            self.sync_weights()
         state = self.checkpoints.load_state(path)
         self.train_loader.load_state_dict(state["data"])
         restore_rng_state(state["rng"])
@@ -294,7 +281,6 @@ class Trainer:
         self.step = int(state["step"])
 
     def shutdown(self) -> None:
-        if self.actor is not None:
-            self.actor.shutdown()
-        if getattr(self, "pool", None) is not None:
-            self.pool.release()
+        if self.placement is not None:
+            self.placement.shutdown()
+            self.placement = None

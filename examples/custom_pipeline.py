@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from rlplat import DataProto, LocalWorkerGroup, RayWorkerGroup, ResourcePool, WorkerSpec, demo, registry, start_ray
 from rlplat.data import RLDataset, StatefulLoader, ValidationLoader
-from rlplat.demo import scorer
+from rlplat.scorers import exact_match
 from rlplat.workers.actor_rollout_ref import ActorRolloutRefWorker, log_prob_mismatch
 
 
@@ -54,7 +54,7 @@ def main(steps: int, backend: str, processes: int = 2) -> dict[str, list[float]]
     tokenizer = AutoTokenizer.from_pretrained(demo.model_dir())
     train = StatefulLoader(RLDataset([str(demo.train_file())], tokenizer, max_prompt_length=16), batch_size=8, seed=0)
     validation = ValidationLoader(RLDataset([str(demo.val_file())], tokenizer, max_prompt_length=16))
-    reward = registry.get("reward_manager", "naive")(scorer.exact_match, tokenizer, {})
+    reward = registry.get("reward_manager", "naive")(exact_match, tokenizer, {})
     estimator = registry.get("advantage_estimator", "grpo")
     actor, pool = build_actor(backend, processes)
     history: dict[str, list[float]] = {"score": [], "val_acc": [], "log_prob_diff": []}

@@ -43,6 +43,12 @@ def site(tmp_path, monkeypatch) -> Path:
     return directory
 
 
+@pytest.fixture(scope="session")
+def write_distribution_to():
+    """``write_distribution_to(site, name, version, entry_points, modules)``, usable from fixtures of any scope."""
+    return write_distribution
+
+
 @pytest.fixture
 def write_dist(site):
     """``write_dist(name, version, entry_points, modules)``: a fake distribution in ``site``."""

@@ -51,7 +51,7 @@ def test_a_short_run_prints_its_directory_and_writes_config_metrics_and_checkpoi
 
 
 def test_the_demo_settings_validate_and_the_users_overrides_win():
-    from rlplat.cli.run import demo_overrides
+    from rlplat.demo import overrides as demo_overrides
     from rlplat.config import load_config
 
     config = load_config(overrides=demo_overrides() + ["trainer.total_training_steps=3"], algo="grpo")

@@ -11,6 +11,8 @@ import logging
 
 import numpy as np
 import pytest
+
+from rlplat.config_node import ConfigError
 import torch
 
 from rlplat.data import (
@@ -378,7 +380,7 @@ def test_without_val_files_there_is_no_validation_set(write, tokenizer):
 
 
 def test_an_unknown_data_key_suggests_the_closest(tmp_path):
-    with pytest.raises(DataError, match=r"unknown data config key\(s\): data.max_prompt_len \(did you mean data.max_prompt_length\?\)"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'data.max_prompt_len'. Did you mean 'data.max_prompt_length'\?"):
         read_data_config({"train_files": [], "max_prompt_len": 4})
 
 

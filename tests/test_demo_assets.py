@@ -7,7 +7,7 @@ import pytest
 
 import rlplat.demo as demo
 from rlplat.data import RLDataset
-from rlplat.demo.scorer import exact_match
+from rlplat.scorers import exact_match
 from rlplat.testing import RewardScorerConformance, ScorerCase
 from rlplat.testing.tiny_models import arithmetic_tokenizer
 

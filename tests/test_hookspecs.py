@@ -11,7 +11,7 @@ from rlplat.plugins import HOOK_OF_KIND, KINDS
 
 DESIGN_KINDS = (
     "engine", "rollout", "reward_manager", "reward_scorer", "advantage_estimator",
-    "policy_loss", "algorithm", "dispatch_mode", "command",
+    "policy_loss", "algorithm", "dispatch_mode", "command", "role",
 )
 
 

@@ -61,22 +61,12 @@ ESTIMATOR_SUITE = """
 LOSS_SUITE = """
     import pytest
     import torch
+    from rlplat.losses import aggregate_loss
     from rlplat.testing import PolicyLossConformance
-
-    def aggregate(loss_mat, mask, mode):
-        if mode == "token-mean":
-            return (loss_mat * mask).sum() / mask.sum()
-        if mode == "seq-mean-token-sum":
-            return (loss_mat * mask).sum(-1).mean()
-        if mode == "seq-mean-token-mean":
-            return ((loss_mat * mask).sum(-1) / mask.sum(-1)).mean()
-        if mode == "seq-mean-token-sum-norm":
-            return (loss_mat * mask).sum() / mask.shape[-1]
-        raise ValueError(f"unknown loss_agg_mode {mode!r}")
 
     def good(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config):
         ratio = torch.exp(log_prob - old_log_prob)
-        loss = aggregate(-advantages * ratio, response_mask, loss_agg_mode)
+        loss = aggregate_loss(-advantages * ratio, response_mask, loss_agg_mode)
         return loss, {"actor/ratio_mean": float(ratio.detach().mean())}
 
     def broken(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config):
@@ -120,7 +110,8 @@ ALGORITHM_SUITE = """
                          actor_loss=SumLoss)
 
     def broken():
-        return Algorithm(name="kit", adv_estimator="kit_estimatr", policy_loss="kit_loss", needs_critic="yes")
+        return Algorithm(name="kit", adv_estimator="kit_estimatr", policy_loss="kit_loss", needs_critic="yes",
+                         default_config={"gama": 0.9})
 
     class TestAlgorithm(AlgorithmConformance):
         @pytest.fixture(autouse=True)
@@ -176,17 +167,17 @@ def test_estimator_suite(pytester):
 
 
 def test_policy_loss_suite(pytester):
-    run_suite(pytester, LOSS_SUITE, "good").assert_outcomes(passed=11)
+    run_suite(pytester, LOSS_SUITE, "good").assert_outcomes(passed=13)
     broken = run_suite(pytester, LOSS_SUITE, "broken")
     broken.stdout.fnmatch_lines(["*test_masked_tokens_get_no_gradient*", "*test_unknown_aggregation_mode*"])
     assert broken.ret != 0
 
 
 def test_algorithm_suite_and_the_temporary_plugin_fixture(pytester):
-    run_suite(pytester, ALGORITHM_SUITE, "good").assert_outcomes(passed=6, skipped=1)
+    run_suite(pytester, ALGORITHM_SUITE, "good").assert_outcomes(passed=7, skipped=2)
     broken = run_suite(pytester, ALGORITHM_SUITE, "broken")
-    broken.assert_outcomes(passed=2, failed=4, skipped=1)
-    broken.stdout.fnmatch_lines(["*Did you mean 'kit_estimator'*"])
+    broken.assert_outcomes(passed=5, failed=3, skipped=1)
+    broken.stdout.fnmatch_lines(["*Did you mean 'kit_estimator'*", "*unknown config key 'algorithm.gama'*"])
 
 
 def test_command_suite(pytester):

@@ -7,7 +7,7 @@ produced and 0 on padding and on tool/observation spans of multi-turn data.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
 
 if TYPE_CHECKING:
     import numpy as np
@@ -42,8 +42,16 @@ class PolicyLoss(Protocol):
     """``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config) -> (loss, metrics)``.
 
     All tensors [B, R]; ``log_prob`` carries gradients. ``loss_agg_mode`` is one of ``token-mean``,
-    ``seq-mean-token-sum``, ``seq-mean-token-mean``, ``seq-mean-token-sum-norm``. Returns a scalar loss
-    and a dict of floats (``actor/pg_clipfrac``, ``actor/ppo_kl``, ...).
+    ``seq-mean-token-sum``, ``seq-mean-token-mean``, ``seq-mean-token-sum-norm`` (an unknown one raises
+    ``ValueError``). ``config`` is the ``actor.loss`` node as a
+    :class:`rlplat.losses.PolicyLossConfig` whose ``global_token_count`` and ``global_sequence_count``
+    attributes hold the mini-batch's totals over every data-parallel rank (set per micro-batch by
+    :class:`rlplat.losses.ActorLoss`): aggregate with
+    ``rlplat.losses.aggregate_with_settings(per_token, response_mask, loss_agg_mode, config)`` and the
+    loss of each micro-batch is its share of the mini-batch's. The loss's own knobs are in
+    ``config.policy_loss`` (a dict, checked at load against the schema its registry entry declares).
+    Returns a scalar loss and a dict of floats (``actor/pg_clipfrac``, ``actor/ppo_kl``, ...), means
+    over this micro-batch's tokens (the actor loss scales them into contributions).
     """
 
     def __call__(
@@ -61,17 +69,79 @@ GenerateFunction = Callable[["DataProto", "SamplingParams"], "DataProto"]
 
 
 @dataclasses.dataclass
+class KLControlConfig:
+    """How the coefficient of a KL penalty in the reward evolves (``algorithm.kl_ctrl``)."""
+
+    type: str = "fixed"
+    """``fixed`` keeps ``kl_coef``; ``adaptive`` steers it toward ``target_kl`` (Ziegler et al., 2019)."""
+    kl_coef: float = 0.001
+    """Initial (for ``fixed``: constant) coefficient of the KL penalty."""
+    horizon: int = 10000
+    """Adaptive controller: samples over which a proportional error of 20% changes the coefficient by 20%."""
+    target_kl: float = 0.1
+    """Adaptive controller: the KL per token it aims for."""
+
+
+@dataclasses.dataclass
+class AlgorithmConfig:
+    """The ``algorithm`` node, as far as the loop, the estimators and the KL-in-reward step read it.
+
+    An algorithm whose node has more keys registers a subclass as its entry's ``config_schema``.
+    """
+
+    name: str = "grpo"
+    """The registered algorithm (kind ``algorithm``); ``--algo`` sets it."""
+    adv_estimator: str = "gae"
+    """Registered advantage estimator (kind ``advantage_estimator``)."""
+    gamma: float = 1.0
+    """Discount factor of GAE and REINFORCE++ returns."""
+    lam: float = 1.0
+    """GAE lambda (bias/variance trade-off of the advantage)."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO and Pass@k divide the centred score by the group's std; False is Dr. GRPO's choice."""
+    epsilon: float = 1e-6
+    """Added to a group's std before dividing (GRPO, Pass@k)."""
+    use_kl_in_reward: bool = False
+    """Subtract ``kl_coef * KL(actor || reference)`` from the token-level scores before estimating; the run
+    then builds a reference model."""
+    kl_penalty: str = "kl"
+    """KL estimator used in the reward: k1/kl, k2/mse, k3/low_var_kl, abs, or a straight-through ``+`` variant."""
+    kl_ctrl: KLControlConfig = dataclasses.field(default_factory=KLControlConfig)
+    """Controller of the KL-in-reward coefficient."""
+
+
+@dataclasses.dataclass
 class Algorithm:
-    """What an algorithm is, for the driver loop.
+    """What an algorithm is, for the driver loop. The registered factory takes no arguments and returns
+    one (``register("my_algo", "my_pkg.specs:my_algo")``); a few lines are enough::
+
+        def my_algo() -> Algorithm:
+            return Algorithm(name="my_algo", adv_estimator="my_estimator", policy_loss="my_loss")
 
     ``adv_estimator`` and ``policy_loss`` name registry entries of kinds ``advantage_estimator`` and
-    ``policy_loss``. ``needs_critic`` makes the loop build a critic and compute ``values``;
-    ``needs_reference`` a reference model and ``ref_log_prob``. ``default_config`` is merged under the
-    user's ``algorithm`` config node. ``actor_loss`` and ``critic_loss`` build the per-micro-batch
+    ``policy_loss``. ``needs_critic`` makes the loop build a critic and compute ``values``.
+
+    **Reference model.** The loop builds one when a KL term reads it: ``actor.loss.use_kl_loss`` or
+    ``algorithm.use_kl_in_reward`` in the resolved config. ``needs_reference=True`` builds it always.
+
+    **Defaults** (:meth:`default_nodes`). ``default_config`` is laid out under the run config before the
+    user's file and overrides: its ``actor`` key goes to ``actor.loss``, ``critic`` to ``critic.loss``,
+    ``reward`` to ``reward.manager`` (its ``manager`` key) and ``reward.config`` (the rest), and every
+    other key to the ``algorithm`` node, with ``name`` and ``adv_estimator`` from the spec; the policy
+    loss ``policy_loss`` becomes ``actor.loss.policy_loss.loss_mode``.
+
+    **Losses.** ``actor_loss`` and ``critic_loss`` build the per-micro-batch
     :class:`~rlplat.contracts.engine.LossFunction` the workers hand to ``TrainingEngine.train_batch``:
     each is a callable ``(config) -> LossFunction`` (or its ``"module:attribute"`` path) taking the
-    ``actor`` / ``critic`` config node. Subclasses override the hooks below to change a step of the
-    loop; the defaults leave the loop as it is.
+    ``actor.loss`` / ``critic.loss`` node. Its ``config_schema`` attribute (a dataclass) is the schema
+    that node is checked against when the config loads. The defaults are the public
+    :class:`rlplat.losses.ActorLoss` (the registered policy loss, plus the KL loss and the entropy
+    bonus) and :class:`rlplat.losses.CriticLoss` (the clipped value loss).
+
+    **The algorithm node** is checked against the ``config_schema`` of the algorithm's registry entry
+    (default :class:`AlgorithmConfig`); the trainer sets :attr:`config` to it, typed, before the loop.
+
+    Subclasses override the hooks below to change a step of the loop; the defaults leave it as it is.
     """
 
     name: str
@@ -81,14 +151,16 @@ class Algorithm:
     needs_reference: bool = False
     default_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     description: str = ""
-    actor_loss: Any = None
-    critic_loss: Any = None
-    kl_controller: Any = None
+    actor_loss: Any = "rlplat.losses:ActorLoss"
+    critic_loss: Any = "rlplat.losses:CriticLoss"
+    kl_controller: Any = "rlplat.losses.kl:build_kl_controller"
     """``(kl_ctrl_node) -> controller`` (or its path): an object with ``value`` (the coefficient) and
     ``update(current_kl, n_steps)``, used when ``algorithm.use_kl_in_reward`` is true."""
-    reward_kl: Any = None
+    reward_kl: Any = "rlplat.losses.kl:apply_kl_penalty"
     """``(token_level_scores, old_log_probs, ref_log_prob, response_mask, controller, algorithm_node)
     -> (token_level_rewards, metrics)`` (or its path): the KL-in-reward step."""
+    config: Optional[Any] = None
+    """The run's resolved ``algorithm`` node (an instance of the entry's schema), set by the trainer."""
 
     def resolve(self, field: str) -> Any:
         """The callable held in ``field``, importing a ``"module:attribute"`` path."""
@@ -105,6 +177,40 @@ class Algorithm:
         """The loss function for ``which`` (``"actor"`` or ``"critic"``) built from its config node."""
         return self.resolve(f"{which}_loss")(config)
 
+    def loss_schema(self, which: str) -> Any:
+        """The dataclass the ``actor.loss`` / ``critic.loss`` node is checked against (the loss factory's
+        ``config_schema``), or None when the factory declares none."""
+        return getattr(self.resolve(f"{which}_loss"), "config_schema", None)
+
+    def default_nodes(self) -> dict[str, Any]:
+        """``default_config`` laid out as run-config nodes (see the class docstring)."""
+        defaults = dict(self.default_config)
+        actor = dict(defaults.pop("actor", None) or {})
+        actor["policy_loss"] = {"loss_mode": self.policy_loss, **dict(actor.get("policy_loss") or {})}
+        nodes: dict[str, Any] = {"actor": {"loss": actor}}
+        if defaults.get("critic") is not None:
+            nodes["critic"] = {"loss": dict(defaults.pop("critic"))}
+        defaults.pop("critic", None)
+        if defaults.get("reward") is not None:
+            reward = dict(defaults.pop("reward"))
+            nodes["reward"] = {"config": reward}
+            if "manager" in reward:
+                nodes["reward"]["manager"] = reward.pop("manager")
+        defaults.pop("reward", None)
+        nodes["algorithm"] = {**defaults, "name": self.name, "adv_estimator": self.adv_estimator}
+        return nodes
+
+    def uses_reference(self, actor_loss: Any, algorithm_node: Any) -> bool:
+        """Whether the run needs reference log-probs: ``needs_reference``, or a KL term in the resolved
+        ``actor.loss`` (``use_kl_loss``) or ``algorithm`` node (``use_kl_in_reward``) reads them."""
+        def flag(node: Any, key: str) -> bool:
+            value = node.get(key, False) if isinstance(node, Mapping) else getattr(node, key, False)
+            return bool(value)
+
+        return self.needs_reference or flag(actor_loss or {}, "use_kl_loss") or flag(algorithm_node or {}, "use_kl_in_reward")
+
+    # -- loop hooks ----------------------------------------------------------------------------------
+
     def after_generate(self, batch: "DataProto", generate: GenerateFunction, sampling: "SamplingParams") -> "DataProto":
         """Called with the freshly generated batch; may add rows or columns using ``generate``
         (ReMax adds a greedy baseline). Returns the batch the loop continues with."""
@@ -114,3 +220,14 @@ class Algorithm:
         """Called after rewards; may drop rows (DAPO drops groups whose scores are all equal).
         The loop samples again while the filtered batch is smaller than wanted, within a bound."""
         return batch
+
+    def make_accumulator(self, train_batch_size: int) -> Any:
+        """An object gathering filtered batches until a step's batch is full, or None (the default: the
+        first filtered batch is the step's batch). Its ``add(filtered_batch)`` returns None while
+        groups are missing and the full batch when ``train_batch_size`` groups are in (DAPO)."""
+        return None
+
+    def estimator_inputs(self, batch: "DataProto") -> dict[str, Any]:
+        """Extra keyword inputs of the advantage estimator, taken from the batch before advantages are
+        computed (ReMax returns ``{"reward_baselines": ...}``). Default: none."""
+        return {}

@@ -7,12 +7,72 @@ padded), ``R`` response tokens (right padded), ``T = P + R``. All log-probs are 
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol
+import dataclasses
+from typing import TYPE_CHECKING, Any, Iterator, List, Mapping, NamedTuple, Optional, Protocol
 
 if TYPE_CHECKING:
     import torch
 
     from rlplat.protocol import DataProto
+
+
+@dataclasses.dataclass
+class EngineBuildConfig:
+    """The keys every engine factory receives from the run config, whatever the engine.
+
+    The trainer builds the engine of a role (``actor``, reference, ``critic``) with
+    ``registry.get("engine", name)({**build_config, **engine_config})``: these keys, filled from the
+    run config as listed, and the user's ``<role>.engine_config`` node on top. An engine's registered
+    ``config_schema`` therefore extends this class (``class MyEngineConfig(EngineBuildConfig)``) with its
+    own keys; ``load_config`` checks the combined node against it before any worker starts, and refuses
+    a key of this class in ``engine_config`` (it names the run-config key to set instead).
+    """
+
+    model_path: Optional[str] = None
+    """``model.path``: local Hugging Face directory of the model."""
+    seed: int = 0
+    """``trainer.seed``: seeds initialisation and the engine's RNGs."""
+    lr: float = 1e-6
+    """``<role>.optim.lr``: peak learning rate."""
+    weight_decay: float = 0.01
+    """``<role>.optim.weight_decay``."""
+    betas: List[float] = dataclasses.field(default_factory=lambda: [0.9, 0.999])
+    """``<role>.optim.betas``: AdamW (beta1, beta2)."""
+    lr_warmup_steps: int = 0
+    """``<role>.optim.warmup_steps``: optimizer steps of linear warm-up."""
+    lr_scheduler_type: str = "constant"
+    """``<role>.optim.lr_scheduler_type``: ``constant`` or ``cosine`` after warm-up."""
+    min_lr_ratio: float = 0.0
+    """``<role>.optim.min_lr_ratio``: floor of the cosine schedule, as a fraction of ``lr``."""
+    grad_clip: Optional[float] = 1.0
+    """``<role>.optim.grad_clip``: global gradient-norm clip (None: none)."""
+    total_training_steps: int = 0
+    """Optimizer steps of the whole run, the unit of the LR schedule: training steps x
+    (``data.train_batch_size`` / ``<role>.ppo_mini_batch_size``) x ``<role>.ppo_epochs``."""
+    ppo_mini_batch_size: Optional[int] = None
+    """Rows (responses) of the global batch per optimizer step: ``<role>.ppo_mini_batch_size`` prompts
+    x ``rollout.n``. A batch's ``meta_info["ppo_mini_batch_size"]`` overrides it per call."""
+    ppo_epochs: int = 1
+    """``<role>.ppo_epochs``: passes over each batch in ``train_batch``."""
+    micro_batch_size_per_gpu: int = 8
+    """``<role>.micro_batch_size_per_gpu``: rows per micro-batch when ``use_dynamic_bsz`` is off."""
+    use_dynamic_bsz: bool = False
+    """``<role>.use_dynamic_bsz``: micro-batches by a token budget instead of a row count."""
+    max_token_len_per_gpu: int = 16384
+    """``<role>.max_token_len_per_gpu``: the token budget of one micro-batch."""
+    value_model: bool = False
+    """True for the critic: a scalar value head, ``forward`` returns ``values``."""
+
+
+class DataParallelInfo(NamedTuple):
+    """This rank's place for data dispatch (:meth:`TrainingEngine.data_parallel_info`)."""
+
+    dp_rank: int
+    """Index of this rank's data-parallel group: ranks with the same ``dp_rank`` get the same rows."""
+    dp_size: int
+    """Number of data-parallel groups: the batch is split into this many shards."""
+    collect: bool
+    """Whether the driver takes its output from this rank (exactly one rank per ``dp_rank``)."""
 
 
 class LossFunction(Protocol):
@@ -30,6 +90,12 @@ class LossFunction(Protocol):
     ranks of a mini-batch (and averages over optimizer steps). A globally normalised quantity (the loss
     and its parts) is reported as it is; a mean over the micro-batch's tokens is scaled by the
     micro-batch's share of ``global_token_count``. Every metric is then independent of the split too.
+    :mod:`rlplat.losses` implements these rules (``aggregate_with_settings``, ``as_contributions``) and
+    the actor's and critic's losses.
+
+    An optional attribute ``needs_entropy`` (default False) asks the engine to compute ``entropy`` in
+    ``outputs`` (it costs a pass over the vocabulary, so it is computed only when asked). A loss function
+    must pickle: the driver may build it and ship it to the workers by value.
     """
 
     def __call__(self, outputs: Mapping[str, "torch.Tensor"], micro_batch: "DataProto") -> tuple["torch.Tensor", dict[str, float]]: ...
@@ -92,6 +158,18 @@ class TrainingEngine(abc.ABC):
     @abc.abstractmethod
     def onload(self) -> None:
         """Undo :meth:`offload`."""
+
+    def data_parallel_info(self) -> DataParallelInfo:
+        """This rank's data-parallel place, asked by the worker after :meth:`init_model` so that batch
+        methods dispatch by the engine's mesh: with tensor or pipeline parallelism the ranks of one
+        data-parallel group get the same rows and one of them (e.g. TP rank 0 of the last pipeline stage)
+        answers. The default is flat: every rank is its own data-parallel group
+        (``torch.distributed``'s rank and world size, ``(0, 1, True)`` without a process group)."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return DataParallelInfo(dist.get_rank(), dist.get_world_size(), True)
+        return DataParallelInfo(0, 1, True)
 
     def state(self) -> Mapping[str, Any]:
         """Small facts for logging (``step``, ``lr``, parameter count); override to add more."""

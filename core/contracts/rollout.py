@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +44,20 @@ class SamplingParams:
             problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if problems:
             raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+
+
+@dataclasses.dataclass
+class RolloutBuildConfig:
+    """The keys every rollout factory receives from the run config: the trainer builds the rollout with
+    ``registry.get("rollout", name)({**build_config, **rollout.config})``. A rollout's registered
+    ``config_schema`` extends this class with its own keys (set under ``rollout.config``); ``load_config``
+    checks the combined node against it before any worker starts."""
+
+    model_path: Optional[str] = None
+    """``model.path``: the policy's local Hugging Face directory (config and tokenizer files)."""
+    load_weights: bool = True
+    """Load the weights in ``model_path``; the trainer passes False, since the training engine syncs its
+    weights in before the first generation."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,8 +8,9 @@ The assets under ``assets/`` are produced by ``python -m rlplat.demo.build`` (se
   in the schema of :mod:`rlplat.data` (``data_source="arith"``), the validation pairs disjoint from training;
 * ``assets/build_info.json``: how they were built (seed, steps, validation accuracy, sizes).
 
-:mod:`rlplat.demo.scorer` holds the demo's reward, an exact match of the answer. Importing this package
-imports nothing heavy.
+The demo's reward is the default scorer, ``exact_match`` (:func:`rlplat.scorers.exact_match`).
+:func:`overrides` is the demo's preset: what ``rlplat run`` and ``rlplat config show`` use when no model
+or config is given. Importing this package imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -41,6 +42,23 @@ def train_file() -> Path:
 def val_file() -> Path:
     """The demo's validation prompts (parquet), disjoint from the training prompts."""
     return _existing(assets_dir() / "data" / "val.parquet", "the demo validation data")
+
+
+def overrides() -> list[str]:
+    """The demo's settings (measured in DEMO_NOTES.md) as dotted overrides; a user's own come after them
+    and win. The reward is left to the default scorer, so ``reward.scorer=...`` or a custom function
+    given by the user replaces it without a conflict."""
+    return [
+        f"model.path={model_dir()}",
+        f"data.train_files=[{train_file()}]",
+        f"data.val_files=[{val_file()}]",
+        "data.train_batch_size=32", "data.max_prompt_length=16",
+        "rollout.n=8", "rollout.response_length=4", "rollout.temperature=1.0",
+        "actor.optim.lr=1e-4", "actor.ppo_mini_batch_size=32", "actor.micro_batch_size_per_gpu=256",
+        "actor.optim.weight_decay=0.0", "actor.loss.use_kl_loss=false", "actor.loss.loss_agg_mode=token-mean",
+        "trainer.total_training_steps=150", "trainer.test_freq=10", "trainer.save_freq=50",
+        "trainer.output_dir=runs/demo", "cluster.devices_per_node=2",
+    ]
 
 
 def _existing(path: Path, what: str) -> Path:

@@ -29,6 +29,7 @@ _LAZY_NAMES = {
     "AdvantageEstimatorConformance": "rlplat.testing.estimators",
     "PolicyLossConformance": "rlplat.testing.losses",
     "AlgorithmConformance": "rlplat.testing.algorithms",
+    "RoleConformance": "rlplat.testing.roles",
     "CommandConformance": "rlplat.testing.commands",
     "RolloutEngineConformance": "rlplat.testing.rollouts",
     "TinyModelRolloutFixtures": "rlplat.testing.rollouts",

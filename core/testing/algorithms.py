@@ -38,13 +38,32 @@ class AlgorithmConformance:
             assert isinstance(key, str)
 
     def test_builds_its_actor_loss_from_its_default_actor_config(self, algorithm):
-        assert callable(algorithm.build_loss("actor", algorithm.default_config.get("actor")))
+        assert callable(algorithm.build_loss("actor", algorithm.default_nodes()["actor"]["loss"]))
 
-    def test_builds_a_critic_loss_exactly_when_it_needs_a_critic(self, algorithm):
-        if algorithm.needs_critic:
-            assert callable(algorithm.build_loss("critic", algorithm.default_config.get("critic")))
-        else:
-            assert algorithm.critic_loss is None
+    def test_builds_a_critic_loss_when_it_needs_a_critic(self, algorithm):
+        if not algorithm.needs_critic:
+            pytest.skip("the algorithm needs no critic")
+        assert callable(algorithm.build_loss("critic", algorithm.default_nodes().get("critic", {}).get("loss")))
+
+    def test_its_default_nodes_fit_the_schemas_they_are_checked_against(self, algorithm, registered_name):
+        from rlplat.config_node import read_config_node, resolve_schema
+        from rlplat.contracts.algorithm import AlgorithmConfig
+
+        nodes = algorithm.default_nodes()
+        for role in ("actor", "critic"):
+            schema = algorithm.loss_schema(role)
+            if schema is not None:
+                read_config_node(nodes.get(role, {}).get("loss"), schema, f"{role}.loss")
+        schema = AlgorithmConfig
+        if registered_name is not None:
+            from rlplat import registry
+
+            schema = resolve_schema(registry.entry("algorithm", registered_name).config_schema) or AlgorithmConfig
+        read_config_node(nodes["algorithm"], schema, "algorithm")
+
+    def test_says_whether_its_default_config_reads_the_reference(self, algorithm):
+        nodes = algorithm.default_nodes()
+        assert isinstance(algorithm.uses_reference(nodes["actor"]["loss"], nodes["algorithm"]), bool)
 
     def test_registered_name_matches_the_spec(self, algorithm, registered_name):
         if registered_name is None:

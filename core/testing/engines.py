@@ -184,3 +184,9 @@ class TrainingEngineConformance:
 
     def test_state_is_a_mapping(self, engine):
         assert isinstance(engine.state(), Mapping)
+
+    def test_reports_its_data_parallel_place_within_its_group(self, engine):
+        dp_rank, dp_size, collect = engine.data_parallel_info()
+        assert isinstance(dp_size, int) and dp_size >= 1
+        assert isinstance(dp_rank, int) and 0 <= dp_rank < dp_size
+        assert isinstance(collect, bool)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from rlplat.losses.config import LOSS_AGG_MODES
 
 
 def example_inputs() -> dict[str, torch.Tensor]:

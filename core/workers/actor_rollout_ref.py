@@ -20,7 +20,8 @@ from rlplat.controller.decorator import Dispatch, register
 from rlplat.controller.worker import Worker, without_padding_weight
 from rlplat.protocol import DataProto
 from rlplat.registry import EngineRegistry
-from rlplat.workers.config import ActorRolloutRefConfig, read_worker_config
+from rlplat.config_node import read_config_node
+from rlplat.workers.config import ActorRolloutRefConfig
 
 SAMPLING_KEYS = {field.name for field in dataclasses.fields(SamplingParams)}
 
@@ -40,7 +41,7 @@ class ActorRolloutRefWorker(Worker):
 
     def __init__(self, config: Any):
         super().__init__()
-        self.config: ActorRolloutRefConfig = read_worker_config(config, ActorRolloutRefConfig)
+        self.config: ActorRolloutRefConfig = read_config_node(config, ActorRolloutRefConfig, "actor worker config")
         self.actor = self.rollout = self.reference = None
         self.actor_loss = None
         self.rollout_asleep = False
@@ -62,12 +63,12 @@ class ActorRolloutRefWorker(Worker):
         if self.has("actor"):
             self.actor = EngineRegistry("engine").build(config.engine, config.engine_config)
             self.actor.init_model()
+            self.set_dispatch_info(*self.actor.data_parallel_info())
             from rlplat import registry
 
             algorithm = registry.get("algorithm", config.algorithm)()
-            actor_node = config.actor if config.actor is not None else algorithm.default_config.get("actor")
+            actor_node = config.actor if config.actor is not None else algorithm.default_nodes()["actor"]["loss"]
             self.actor_loss = algorithm.build_loss("actor", actor_node)
-            self.entropy_needed = float(dict(actor_node or {}).get("entropy_coeff", 0.0)) != 0.0
         if self.has("ref"):
             self.reference = EngineRegistry("engine").build(config.engine, config.reference_engine_config or config.engine_config)
             self.reference.init_model()
@@ -108,7 +109,7 @@ class ActorRolloutRefWorker(Worker):
     def temperature(self, batch: DataProto) -> float:
         return float(batch.meta_info.get("temperature", self.config.sampling.get("temperature", 1.0)))
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(Dispatch.DP_MESH)
     def compute_log_prob(self, batch: DataProto) -> DataProto:
         """``old_log_probs`` and ``entropys`` [B, R] of ``responses`` under the actor, at the rollout's
         temperature."""
@@ -116,7 +117,7 @@ class ActorRolloutRefWorker(Worker):
         outputs = actor.forward(batch, temperature=self.temperature(batch), calculate_entropy=True)
         return DataProto.from_dict({"old_log_probs": outputs.batch["log_probs"], "entropys": outputs.batch["entropy"]})
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(Dispatch.DP_MESH)
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
         """``ref_log_prob`` [B, R] of ``responses`` under the reference model."""
         reference = self.require("ref", "compute_ref_log_prob")
@@ -125,16 +126,20 @@ class ActorRolloutRefWorker(Worker):
 
     # -- training ----------------------------------------------------------------------------------
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
-    def update_actor(self, batch: DataProto) -> DataProto:
-        """One actor update on ``batch`` with the algorithm's actor loss (reads ``responses``,
-        ``response_mask``, ``old_log_probs``, ``advantages`` and ``ref_log_prob`` with a KL loss).
-        Returns no rows; ``meta_info["metrics"]`` holds the engine's and the loss's metrics."""
+    @register(Dispatch.DP_MESH)
+    def update_actor(self, batch: DataProto, loss_fn: Any = None) -> DataProto:
+        """One actor update on ``batch`` (reads ``responses``, ``response_mask``, ``old_log_probs``,
+        ``advantages`` and ``ref_log_prob`` with a KL loss) with ``loss_fn``, a
+        :class:`~rlplat.contracts.engine.LossFunction` built in the driver and shipped here by value
+        (None: the algorithm's actor loss built from the ``actor`` node at ``init_model``). Returns no
+        rows; ``meta_info["metrics"]`` holds the engine's and the loss's metrics."""
         actor = self.require("actor", "update_actor")
-        meta = {"temperature": self.temperature(batch), "calculate_entropy": self.entropy_needed, **batch.meta_info}
+        loss_fn = loss_fn if loss_fn is not None else self.actor_loss
+        meta = {"temperature": self.temperature(batch), "calculate_entropy": bool(getattr(loss_fn, "needs_entropy", False)),
+                **batch.meta_info}
         started = time.perf_counter()
         batch = without_padding_weight(batch, self.padding_rows)
-        metrics = actor.train_batch(batch.with_meta_info(meta), self.actor_loss)
+        metrics = actor.train_batch(batch.with_meta_info(meta), loss_fn)
         metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()}
         metrics["timing_s/update_actor_worker"] = time.perf_counter() - started
         return DataProto(meta_info={"metrics": metrics})

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from rlplat.config_node import read_config_node
 from rlplat.contracts.rollout import SamplingParams
 
 
@@ -35,7 +34,7 @@ class ActorRolloutRefConfig:
     """Registered algorithm whose actor loss ``update_actor`` uses."""
 
     actor: Mapping[str, Any] | None = None
-    """The ``actor`` node given to the algorithm's actor loss (None: the algorithm's default)."""
+    """The ``actor.loss`` node given to the algorithm's actor loss (None: the algorithm's default)."""
 
     sampling: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """Default :class:`SamplingParams` fields; a batch's ``meta_info`` overrides them per call."""
@@ -65,9 +64,4 @@ class CriticConfig:
     """Registered algorithm whose critic loss ``update_critic`` uses."""
 
     critic: Mapping[str, Any] | None = None
-    """The ``critic`` node given to the algorithm's critic loss (None: the algorithm's default)."""
-
-
-def read_worker_config(config: Any, cls: type) -> Any:
-    """``config`` as ``cls``: the dataclass itself, a mapping or an OmegaConf node; unknown keys are named."""
-    return read_config_node(config, cls)
+    """The ``critic.loss`` node given to the algorithm's critic loss (None: the algorithm's default)."""

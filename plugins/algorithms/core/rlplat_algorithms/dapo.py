@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from rlplat.contracts.algorithm import Algorithm
+from rlplat_algorithms.config import DAPOConfig, FilterGroupsConfig
 from rlplat_algorithms.specs import _actor_node, _algorithm_node, make_spec
 
 
@@ -40,10 +41,10 @@ class DAPO(Algorithm):
 
     def filter_batch(self, batch):
         """Keep the rows of groups whose metric varies (or that have one response); a new DataProto."""
-        settings = dict(self.default_config.get("filter_groups", {}))
-        if not settings.get("enable", True):
+        settings = self.filter_settings()
+        if not settings.enable:
             return batch
-        values = group_metric(batch, settings.get("metric", "seq_reward"))
+        values = group_metric(batch, settings.metric)
         uids = batch.non_tensor_batch["uid"]
         rows_of: dict[Any, list[int]] = {}
         for row, uid in enumerate(uids):
@@ -56,10 +57,19 @@ class DAPO(Algorithm):
         ]
         return batch.select_idxs(np.asarray(kept, dtype=np.int64))
 
-    def make_accumulator(self, train_batch_size: int) -> "GroupAccumulator":
-        """A :class:`GroupAccumulator` with this spec's ``filter_groups.max_num_gen_batches``."""
-        settings = dict(self.default_config.get("filter_groups", {}))
-        return GroupAccumulator(train_batch_size, int(settings.get("max_num_gen_batches", 0)))
+    def make_accumulator(self, train_batch_size: int) -> "GroupAccumulator | None":
+        """A :class:`GroupAccumulator` with ``filter_groups.max_num_gen_batches`` (None when filtering is off)."""
+        settings = self.filter_settings()
+        if not settings.enable:
+            return None
+        return GroupAccumulator(train_batch_size, settings.max_num_gen_batches)
+
+    def filter_settings(self) -> FilterGroupsConfig:
+        """``algorithm.filter_groups`` of the run (:attr:`config`, set by the trainer), else the defaults."""
+        from rlplat.config_node import read_config_node
+
+        node = self.config if self.config is not None else self.default_nodes()["algorithm"]
+        return read_config_node(node, DAPOConfig, "algorithm", strict=False).filter_groups
 
 
 class GroupAccumulator:

@@ -4,7 +4,7 @@ Every estimator has the contract's signature
 ``fn(token_level_rewards, response_mask, index, values=None, config=None, **extra) -> (advantages, returns)``:
 [B, R] float32 tensors that are 0 wherever ``response_mask`` is 0. ``index`` holds the group id of
 each row (responses to one prompt share one); ``config`` is the ``algorithm`` node
-(:class:`~rlplat_algorithms.config.AlgorithmConfig`, a mapping or None). Inputs are never modified.
+(:class:`rlplat.contracts.algorithm.AlgorithmConfig`, a mapping or None; keys of other components in it are ignored). Inputs are never modified.
 Outcome estimators take a response's score as the sum of its token-level rewards.
 
 Choices where the field has variants, all verl's unless said otherwise:
@@ -16,9 +16,8 @@ Choices where the field has variants, all verl's unless said otherwise:
 * GAE, REINFORCE++ and REINFORCE++-baseline whiten advantages over the whole batch's valid tokens
   (masked mean, unbiased masked variance, ``rsqrt(var + 1e-8)``). GRPO and the others do not.
 * Masked tokens inside a response (tool or observation spans of multi-turn data) are transparent:
-  GAE carries the next value and the running advantage across them (verl), and REINFORCE++ carries
-  its running return across them without discounting. Here rlplat departs from verl, whose
-  REINFORCE++ resets the return at every masked token; both agree on single-turn data.
+  GAE carries the next value and the running advantage across them, and REINFORCE++ carries its
+  running return across them without discounting (both as verl 0.9.1 does).
 * Returns (and, for GAE, advantages) are multiplied by the mask, which verl leaves to the loss; the
   values on valid tokens are unchanged.
 """
@@ -30,8 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlplat_algorithms.aggregation import masked_whiten
-from rlplat_algorithms.config import AlgorithmConfig, read_config
+from rlplat.config_node import read_config_node
+from rlplat.contracts.algorithm import AlgorithmConfig
+from rlplat.losses.aggregation import masked_whiten
 
 
 def check_shapes(
@@ -83,7 +83,7 @@ def gae(token_level_rewards, response_mask, index=None, values=None, config=None
     if values is None:
         raise ValueError("advantage estimator 'gae' needs the critic's values (values=None was given)")
     check_shapes("gae", token_level_rewards, response_mask, values=values)
-    settings = read_config(config, AlgorithmConfig, where="algorithm")
+    settings = read_config_node(config, AlgorithmConfig, "algorithm", strict=False)
     mask = response_mask.to(torch.float32)
     rewards, values = token_level_rewards.to(torch.float32), values.to(torch.float32)
     with torch.no_grad():
@@ -118,7 +118,7 @@ def grpo(token_level_rewards, response_mask, index, values=None, config=None, **
     """GRPO: ``(score - group mean) / (group std + epsilon)``; with ``norm_adv_by_std_in_grpo=False``
     only the mean is subtracted. A group of one gets mean 0 and std 1."""
     check_shapes("grpo", token_level_rewards, response_mask, index)
-    settings = read_config(config, AlgorithmConfig, where="algorithm")
+    settings = read_config_node(config, AlgorithmConfig, "algorithm", strict=False)
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1).to(torch.float32)
         centred = _group_centred(scores, index, settings.norm_adv_by_std_in_grpo, settings.epsilon)
@@ -129,7 +129,7 @@ def dr_grpo(token_level_rewards, response_mask, index, values=None, config=None,
     """Dr. GRPO (Liu et al., 2025): ``score - group mean``, never divided by the std (whatever
     ``norm_adv_by_std_in_grpo`` says); pair it with ``seq-mean-token-sum-norm`` aggregation."""
     check_shapes("dr_grpo", token_level_rewards, response_mask, index)
-    settings = read_config(config, AlgorithmConfig, where="algorithm")
+    settings = read_config_node(config, AlgorithmConfig, "algorithm", strict=False)
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1).to(torch.float32)
         centred = _group_centred(scores, index, False, settings.epsilon)
@@ -182,7 +182,7 @@ def grpo_passk(token_level_rewards, response_mask, index, values=None, config=No
     ``best - second best`` (divided by ``group std + epsilon`` when ``norm_adv_by_std_in_grpo``).
     Ties for best go to the one ``torch.topk`` returns; groups of one raise ``ValueError``."""
     check_shapes("grpo_passk", token_level_rewards, response_mask, index)
-    settings = read_config(config, AlgorithmConfig, where="algorithm")
+    settings = read_config_node(config, AlgorithmConfig, "algorithm", strict=False)
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1).to(torch.float32)
         result = torch.zeros_like(scores)
@@ -201,10 +201,10 @@ def grpo_passk(token_level_rewards, response_mask, index, values=None, config=No
 def reinforce_plus_plus(token_level_rewards, response_mask, index=None, values=None, config=None, **extra):
     """REINFORCE++ (Hu, 2025): discounted return-to-go (``gamma``) per token, whitened over the batch.
 
-    The return runs over valid tokens only: a masked span is skipped, not a restart (see the module
-    docstring for how this differs from verl on multi-turn data)."""
+    The return runs over valid tokens only: a masked span (a tool or observation span of multi-turn
+    data) is skipped, not a restart, as in verl 0.9.1."""
     check_shapes("reinforce_plus_plus", token_level_rewards, response_mask)
-    settings = read_config(config, AlgorithmConfig, where="algorithm")
+    settings = read_config_node(config, AlgorithmConfig, "algorithm", strict=False)
     mask = response_mask.to(torch.float32)
     rewards = token_level_rewards.to(torch.float32)
     with torch.no_grad():

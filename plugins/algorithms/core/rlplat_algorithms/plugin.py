@@ -3,8 +3,11 @@
 import rlplat
 
 _PACKAGE = "rlplat_algorithms"
-_ALGORITHM_CONFIG = f"{_PACKAGE}.config:AlgorithmConfig"
-_POLICY_LOSS_CONFIG = f"{_PACKAGE}.config:PolicyLossConfig"
+_ALGORITHM_CONFIG = "rlplat.contracts.algorithm:AlgorithmConfig"
+# The schema of ``actor.loss.policy_loss`` (the loss's own knobs), checked when a run's config loads.
+_LOSS_MODE_CONFIG = f"{_PACKAGE}.config:LossModeConfig"
+# Algorithms whose ``algorithm`` node has keys of its own.
+_ALGORITHM_SCHEMAS = {"dapo": f"{_PACKAGE}.config:DAPOConfig"}
 
 ADVANTAGE_ESTIMATORS = {
     "gae": "GAE from a critic's values, whitened over the batch; masked spans are skipped.",
@@ -28,7 +31,8 @@ POLICY_LOSSES = {
     "reinforce": "Plain policy gradient -A * log_prob, no ratio, no clipping.",
 }
 
-# name -> (module, needs_critic, needs_reference, description); a test checks these against the specs.
+# name -> (module, needs_critic, needs_reference with its default config, description); a test checks
+# these against the specs.
 ALGORITHMS = {
     "ppo": ("specs", True, False, "PPO: GAE with a critic, clipped surrogate."),
     "grpo": ("specs", False, True, "GRPO: group-normalised advantages, k3 KL loss, no critic."),
@@ -50,7 +54,7 @@ def register_advantage_estimators(register):
 @rlplat.hookimpl
 def register_policy_losses(register):
     for name, description in POLICY_LOSSES.items():
-        register(name, f"{_PACKAGE}.policy_losses:{name}", description=description, config_schema=_POLICY_LOSS_CONFIG)
+        register(name, f"{_PACKAGE}.policy_losses:{name}", description=description, config_schema=_LOSS_MODE_CONFIG)
 
 
 @rlplat.hookimpl
@@ -60,6 +64,6 @@ def register_algorithms(register):
             name,
             f"{_PACKAGE}.{module}:{name}",
             description=description,
-            config_schema=_ALGORITHM_CONFIG,
+            config_schema=_ALGORITHM_SCHEMAS.get(name, _ALGORITHM_CONFIG),
             metadata={"needs_critic": needs_critic, "needs_reference": needs_reference},
         )

@@ -2,8 +2,9 @@
 
 Every loss has the contract's signature
 ``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config) -> (loss, metrics)``;
-``config`` is the ``actor`` node (:class:`~rlplat_algorithms.config.PolicyLossConfig`, a mapping or
-None). The per-token loss matrix is aggregated with
+``config`` is the ``actor.loss`` node (:class:`rlplat.losses.PolicyLossConfig`, a mapping or
+None); the covariance losses read their knobs from its ``policy_loss`` node
+(:class:`~rlplat_algorithms.config.LossModeConfig`). The per-token loss matrix is aggregated with
 :func:`~rlplat_algorithms.aggregation.aggregate_loss`, normalised by the config's
 ``global_token_count`` / ``global_sequence_count`` when the engine provides them. Metrics are python
 floats under verl's names (``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``).
@@ -19,20 +20,26 @@ from typing import Any
 
 import torch
 
-from rlplat_algorithms.aggregation import LOSS_AGG_MODES, aggregate_with_settings, masked_mean
-from rlplat_algorithms.config import PolicyLossConfig, read_config
+from rlplat.config_node import read_config_node
+from rlplat.losses.aggregation import aggregate_with_settings, masked_mean
+from rlplat.losses.config import LOSS_AGG_MODES, PolicyLossConfig
+from rlplat_algorithms.config import LossModeConfig
 
 
 def _settings(config: Any, loss_agg_mode: str) -> PolicyLossConfig:
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
-    return read_config(config, PolicyLossConfig, where="actor")
+    return read_config_node(config, PolicyLossConfig, "actor.loss")
 
 
 def _clip_range(settings: PolicyLossConfig) -> tuple[float, float]:
     low = settings.clip_ratio if settings.clip_ratio_low is None else settings.clip_ratio_low
     high = settings.clip_ratio if settings.clip_ratio_high is None else settings.clip_ratio_high
     return low, high
+
+
+def _knobs(settings: PolicyLossConfig) -> LossModeConfig:
+    return read_config_node(settings.policy_loss, LossModeConfig, "actor.loss.policy_loss")
 
 
 def _float(value: torch.Tensor) -> float:
@@ -73,8 +80,8 @@ def gspo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="seq-m
     """GSPO (Zheng et al., 2025): a sequence-level ratio ``s = exp(mean over valid tokens of log r)``,
     applied per token as ``sg(s) * pi / sg(pi)`` (log clamped at 10), clipped PPO-style.
 
-    As in verl the loss is always aggregated ``seq-mean-token-mean``, whatever ``loss_agg_mode`` names
-    (an unknown name still raises).
+    The loss is aggregated by ``loss_agg_mode``, as in verl 0.9.1; the paper's (and the ``gspo``
+    algorithm's default) is ``seq-mean-token-mean``.
     """
     settings = _settings(config, loss_agg_mode)
     low, high = _clip_range(settings)
@@ -87,7 +94,7 @@ def gspo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="seq-m
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
     pg_losses = torch.maximum(unclipped, clipped)
-    loss = aggregate_with_settings(pg_losses, response_mask, "seq-mean-token-mean", settings)
+    loss = aggregate_with_settings(pg_losses, response_mask, loss_agg_mode, settings)
     metrics = {
         "actor/pg_clipfrac": _float(masked_mean(torch.gt(clipped, unclipped).float(), response_mask)),
         "actor/ppo_kl": _float(masked_mean(-log_ratio, response_mask)),
@@ -123,9 +130,9 @@ def clip_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="t
     ``actor/pg_clipfrac`` is the share of tokens whose gradient was removed.
     """
     settings = _settings(config, loss_agg_mode)
-    knobs = settings.policy_loss
+    knobs = _knobs(settings)
     if knobs.clip_cov_ratio <= 0:
-        raise ValueError(f"actor.policy_loss.clip_cov_ratio must be > 0, got {knobs.clip_cov_ratio}")
+        raise ValueError(f"actor.loss.policy_loss.clip_cov_ratio must be > 0, got {knobs.clip_cov_ratio}")
     low, high = _clip_range(settings)
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
@@ -157,9 +164,9 @@ def kl_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="tok
     the ``kl_cov_ratio`` share (at least one) of valid tokens with the largest centred covariance of
     advantage and log-prob. ``actor/ppo_kl`` is the masked mean of ``|log r|`` here, as in verl."""
     settings = _settings(config, loss_agg_mode)
-    knobs = settings.policy_loss
+    knobs = _knobs(settings)
     if knobs.kl_cov_ratio <= 0:
-        raise ValueError(f"actor.policy_loss.kl_cov_ratio must be > 0, got {knobs.kl_cov_ratio}")
+        raise ValueError(f"actor.loss.policy_loss.kl_cov_ratio must be > 0, got {knobs.kl_cov_ratio}")
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
     surrogate = -advantages * ratio

@@ -1,12 +1,13 @@
 """ReMax (Li et al., 2023): the score of a greedy response to the same prompt is the baseline.
 
-The spec uses both loop hooks, so the driver needs no ReMax-specific code:
+The spec uses three loop hooks, so the driver needs no ReMax-specific code:
 
 1. :meth:`ReMax.after_generate` takes the first sample of every group (``uid``), generates one greedy
    response to its prompt, and appends those rows to the batch, marked ``remax_baseline=True`` in
    ``non_tensor_batch`` (sampled rows are ``False``). The reward step then scores them with the rest.
 2. :meth:`ReMax.filter_batch` (after rewards) removes the greedy rows and writes each sampled row's
    ``reward_baselines`` [B] column: the summed ``token_level_scores`` of its group's greedy row.
+3. :meth:`ReMax.estimator_inputs` hands that column to the ``remax`` advantage estimator.
 
 This is verl's arrangement (greedy generation per prompt, scored with the same reward function,
 ``reward_baselines = scores.sum(-1)``) expressed through rlplat's hooks.
@@ -69,6 +70,10 @@ class ReMax(Algorithm):
             meta_info=batch.meta_info,
         )
         return DataProto.concat([sampled_rows, baseline_rows])
+
+    def estimator_inputs(self, batch):
+        """``reward_baselines`` [B] (written by :meth:`filter_batch`) for the ``remax`` estimator."""
+        return {"reward_baselines": batch.batch["reward_baselines"]}
 
     def filter_batch(self, batch):
         """Drop the greedy rows and add ``reward_baselines`` [B] from their ``token_level_scores``."""

@@ -2,11 +2,13 @@
 :class:`rlplat.contracts.algorithm.Algorithm`.
 
 ``default_config`` holds the defaults of the ``algorithm`` node (keys of
-:class:`~rlplat_algorithms.config.AlgorithmConfig`, plus ``filter_groups`` for DAPO), and the defaults
+:class:`rlplat.contracts.algorithm.AlgorithmConfig`, plus ``filter_groups`` for DAPO), and the defaults
 the algorithm implies for sibling nodes under their own names: ``actor`` (keys of
-:class:`~rlplat_algorithms.config.PolicyLossConfig`), ``critic`` (``ValueLossConfig``) and ``reward``
-(``manager`` and its settings). The values are those of verl's example scripts for each algorithm.
-``needs_reference`` is true exactly when the KL is used, in the reward or in the loss.
+:class:`rlplat.losses.PolicyLossConfig`, laid out under ``actor.loss``), ``critic``
+(``ValueLossConfig``, under ``critic.loss``) and ``reward`` (``manager`` and its settings); see
+:meth:`rlplat.contracts.algorithm.Algorithm.default_nodes`. The values are those of verl's example scripts for each algorithm.
+A reference model is built exactly when the resolved config uses a KL term, in the reward or in the loss
+(:meth:`rlplat.contracts.algorithm.Algorithm.uses_reference`).
 """
 
 from __future__ import annotations
@@ -49,20 +51,16 @@ def _actor_node(**overrides: Any) -> dict[str, Any]:
 
 def make_spec(cls: type[Algorithm] = Algorithm, *, name: str, description: str, needs_critic: bool = False,
               algorithm: dict[str, Any], actor: dict[str, Any], **sibling_nodes: Any) -> Algorithm:
-    """Build a spec whose estimator, loss and ``needs_reference`` follow from its config nodes."""
-    needs_reference = bool(algorithm["use_kl_in_reward"] or actor["use_kl_loss"])
+    """Build a spec whose estimator and policy loss follow from its config nodes. The losses, the KL
+    controller and the KL-in-reward step are core's public ones (the contract's defaults); whether a
+    reference model is built follows from the resolved config (a KL term that reads it)."""
     return cls(
         name=name,
         adv_estimator=algorithm["adv_estimator"],
         policy_loss=actor["policy_loss"]["loss_mode"],
         needs_critic=needs_critic,
-        needs_reference=needs_reference,
         default_config={**algorithm, "actor": actor, **sibling_nodes},
         description=description,
-        actor_loss="rlplat_algorithms.loss_functions:ActorLoss",
-        critic_loss="rlplat_algorithms.loss_functions:CriticLoss" if needs_critic else None,
-        kl_controller="rlplat_algorithms.kl:build_kl_controller",
-        reward_kl="rlplat_algorithms.kl:apply_kl_penalty",
     )
 
 

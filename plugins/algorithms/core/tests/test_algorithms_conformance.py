@@ -5,7 +5,8 @@ import torch
 
 from rlplat import registry
 from rlplat.testing import AdvantageEstimatorConformance, AlgorithmConformance, PolicyLossConformance
-from rlplat_algorithms.config import AlgorithmConfig, PolicyLossConfig
+from rlplat.contracts.algorithm import AlgorithmConfig
+from rlplat.losses import PolicyLossConfig
 from rlplat_algorithms.plugin import ADVANTAGE_ESTIMATORS, ALGORITHMS, POLICY_LOSSES
 
 

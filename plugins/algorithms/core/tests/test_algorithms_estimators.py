@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlplat_algorithms import estimators
-from rlplat_algorithms.config import AlgorithmConfig
+from rlplat.contracts.algorithm import AlgorithmConfig
 
 
 def outcome_batch(scores, lengths, width=4):

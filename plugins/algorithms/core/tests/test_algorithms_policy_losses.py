@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from rlplat_algorithms import policy_losses
-from rlplat_algorithms.config import PolicyLossConfig
-from rlplat_algorithms.value_loss import value_loss
+from rlplat.losses import PolicyLossConfig
+from rlplat.losses.value import value_loss
 
 
 def tokens(ratios, advantages, old_log_prob=-1.0):
@@ -54,10 +54,10 @@ def test_vanilla_refuses_a_dual_clip_bound_not_above_one():
         policy_losses.vanilla(**tokens([1.0], [1.0]), loss_agg_mode="token-mean", config={"clip_ratio_c": 1.0})
 
 
-def test_gspo_uses_the_sequence_ratio_and_always_seq_mean_token_mean():
+def test_gspo_uses_the_sequence_ratio_and_aggregates_by_the_mode_it_is_given():
     # log ratios 0.1 and 0.3 -> sequence ratio exp(0.2) = 1.2214 > 1.2 with A = +1: both tokens -1.2.
-    # a second row of one token with ratio 1, A = -1: loss 1. seq-mean-token-mean: (-1.2 + 1) / 2,
-    # whatever mode is asked for (verl does the same).
+    # a second row of one token with ratio 1, A = -1: loss 1. verl 0.9.1 passes loss_agg_mode to agg_loss:
+    # seq-mean-token-mean gives (-1.2 + 1) / 2 = -0.1; token-mean gives (-1.2 - 1.2 + 1) / 3 = -0.4667.
     old = torch.tensor([[-1.0, -1.0], [-1.0, 0.0]], dtype=torch.float64)
     log_prob = torch.tensor([[-0.9, -0.7], [-1.0, 0.0]], dtype=torch.float64, requires_grad=True)
     inputs = dict(
@@ -66,9 +66,10 @@ def test_gspo_uses_the_sequence_ratio_and_always_seq_mean_token_mean():
         advantages=torch.tensor([[1.0, 1.0], [-1.0, -1.0]], dtype=torch.float64),
         response_mask=torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=torch.float64),
     )
-    for mode in ("token-mean", "seq-mean-token-mean"):
+    expected = {"seq-mean-token-mean": (-1.2 + 1.0) / 2, "token-mean": (-1.2 - 1.2 + 1.0) / 3}
+    for mode, value in expected.items():
         loss, metrics = policy_losses.gspo(**inputs, loss_agg_mode=mode, config=None)
-        assert loss.item() == pytest.approx((-1.2 + 1.0) / 2)
+        assert loss.item() == pytest.approx(value)
         assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 3)
 
 

@@ -14,7 +14,7 @@ from rlplat_algorithms.dapo import GroupAccumulator
 from rlplat_algorithms.plugin import ALGORITHMS
 from rlplat_algorithms.remax import BASELINE_FLAG
 
-# name -> (estimator, policy loss, needs_critic, needs_reference)
+# name -> (estimator, policy loss, needs_critic, reads the reference with its default config)
 DECLARED = {
     "ppo": ("gae", "vanilla", True, False),
     "grpo": ("grpo", "vanilla", False, True),
@@ -30,7 +30,10 @@ DECLARED = {
 @pytest.mark.parametrize("name", sorted(DECLARED))
 def test_each_spec_states_estimator_loss_critic_and_reference(name):
     spec = registry.get("algorithm", name)()
-    assert (spec.adv_estimator, spec.policy_loss, spec.needs_critic, spec.needs_reference) == DECLARED[name]
+    nodes = spec.default_nodes()
+    uses_reference = spec.uses_reference(nodes["actor"]["loss"], nodes["algorithm"])
+    assert (spec.adv_estimator, spec.policy_loss, spec.needs_critic, uses_reference) == DECLARED[name]
+    assert spec.needs_reference is False  # the config decides: a KL term that reads the reference
     entry = registry.entry("algorithm", name)
     assert (entry.metadata["needs_critic"], entry.metadata["needs_reference"]) == DECLARED[name][2:]
     assert set(DECLARED) == set(ALGORITHMS)

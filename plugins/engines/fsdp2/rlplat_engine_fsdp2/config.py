@@ -1,5 +1,10 @@
 """The engine's typed config, ``FSDP2EngineConfig``, with verl's key names where verl has them.
 
+It extends :class:`rlplat.contracts.engine.EngineBuildConfig` (the keys every engine receives from the
+run config) with the engine's own, which users set under ``actor.engine_config`` / ``critic.engine_config``.
+:func:`read_engine_config` reads it with core's one config reader (strict, typed). This module imports
+no torch, so the registry can point at the class as a config schema cheaply.
+
 :func:`read_engine_config` accepts the dataclass, a plain ``Mapping`` or an OmegaConf ``DictConfig``.
 Unlike the algorithm plugin's readers it rejects keys it does not know: the node is the engine's own,
 so an unknown key is a misspelling, and the error names the closest field. This module imports no
@@ -9,16 +14,17 @@ torch, so the registry can point at the class as a config schema cheaply.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-from collections.abc import Mapping
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
+
+from rlplat.config_node import read_config_node
+from rlplat.contracts.engine import EngineBuildConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclasses.dataclass
-class FSDP2EngineConfig:
+class FSDP2EngineConfig(EngineBuildConfig):
     """Everything :class:`rlplat_engine_fsdp2.engine.FSDP2Engine` reads. Give exactly one of
     ``model_path`` and ``model_config``."""
 
@@ -44,22 +50,12 @@ class FSDP2EngineConfig:
     ``auto`` is bfloat16 on GPU and float32 on CPU. Master weights and optimizer state stay float32."""
     reduce_dtype: str = "float32"
     """Dtype of the gradient reduce-scatter (``MixedPrecisionPolicy.reduce_dtype``)."""
-    lr: float = 1e-6
-    """Peak learning rate of AdamW."""
-    betas: List[float] = dataclasses.field(default_factory=lambda: [0.9, 0.999])
-    """AdamW ``(beta1, beta2)``."""
     eps: float = 1e-8
     """AdamW epsilon."""
-    weight_decay: float = 0.01
-    """AdamW decoupled weight decay."""
     lr_warmup_steps: int = 0
     """Optimizer steps of linear warm-up from 0 (step ``s < warmup`` uses ``lr * s / warmup``, verl's rule)."""
     lr_scheduler_type: str = "constant"
     """After warm-up: ``constant``, or ``cosine`` decay to ``min_lr_ratio * lr`` at ``total_training_steps``."""
-    total_training_steps: int = 0
-    """Optimizer steps the cosine schedule spans (needed by ``cosine``)."""
-    min_lr_ratio: float = 0.0
-    """Floor of the cosine schedule, as a fraction of ``lr``."""
     grad_clip: Optional[float] = 1.0
     """Clip the global gradient norm to this value (None: no clipping; the norm is reported either way).
     A step whose gradient norm is not finite is skipped: no update, and the LR schedule and step count
@@ -67,17 +63,11 @@ class FSDP2EngineConfig:
     ppo_mini_batch_size: Optional[int] = None
     """Rows of the *global* batch per optimizer step (each rank takes ``ppo_mini_batch_size / dp``);
     ``meta_info["ppo_mini_batch_size"]`` of a batch overrides it; None takes the whole batch as one step."""
-    ppo_epochs: int = 1
-    """Passes over the batch in ``train_batch``; ``meta_info["ppo_epochs"]`` overrides it."""
-    micro_batch_size_per_gpu: int = 8
-    """Rows per micro-batch in ``train_batch`` when ``use_dynamic_bsz`` is off."""
     forward_micro_batch_size_per_gpu: Optional[int] = None
     """Rows per micro-batch in ``forward`` (None: ``micro_batch_size_per_gpu``)."""
     use_dynamic_bsz: bool = False
     """Form micro-batches by a token budget (``max_token_len_per_gpu``) instead of a row count, with a
     balanced partition of the rows by their ``attention_mask`` token counts."""
-    max_token_len_per_gpu: int = 16384
-    """Token budget of one micro-batch under ``use_dynamic_bsz`` (sum of ``attention_mask`` of its rows)."""
     logprob_chunk_size: int = 4096
     """Tokens (rows x positions) whose float32 log-softmax is computed at once; bounds the memory of
     log-probs and entropy instead of a whole ``[batch, response, vocab]`` float32 tensor."""
@@ -128,29 +118,9 @@ class FSDP2EngineConfig:
 def read_engine_config(config: Any) -> FSDP2EngineConfig:
     """``config`` (an :class:`FSDP2EngineConfig`, a Mapping or an OmegaConf DictConfig) -> the dataclass.
 
-    Raises ``ValueError`` naming an unknown key and the closest known one.
+    Raises :class:`rlplat.config_node.ConfigError` naming an unknown key and the closest known one, a
+    value of the wrong type, or an inconsistent setting.
     """
-    if isinstance(config, FSDP2EngineConfig):
-        return config
     if config is None:
         raise ValueError("the fsdp2 engine needs a config with model_path or model_config")
-    if not isinstance(config, Mapping) and type(config).__name__ == "DictConfig":
-        from omegaconf import OmegaConf
-
-        config = OmegaConf.to_container(config, resolve=True)
-    if not isinstance(config, Mapping):
-        raise TypeError(f"the fsdp2 engine config must be an FSDP2EngineConfig or a mapping, got {type(config).__name__}")
-    known = [field.name for field in dataclasses.fields(FSDP2EngineConfig)]
-    unknown = [key for key in config if key not in known]
-    if unknown:
-        hints = []
-        for key in unknown:
-            match = difflib.get_close_matches(str(key), known, n=1)
-            hints.append(f"{key!r}" + (f" (did you mean {match[0]!r}?)" if match else ""))
-        raise ValueError(f"unknown fsdp2 engine config key(s): {', '.join(hints)}")
-    values = dict(config)
-    if values.get("model_config") is not None:
-        values["model_config"] = dict(values["model_config"])
-    if values.get("betas") is not None:
-        values["betas"] = [float(beta) for beta in values["betas"]]
-    return FSDP2EngineConfig(**values)
+    return read_config_node(config, FSDP2EngineConfig, "fsdp2 engine config")

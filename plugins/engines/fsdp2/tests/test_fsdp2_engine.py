@@ -118,7 +118,7 @@ def test_entropy_is_computed_for_the_loss_function_only_when_it_reads_it(tiny_co
 
 
 def test_an_unknown_config_key_names_the_closest_field():
-    with pytest.raises(ValueError, match="'micro_batch_size' \\(did you mean 'micro_batch_size_per_gpu'\\?\\)"):
+    with pytest.raises(ValueError, match="fsdp2 engine config: unknown key 'micro_batch_size'. Did you mean 'micro_batch_size_per_gpu'\\?"):
         read_engine_config({"model_path": "/models/x", "micro_batch_size": 4})
 
 

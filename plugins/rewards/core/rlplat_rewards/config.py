@@ -1,22 +1,18 @@
-"""Typed configs of the reward managers (the ``reward`` node), and the function that reads them.
+"""The reward managers' own settings: the ``reward.config`` node (torch-free, so the registry can point at it).
 
-Every manager accepts its config as :class:`RewardManagerConfig`, a plain ``Mapping``, an OmegaConf
-``DictConfig`` or ``None`` (defaults). Keys the dataclass does not know are ignored: the node passed in
-is the whole ``reward`` node, which also names the scorer and the custom function. This module imports
-no torch.
+Which scorer a run uses (``reward.scorer`` or ``reward.custom_function``) is core's part of the ``reward``
+node (:class:`rlplat.config.RewardConfig`); the driver resolves it and hands the scorer to the manager.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import typing
-from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Optional
 
 
 @dataclasses.dataclass
 class OverlongBufferConfig:
-    """DAPO's soft overlong punishment (``reward.overlong_buffer``)."""
+    """DAPO's soft overlong punishment (``reward.config.overlong_buffer``)."""
 
     enable: bool = False
     """Add ``min(-(length - expected_len) / len * penalty_factor, 0)`` to the score."""
@@ -29,25 +25,9 @@ class OverlongBufferConfig:
 
 
 @dataclasses.dataclass
-class CustomFunctionConfig:
-    """A user's scoring function (``reward.custom_function``)."""
-
-    path: Optional[str] = None
-    """Python file that defines it; when set it replaces ``reward.scorer``."""
-    name: str = "compute_score"
-    """Name of the function in that file (sync or ``async def``)."""
-
-
-@dataclasses.dataclass
 class RewardManagerConfig:
-    """The ``reward`` node as far as the reward managers and scorer lookup read it."""
+    """The ``reward.config`` node of this plugin's managers."""
 
-    scorer: str = "gsm8k"
-    """Registered reward scorer (kind ``reward_scorer``), used unless ``custom_function.path`` is set."""
-    manager: str = "naive"
-    """Registered reward manager (kind ``reward_manager``)."""
-    custom_function: CustomFunctionConfig = dataclasses.field(default_factory=CustomFunctionConfig)
-    """A user's scoring function loaded from a file."""
     fallback_score: float = 0.0
     """Score given to a sample whose scorer raised or timed out (counted in ``reward/errors``)."""
     raise_on_error: bool = False
@@ -58,23 +38,3 @@ class RewardManagerConfig:
     """DAPO: the response length the overlong buffer counts from (None: the batch's response width)."""
     overlong_buffer: OverlongBufferConfig = dataclasses.field(default_factory=OverlongBufferConfig)
     """DAPO's overlong reward shaping."""
-
-
-def read_config(config: Any, schema: type = RewardManagerConfig, *, where: str = "reward") -> Any:
-    """``config`` (a ``schema`` instance, a Mapping, an OmegaConf DictConfig or None) -> a ``schema`` instance."""
-    if config is None:
-        return schema()
-    if isinstance(config, schema):
-        config = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
-    if not isinstance(config, Mapping):
-        raise TypeError(f"{where} must be a {schema.__name__}, a mapping or None, got {type(config).__name__}")
-    hints = typing.get_type_hints(schema)
-    values = {}
-    for field in dataclasses.fields(schema):
-        if field.name in config:
-            value = config[field.name]
-            nested = hints[field.name]
-            if isinstance(nested, type) and dataclasses.is_dataclass(nested):
-                value = value if isinstance(value, nested) else read_config(value, nested, where=f"{where}.{field.name}")
-            values[field.name] = value
-    return schema(**values)

@@ -1,7 +1,7 @@
 """Reward managers (kind ``reward_manager``): decode a batch, score it, write ``token_level_scores``.
 
-Each is built by its registered factory from ``(scorer, tokenizer, config)`` (``config`` the ``reward``
-node, see :class:`~rlplat_rewards.config.RewardManagerConfig`) and called with a DataProto. It reads
+Each is built by its registered factory from ``(scorer, tokenizer, config)`` (``config`` the
+``reward.config`` node, see :class:`~rlplat_rewards.config.RewardManagerConfig`) and called with a DataProto. It reads
 ``responses`` and ``response_mask`` [B, R] and the non-tensor ``data_source``, ``reward_model`` (a dict
 with ``ground_truth``; a plain ``ground_truth`` column also works) and ``extra_info``; the response is
 decoded up to its last valid token with special tokens skipped. It returns a *new* DataProto holding
@@ -35,16 +35,9 @@ import numpy as np
 import torch
 
 from rlplat.contracts.reward import RewardManager, split_score
-from rlplat_rewards.config import RewardManagerConfig, read_config
+from rlplat.config_node import read_config_node
+from rlplat_rewards.config import RewardManagerConfig
 
-
-def scorer_from_config(config: Any) -> Callable[..., Any]:
-    """With ``scorer=None`` a manager takes the scorer its ``reward`` node selects (the custom function
-    when ``custom_function.path`` is set, else the registered ``scorer``), so a driver that cannot import
-    this plugin still gets custom functions."""
-    from rlplat_rewards.custom import scorer_from_config as select
-
-    return select(config)
 
 logger = logging.getLogger("rlplat_rewards")
 
@@ -184,13 +177,18 @@ def build_output(samples: list[Sample], scores: list[float], extras: list[dict[s
 
 
 class ScoringRewardManager(RewardManager):
-    """What every manager here holds: the scorer (the one its ``reward`` node selects when ``scorer`` is
-    None), the tokenizer that decodes responses, and the manager settings."""
+    """What every manager here holds: the scorer, the tokenizer that decodes responses, and the manager
+    settings (the ``reward.config`` node, :class:`~rlplat_rewards.config.RewardManagerConfig`)."""
 
     def __init__(self, scorer: Callable[..., Any], tokenizer: Any, config: Any = None):
-        self.scorer = scorer if scorer is not None else scorer_from_config(config)
+        if not callable(scorer):
+            raise TypeError(
+                f"{type(self).__name__} needs a scorer (a callable), got {scorer!r}; the trainer passes the one "
+                "reward.scorer or reward.custom_function selects (rlplat.scorers.scorer_for)"
+            )
+        self.scorer = scorer
         self.tokenizer = tokenizer
-        self.settings = read_config(config, RewardManagerConfig)
+        self.settings = read_config_node(config, RewardManagerConfig, "reward.config")
 
 
 class NaiveRewardManager(ScoringRewardManager):

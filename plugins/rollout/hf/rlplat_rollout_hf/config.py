@@ -1,19 +1,22 @@
-"""Configuration of the ``hf`` rollout."""
+"""Configuration of the ``hf`` rollout: the ``rollout.config`` node, read with core's one config reader."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any
+
+from rlplat.contracts.rollout import RolloutBuildConfig
 
 
 @dataclasses.dataclass
-class HFRolloutConfig:
+class HFRolloutConfig(RolloutBuildConfig):
     model_path: str | None = None
     """Local Hugging Face directory to build the model from (its weights are loaded unless
     ``load_weights`` is False, e.g. when the training engine syncs them in)."""
 
-    model_config: Mapping[str, Any] | None = None
-    """A model config (``transformers`` ``PretrainedConfig`` or its dict) used instead of ``model_path``."""
+    model_config: Any = None
+    """A model config (a ``transformers`` ``PretrainedConfig``, or its dict with ``model_type``) used
+    instead of ``model_path``."""
 
     load_weights: bool = True
     """Load the weights found in ``model_path``; otherwise the weights come from ``update_weights``."""
@@ -35,26 +38,3 @@ class HFRolloutConfig:
 
     seed: int = 0
     """Seed of the sampling generator used when a call's ``SamplingParams.seed`` is None."""
-
-    @classmethod
-    def from_any(cls, config: Any) -> "HFRolloutConfig":
-        """Accept this dataclass, a mapping or an OmegaConf node (unknown keys are an error)."""
-        if config is None:
-            return cls()
-        if isinstance(config, cls):
-            return config
-        if not isinstance(config, Mapping):
-            try:
-                from omegaconf import OmegaConf
-
-                config = OmegaConf.to_container(config, resolve=True)
-            except Exception as error:
-                raise TypeError(f"hf rollout config must be a mapping or HFRolloutConfig, got {type(config).__name__}") from error
-        fields = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(set(config) - fields)
-        if unknown:
-            raise ValueError(f"unknown hf rollout config key(s) {unknown}; known keys: {sorted(fields)}")
-        values = dict(config)
-        if values.get("eos_token_ids") is not None:
-            values["eos_token_ids"] = tuple(values["eos_token_ids"])
-        return cls(**values)

@@ -10,6 +10,7 @@ import torch
 from rlplat.contracts.rollout import RolloutEngine, SamplingParams, TokenOutput
 from rlplat.protocol import DataProto
 from rlplat.rollout_batch import check_single_request
+from rlplat.config_node import read_config_node
 from rlplat_rollout_hf.config import HFRolloutConfig
 from rlplat_rollout_hf.sampling import choose
 
@@ -55,7 +56,7 @@ class HFRollout(RolloutEngine):
     """
 
     def __init__(self, config: Any = None, **_: Any):
-        self.config = HFRolloutConfig.from_any(config)
+        self.config = read_config_node(config, HFRolloutConfig, "rollout.config")
         self.device = resolve_device(self.config.device)
         self.model = build_model(self.config, self.device)
         model_config = self.model.config

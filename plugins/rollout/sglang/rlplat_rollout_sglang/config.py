@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from rlplat.config_node import read_config_node
 from rlplat.rollout_server import ServerSettings
 
 MODES = ("hybrid", "server")
@@ -77,14 +76,7 @@ class SGLangRolloutConfig(ServerSettings):
     above (e.g. ``attention_backend``, ``kv_cache_dtype``, ``chunked_prefill_size``). In server mode
     each becomes its ``--flag``."""
 
-    @classmethod
-    def from_any(cls, config: Any) -> "SGLangRolloutConfig":
-        """Accept this dataclass, a mapping or an OmegaConf node (unknown keys are an error)."""
-        read = read_config_node(config, cls, "sglang rollout config")
-        read.check()
-        return read
-
-    def check(self) -> None:
+    def __post_init__(self) -> None:
         problems = []
         if self.mode not in MODES:
             problems.append(f"mode must be one of {MODES}, got {self.mode!r}")

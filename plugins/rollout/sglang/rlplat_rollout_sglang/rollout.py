@@ -14,6 +14,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from rlplat.config_node import read_config_node
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
 from rlplat.protocol import DataProto
 from rlplat.rollout_batch import BackendRolloutEngine, assemble_rollout, check_single_request, pad_and_eos_token_ids, prompt_token_lists, transfer_copy
@@ -45,7 +46,7 @@ class SGLangRollout(BackendRolloutEngine):
     """
 
     def __init__(self, config: Any = None, **_: Any):
-        self.config = SGLangRolloutConfig.from_any(config)
+        self.config = read_config_node(config, SGLangRolloutConfig, "rollout.config")
         self.pad_token_id, self.eos_token_ids = pad_and_eos_token_ids(self.config.model_path, self.config.pad_token_id, self.config.eos_token_ids, "sglang")
         self.backend = InProcessBackend(self.config) if self.config.mode == "hybrid" else ServerBackend(self.config)
         self.seeds = random.Random(self.config.seed)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from rlplat.config_node import read_config_node
+
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
 from rlplat_rollout_sglang.config import SGLangRolloutConfig
 from rlplat_rollout_sglang.translate import (
@@ -123,29 +125,29 @@ def test_server_argv_writes_flags_and_leaves_false_booleans_out():
 
 
 def test_an_unknown_key_is_named_with_the_known_ones():
-    with pytest.raises(ValueError, match=r"sglang rollout config: unknown key\(s\) \['gpu_memory_utilization'\].*mem_fraction_static"):
-        SGLangRolloutConfig.from_any({"model_path": "/m", "gpu_memory_utilization": 0.5})
+    with pytest.raises(ValueError, match=r"unknown config key 'SGLangRolloutConfig.gpu_memory_utilization'.*mem_fraction_static"):
+        read_config_node({"model_path": "/m", "gpu_memory_utilization": 0.5}, SGLangRolloutConfig)
 
 
 def test_a_bad_mode_lists_the_modes():
     with pytest.raises(ValueError, match=r"mode must be one of \('hybrid', 'server'\), got 'colocated'"):
-        SGLangRolloutConfig.from_any({"model_path": "/m", "mode": "colocated"})
+        read_config_node({"model_path": "/m", "mode": "colocated"}, SGLangRolloutConfig)
 
 
 def test_model_path_is_required_unless_a_server_url_is_given():
     with pytest.raises(ValueError, match="model_path is required"):
-        SGLangRolloutConfig.from_any({})
-    assert SGLangRolloutConfig.from_any({"mode": "server", "server_url": "http://h:1"}).server_url == "http://h:1"
+        read_config_node({}, SGLangRolloutConfig)
+    assert read_config_node({"mode": "server", "server_url": "http://h:1"}, SGLangRolloutConfig).server_url == "http://h:1"
 
 
 def test_server_url_needs_server_mode_and_bad_numbers_are_named():
     with pytest.raises(ValueError, match="server_url is a server-mode key") as error:
-        SGLangRolloutConfig.from_any({"model_path": "/m", "server_url": "http://h:1", "tp_size": 0, "mem_fraction_static": 1.5})
+        read_config_node({"model_path": "/m", "server_url": "http://h:1", "tp_size": 0, "mem_fraction_static": 1.5}, SGLangRolloutConfig)
     assert "tp_size must be >= 1, got 0" in str(error.value) and "mem_fraction_static must be in (0, 1], got 1.5" in str(error.value)
 
 
 def test_lists_become_tuples_for_eos_ids():
-    assert SGLangRolloutConfig.from_any({"model_path": "/m", "eos_token_ids": [2, 3]}).eos_token_ids == (2, 3)
+    assert read_config_node({"model_path": "/m", "eos_token_ids": [2, 3]}, SGLangRolloutConfig).eos_token_ids == (2, 3)
 
 
 # -- outputs -----------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from rlplat.config_node import read_config_node
 from rlplat.rollout_server import ServerSettings
 
 MODES = ("hybrid", "server")
@@ -74,13 +73,7 @@ class VLLMRolloutConfig(ServerSettings):
     engine_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """More ``vllm.EngineArgs`` fields, passed as they are (e.g. ``kv_cache_dtype``, ``max_logprobs``)."""
 
-    @classmethod
-    def from_any(cls, config: Any) -> "VLLMRolloutConfig":
-        read = read_config_node(config, cls, "vllm rollout config")
-        read.check()
-        return read
-
-    def check(self) -> None:
+    def __post_init__(self) -> None:
         problems = []
         if self.mode not in MODES:
             problems.append(f"mode must be one of {MODES}, got {self.mode!r}")

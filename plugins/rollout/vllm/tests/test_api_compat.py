@@ -336,7 +336,7 @@ def test_weights_need_a_cuda_device():
 
 
 def test_a_run_with_this_rollout_and_no_gpus_is_refused_at_config_validation():
-    from rlplat.cli.run import demo_overrides
+    from rlplat.demo import overrides as demo_overrides
     from rlplat.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"rollout 'vllm' runs on GPUs only: set cluster.use_gpu=true"):

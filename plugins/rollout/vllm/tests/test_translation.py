@@ -7,6 +7,8 @@ import types
 
 import pytest
 
+from rlplat.config_node import read_config_node
+
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
 from rlplat_rollout_vllm.config import VLLMRolloutConfig
 from rlplat_rollout_vllm.translate import (
@@ -82,30 +84,30 @@ class TestEngineKwargs:
 
 class TestConfig:
     def test_an_unknown_key_names_the_known_ones(self):
-        with pytest.raises(ValueError, match=r"unknown key\(s\) \['gpu_memory'\].*gpu_memory_utilization"):
-            VLLMRolloutConfig.from_any({"model_path": "/m", "gpu_memory": 0.4})
+        with pytest.raises(ValueError, match=r"unknown config key 'VLLMRolloutConfig.gpu_memory'. Did you mean 'VLLMRolloutConfig.gpu_memory_utilization'"):
+            read_config_node({"model_path": "/m", "gpu_memory": 0.4}, VLLMRolloutConfig)
 
     def test_bad_values_are_named_together(self):
         with pytest.raises(ValueError) as caught:
-            VLLMRolloutConfig.from_any({"model_path": "/m", "mode": "remote", "sleep_level": 3, "gpu_memory_utilization": 1.5})
+            read_config_node({"model_path": "/m", "mode": "remote", "sleep_level": 3, "gpu_memory_utilization": 1.5}, VLLMRolloutConfig)
         message = str(caught.value)
         assert "mode must be one of" in message and "sleep_level" in message and "gpu_memory_utilization" in message
 
     def test_a_model_path_is_required_unless_attaching_to_a_server(self):
         with pytest.raises(ValueError, match="model_path is required"):
-            VLLMRolloutConfig.from_any({})
-        VLLMRolloutConfig.from_any({"mode": "server", "server_url": "http://127.0.0.1:8000"})
+            read_config_node({}, VLLMRolloutConfig)
+        read_config_node({"mode": "server", "server_url": "http://127.0.0.1:8000"}, VLLMRolloutConfig)
 
     def test_tensor_parallel_engines_are_refused(self):
         with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
-            VLLMRolloutConfig.from_any({"model_path": "/m", "tensor_parallel_size": 2})
+            read_config_node({"model_path": "/m", "tensor_parallel_size": 2}, VLLMRolloutConfig)
 
     def test_server_url_in_hybrid_mode_is_refused(self):
         with pytest.raises(ValueError, match="set mode=server"):
-            VLLMRolloutConfig.from_any({"model_path": "/m", "server_url": "http://127.0.0.1:8000"})
+            read_config_node({"model_path": "/m", "server_url": "http://127.0.0.1:8000"}, VLLMRolloutConfig)
 
     def test_lists_from_yaml_become_tuples(self):
-        assert VLLMRolloutConfig.from_any({"model_path": "/m", "eos_token_ids": [2, 3]}).eos_token_ids == (2, 3)
+        assert read_config_node({"model_path": "/m", "eos_token_ids": [2, 3]}, VLLMRolloutConfig).eos_token_ids == (2, 3)
 
 
 class TestOutputs:

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from rlplat_algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss, global_counts
-from rlplat_algorithms.config import PolicyLossConfig, ValueLossConfig
-from rlplat_algorithms.loss_functions import ActorLoss, CriticLoss
+from rlplat.losses.aggregation import LOSS_AGG_MODES, aggregate_loss, global_counts
+from rlplat.losses import PolicyLossConfig, ValueLossConfig
+from rlplat.losses.functions import ActorLoss, CriticLoss
 from rlplat_algorithms.policy_losses import vanilla
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from rlplat_algorithms import kl
-from rlplat_algorithms.config import PolicyLossConfig
-from rlplat_algorithms.loss_functions import ActorLoss
+from rlplat.losses import kl
+from rlplat.losses import PolicyLossConfig
+from rlplat.losses.functions import ActorLoss
 from rlplat_algorithms.policy_losses import reinforce
 
 # d = log_prob - ref_log_prob = +0.5 and -0.5

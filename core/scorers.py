@@ -1,6 +1,11 @@
-"""A user's scoring function loaded from a file: ``reward.custom_function.path`` and ``.name``.
+"""Reward scorers core owns: the default one (exact match) and a user's function loaded from a file.
 
-The function is called as ``fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...)``
+``reward.scorer`` names a registered scorer (kind ``reward_scorer``); ``reward.custom_function.path`` /
+``.name`` name a function in the user's file instead. Giving both is a config error; giving neither
+uses :func:`exact_match`, registered by rlplat itself under the name ``exact_match`` (the demo's
+reward). :func:`scorer_for` makes the choice, for the driver and for ``load_config``'s checks.
+
+A custom function is called as ``fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...)``
 and may be ``async def``. :class:`CustomScorer` wraps it: it checks the file and the function when it
 is built, checks every return value (a number, or a dict with a numeric ``score``), and pickles as
 ``(path, name)`` so reward workers load the file themselves.
@@ -16,7 +21,16 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from rlplat.contracts.reward import split_score
-from rlplat_rewards.config import RewardManagerConfig, read_config
+
+DEFAULT_SCORER = "exact_match"
+
+
+def exact_match(data_source: str, solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None) -> dict:
+    """``{"score": 1.0, "acc": True}`` when ``solution_str`` is ``ground_truth`` once surrounding whitespace
+    is stripped from both, else ``{"score": 0.0, "acc": False}``. No partial credit: the warm-started demo
+    model is right often enough for GRPO groups to hold both outcomes."""
+    correct = solution_str.strip() == str(ground_truth).strip()
+    return {"score": 1.0 if correct else 0.0, "acc": correct}
 
 
 def load_function(path: str | Path, name: str) -> Callable[..., Any]:
@@ -79,12 +93,16 @@ class CustomScorer:
         return result
 
 
-def scorer_from_config(config: Any = None) -> Callable[..., Any]:
-    """The scorer a ``reward`` node selects: the custom function when ``custom_function.path`` is set,
-    otherwise the registered ``reward_scorer`` named by ``scorer``."""
-    settings = read_config(config, RewardManagerConfig)
-    if settings.custom_function.path:
-        return CustomScorer(settings.custom_function.path, settings.custom_function.name)
+def scorer_for(scorer: str | None, custom_path: str | None, custom_name: str = "compute_score") -> Callable[..., Any]:
+    """The scorer a ``reward`` node selects: the custom function when ``custom_path`` is set, else the
+    registered scorer ``scorer`` (None: :data:`DEFAULT_SCORER`). Both set is a ``ValueError`` naming them."""
+    if custom_path and scorer:
+        raise ValueError(
+            f"reward.scorer={scorer!r} and reward.custom_function.path={custom_path!r} are both set; "
+            "a run has one scorer: remove one of them"
+        )
+    if custom_path:
+        return CustomScorer(custom_path, custom_name)
     from rlplat import registry
 
-    return registry.get("reward_scorer", settings.scorer)
+    return registry.get("reward_scorer", scorer or DEFAULT_SCORER)

@@ -21,8 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlplat_algorithms.aggregation import aggregate_with_settings, masked_mean
-from rlplat_algorithms.config import AlgorithmConfig, KLControlConfig, PolicyLossConfig, read_config
+from rlplat.config_node import read_config_node
+from rlplat.contracts.algorithm import AlgorithmConfig, KLControlConfig
+from rlplat.losses.aggregation import aggregate_with_settings, masked_mean
+from rlplat.losses.config import PolicyLossConfig
 
 KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 
@@ -79,7 +81,7 @@ class AdaptiveKLController:
 
 def build_kl_controller(config: Any = None) -> FixedKLController | AdaptiveKLController:
     """The controller ``algorithm.kl_ctrl`` describes (a :class:`KLControlConfig`, mapping or None)."""
-    settings = read_config(config, KLControlConfig, where="algorithm.kl_ctrl")
+    settings = read_config_node(config, KLControlConfig, "algorithm.kl_ctrl")
     if settings.type == "fixed":
         return FixedKLController(settings.kl_coef)
     if settings.type == "adaptive":
@@ -102,7 +104,7 @@ def apply_kl_penalty(
     Returns the rewards and the metrics ``actor/reward_kl_penalty`` and ``actor/reward_kl_penalty_coeff``
     (the coefficient that was applied, before the update).
     """
-    settings = read_config(config, AlgorithmConfig, where="algorithm")
+    settings = read_config_node(config, AlgorithmConfig, "algorithm", strict=False)
     mask = response_mask.to(torch.float32)
     with torch.no_grad():
         kl = kl_estimate(old_log_probs, ref_log_prob, settings.kl_penalty) * mask
@@ -123,7 +125,7 @@ def kl_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """KL in the loss: the ``actor.kl_loss_type`` estimate aggregated like the policy loss, *not yet*
     multiplied by ``kl_loss_coef`` (the caller adds ``kl_loss_coef * loss``). Metric ``actor/kl_loss``."""
-    settings = read_config(config, PolicyLossConfig, where="actor")
+    settings = read_config_node(config, PolicyLossConfig, "actor.loss")
     per_token = kl_estimate(log_prob, ref_log_prob, settings.kl_loss_type)
     loss = aggregate_with_settings(per_token, response_mask, loss_agg_mode, settings)
     return loss, {"actor/kl_loss": loss.detach().item()}

@@ -1,4 +1,4 @@
-"""Loss aggregation: a [B, R] matrix of per-token losses -> one scalar, in the four modes of the field.
+"""Loss aggregation: a [B, R] matrix of per-token losses -> one scalar, in the five modes of the field.
 
 With the global normalisers of a mini-batch (valid tokens and sequences summed over every
 micro-batch and data-parallel rank, as the engine passes them in ``micro_batch.meta_info``), the
@@ -11,6 +11,8 @@ engines sum rather than average gradients over ranks):
 
 ``token-mean``
     ``sum(loss * mask) / global_token_count`` (default: the micro-batch's own valid tokens).
+``token-sum``
+    ``sum(loss * mask)``: no normalisation (verl 0.9's addition).
 ``seq-mean-token-sum``
     each sequence's token sum, summed, ``/ global_sequence_count``.
 ``seq-mean-token-mean``
@@ -31,7 +33,8 @@ from typing import Any
 
 import torch
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from rlplat.losses.config import LOSS_AGG_MODES
+
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -88,6 +91,8 @@ def aggregate_loss(
     if loss_agg_mode == "token-mean":
         tokens = mask.sum().clamp(min=1) if global_token_count is None else global_token_count
         return masked_sum(loss_mat, mask) / tokens
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, mask)
     if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"):
         tokens_per_sequence = mask.sum(dim=-1)
         sequence_losses = masked_sum(loss_mat, mask, dim=-1)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlplat.protocol import DataProto
-from rlplat_algorithms.loss_functions import ActorLoss, CriticLoss
+from rlplat.losses.functions import ActorLoss, CriticLoss
 
 
 def mini_batch() -> DataProto:

@@ -6,8 +6,9 @@ from typing import Any
 
 import torch
 
-from rlplat_algorithms.aggregation import aggregate_with_settings, masked_mean
-from rlplat_algorithms.config import ValueLossConfig, read_config
+from rlplat.config_node import read_config_node
+from rlplat.losses.aggregation import aggregate_with_settings, masked_mean
+from rlplat.losses.config import ValueLossConfig
 
 
 def value_loss(
@@ -25,7 +26,7 @@ def value_loss(
     defaults to the config's. Metrics: ``critic/vf_loss`` and ``critic/vf_clipfrac`` (share of valid
     tokens where the clipped term was larger).
     """
-    settings = read_config(config, ValueLossConfig, where="critic")
+    settings = read_config_node(config, ValueLossConfig, "critic.loss")
     mode = settings.loss_agg_mode if loss_agg_mode is None else loss_agg_mode
     clipped_vpreds = torch.max(
         torch.min(vpreds, values + settings.cliprange_value), values - settings.cliprange_value

@@ -1,4 +1,5 @@
-"""A user's scoring function from reward.custom_function.path / .name."""
+"""The scorers core owns: a user's function from reward.custom_function.path / .name, the default
+exact match, and the choice between them and a registered scorer."""
 
 import asyncio
 import pickle
@@ -7,7 +8,7 @@ import textwrap
 import pytest
 
 from rlplat.testing import RewardScorerConformance, ScorerCase
-from rlplat_rewards.custom import CustomScorer, scorer_from_config
+from rlplat.scorers import CustomScorer, exact_match, scorer_for
 
 USER_FILE = """
     def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -78,21 +79,28 @@ def test_it_pickles_as_path_and_name_and_reloads(user_file):
     assert copy("mine", "7", "7", None)["score"] == 1.0
 
 
-def test_the_reward_node_selects_the_custom_function_over_the_named_scorer(user_file):
-    scorer = scorer_from_config({"scorer": "math", "custom_function": {"path": str(user_file), "name": "compute_score"}})
-    assert isinstance(scorer, CustomScorer)
+def test_the_custom_function_is_the_scorer_when_no_registered_one_is_named(user_file):
+    assert isinstance(scorer_for(None, str(user_file), "compute_score"), CustomScorer)
 
 
-def test_without_a_custom_function_the_reward_node_names_a_registered_scorer():
+def test_a_named_scorer_and_a_custom_function_together_are_refused_naming_both(user_file):
+    with pytest.raises(ValueError, match=r"reward.scorer='math' and reward.custom_function.path=.*my_reward.py.* both set"):
+        scorer_for("math", str(user_file), "compute_score")
+
+
+def test_a_named_scorer_comes_from_the_registry():
     from rlplat_rewards import hendrycks_math
 
-    assert scorer_from_config({"scorer": "math"}) is hendrycks_math.score
+    assert scorer_for("math", None) is hendrycks_math.score
 
 
-def test_a_manager_given_no_scorer_takes_the_custom_function_its_config_names(tmp_path):
+def test_without_either_the_default_is_the_exact_match():
+    assert scorer_for(None, None) is exact_match
+    assert exact_match("arith", " 46\n", "46") == {"score": 1.0, "acc": True}
+
+
+def test_a_reward_manager_refuses_to_be_built_without_a_scorer():
     from rlplat import registry
 
-    user_file = tmp_path / "my_reward.py"
-    user_file.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.75\n")
-    manager = registry.get("reward_manager", "naive")(None, None, {"custom_function": {"path": str(user_file)}})
-    assert isinstance(manager.scorer, CustomScorer) and manager.scorer.path == str(user_file)
+    with pytest.raises(TypeError, match="needs a scorer"):
+        registry.get("reward_manager", "naive")(None, None, {})

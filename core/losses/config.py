@@ -1,0 +1,89 @@
+"""The loss nodes of the run config: ``actor.loss`` (:class:`PolicyLossConfig`) and ``critic.loss``
+(:class:`ValueLossConfig`), verl's key names. Torch-free, so the config loader can check them cheaply.
+
+``global_token_count`` and ``global_sequence_count`` are not user settings: the loss function copies
+them from each micro-batch's ``meta_info`` (where the engine puts the mini-batch's totals over every
+data-parallel rank) before it calls a policy loss, which reads them as attributes of its ``config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional
+
+from rlplat.config_node import ConfigError
+
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+ENGINE_SET_KEYS = ("global_token_count", "global_sequence_count")
+
+
+@dataclasses.dataclass
+class PolicyLossConfig:
+    """The ``actor.loss`` node: what the policy loss, the KL loss and the entropy bonus read."""
+
+    clip_ratio: float = 0.2
+    """PPO clip range, used for either side not given below."""
+    clip_ratio_low: Optional[float] = None
+    """Lower clip range: the ratio is clipped at ``1 - clip_ratio_low`` (None: ``clip_ratio``)."""
+    clip_ratio_high: Optional[float] = None
+    """Upper clip range: the ratio is clipped at ``1 + clip_ratio_high`` (None: ``clip_ratio``); DAPO raises it."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound: for negative advantages the loss is at most ``-A * clip_ratio_c`` (must be > 1)."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm
+    (:mod:`rlplat.losses.aggregation`)."""
+    loss_scale_factor: Optional[float] = None
+    """Divisor of seq-mean-token-sum-norm (None: the response width R); set it when micro-batches differ in width."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus: ``entropy_coeff * aggregated entropy`` is subtracted from the loss. The engine computes
+    entropy during the update only when this is not 0."""
+    use_kl_loss: bool = False
+    """Add ``kl_loss_coef * KL(actor || reference)`` to the loss (GRPO's choice, instead of KL in the reward);
+    the run then builds a reference model."""
+    kl_loss_coef: float = 0.001
+    """Coefficient of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the KL loss: k1/kl, k2/mse, k3/low_var_kl, abs, or a straight-through ``+`` variant."""
+    policy_loss: Dict[str, Any] = dataclasses.field(default_factory=lambda: {"loss_mode": "vanilla"})
+    """``loss_mode`` (the registered policy loss, kind ``policy_loss``) and that loss's own knobs, checked
+    against the config schema its registry entry declares."""
+    global_token_count: Optional[int] = None
+    """Set per micro-batch by the loss function (not a user setting): valid tokens of the whole mini-batch
+    over every data-parallel rank."""
+    global_sequence_count: Optional[int] = None
+    """Set per micro-batch by the loss function (not a user setting): rows of the whole mini-batch with a
+    valid token, over every data-parallel rank."""
+
+    def __post_init__(self) -> None:
+        check_loss_agg_mode(self.loss_agg_mode, "loss_agg_mode")
+        if "loss_mode" not in self.policy_loss:
+            self.policy_loss = {**self.policy_loss, "loss_mode": "vanilla"}
+
+    @property
+    def loss_mode(self) -> str:
+        """The registered policy loss this node selects."""
+        return str(self.policy_loss["loss_mode"])
+
+
+@dataclasses.dataclass
+class ValueLossConfig:
+    """The ``critic.loss`` node: what the clipped value loss reads."""
+
+    cliprange_value: float = 0.5
+    """New value predictions are clipped to ``old value ± cliprange_value``."""
+    loss_agg_mode: str = "token-mean"
+    """Aggregation of the per-token value loss."""
+    loss_scale_factor: Optional[float] = None
+    """Divisor of seq-mean-token-sum-norm (None: the response width R)."""
+    global_token_count: Optional[int] = None
+    """Set per micro-batch by the loss function (not a user setting); see :class:`PolicyLossConfig`."""
+    global_sequence_count: Optional[int] = None
+    """Set per micro-batch by the loss function (not a user setting); see :class:`PolicyLossConfig`."""
+
+    def __post_init__(self) -> None:
+        check_loss_agg_mode(self.loss_agg_mode, "loss_agg_mode")
+
+
+def check_loss_agg_mode(mode: str, where: str) -> None:
+    if mode not in LOSS_AGG_MODES:
+        raise ConfigError(f"{where}: unknown loss_agg_mode {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")

@@ -1,0 +1,115 @@
+"""The per-micro-batch loss functions an engine's ``train_batch`` calls (see
+:class:`rlplat.contracts.engine.LossFunction`): the actor's (policy loss, KL loss, entropy bonus) and
+the critic's (clipped value loss), and the rule that turns a loss's metrics into contributions.
+
+Both read ``global_token_count`` / ``global_sequence_count`` from ``micro_batch.meta_info``, so the
+engine, which sums gradients over micro-batches and ranks, gets the gradient of the unsplit
+mini-batch. They are plain picklable objects: built in the worker from the config node, or built in
+the driver and shipped to the workers by value (``update_actor(batch, loss_fn=...)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, TypeVar
+
+import torch
+
+from rlplat.config_node import read_config_node
+from rlplat.losses.aggregation import aggregate_with_settings
+from rlplat.losses.config import ENGINE_SET_KEYS, PolicyLossConfig, ValueLossConfig
+from rlplat.losses.kl import kl_loss
+from rlplat.losses.value import value_loss
+
+ConfigT = TypeVar("ConfigT")
+
+
+def with_global_counts(settings: ConfigT, meta_info: Mapping[str, Any]) -> ConfigT:
+    """``settings`` (a loss config dataclass) with ``global_token_count`` / ``global_sequence_count``
+    taken from a micro-batch's ``meta_info``, where the engine puts them (keys of the same names)."""
+    counts = {key: meta_info[key] for key in ENGINE_SET_KEYS if meta_info.get(key) is not None}
+    return dataclasses.replace(settings, **counts) if counts else settings
+
+
+def token_share(response_mask: torch.Tensor, global_token_count: Any) -> float:
+    """This micro-batch's fraction of the mini-batch's valid tokens (1 when no global count is given)."""
+    if not global_token_count:
+        return 1.0
+    return float(response_mask.sum()) / float(global_token_count)
+
+
+def as_contributions(metrics: Mapping[str, float], additive: set[str], share: float) -> dict[str, float]:
+    """Metrics as the engine sums them over micro-batches and ranks: globally normalised ones
+    (``additive``: the loss and its parts) as they are, means over this micro-batch's tokens scaled by
+    its ``share`` of the mini-batch's tokens (:func:`token_share`). Every metric then comes out the same
+    however the mini-batch was split."""
+    return {key: value if key in additive else value * share for key, value in metrics.items()}
+
+
+class ActorLoss:
+    """``policy_loss - entropy_coeff * entropy + kl_loss_coef * KL(actor || reference)``.
+
+    ``config`` is the ``actor.loss`` node (:class:`PolicyLossConfig`, a mapping or None);
+    ``policy_loss`` a callable of kind ``policy_loss`` (default: the registry entry named by
+    ``config.policy_loss["loss_mode"]``, looked up in the process that builds the loss). Reads
+    ``response_mask``, ``old_log_probs``, ``advantages`` and, with ``use_kl_loss``, ``ref_log_prob``
+    from the micro-batch; ``log_probs`` and, with ``entropy_coeff != 0``, ``entropy`` from the engine's
+    outputs (:attr:`needs_entropy` tells the worker to ask for it). Metrics add ``actor/pg_loss``,
+    ``actor/entropy`` and ``actor/kl_loss`` / ``actor/kl_coef`` when used.
+    """
+
+    config_schema = PolicyLossConfig
+
+    def __init__(self, config: Any = None, policy_loss: Callable[..., Any] | None = None):
+        self.config = read_config_node(config, PolicyLossConfig, "actor.loss")
+        if policy_loss is None:
+            from rlplat import registry
+
+            policy_loss = registry.get("policy_loss", self.config.loss_mode)
+        self.policy_loss = policy_loss
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the engine must compute ``entropy`` during the update (``entropy_coeff != 0``)."""
+        return self.config.entropy_coeff != 0
+
+    def __call__(self, outputs: Mapping[str, torch.Tensor], micro_batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        settings = with_global_counts(self.config, micro_batch.meta_info)
+        batch = micro_batch.batch
+        response_mask, log_prob = batch["response_mask"], outputs["log_probs"]
+        loss, metrics = self.policy_loss(
+            batch["old_log_probs"], log_prob, batch["advantages"], response_mask, settings.loss_agg_mode, settings
+        )
+        metrics = {**metrics, "actor/pg_loss": float(loss.detach().item())}
+        if settings.entropy_coeff != 0:
+            entropy = aggregate_with_settings(outputs["entropy"], response_mask, settings.loss_agg_mode, settings)
+            loss = loss - settings.entropy_coeff * entropy
+            metrics["actor/entropy"] = float(entropy.detach().item())
+        if settings.use_kl_loss:
+            kl, kl_metrics = kl_loss(log_prob, batch["ref_log_prob"], response_mask, settings.loss_agg_mode, settings)
+            loss = loss + settings.kl_loss_coef * kl
+            metrics.update(kl_metrics)
+            metrics["actor/kl_coef"] = float(settings.kl_loss_coef)
+        additive = {"actor/pg_loss", "actor/entropy", "actor/kl_loss"}
+        return loss, as_contributions(metrics, additive, token_share(response_mask, settings.global_token_count))
+
+
+class CriticLoss:
+    """The clipped value loss of :func:`rlplat.losses.value.value_loss` for one micro-batch.
+
+    Reads ``response_mask``, ``values`` (old predictions) and ``returns`` from the micro-batch and
+    ``values`` (new predictions, with gradient) from the engine's outputs.
+    """
+
+    config_schema = ValueLossConfig
+    needs_entropy = False
+
+    def __init__(self, config: Any = None):
+        self.config = read_config_node(config, ValueLossConfig, "critic.loss")
+
+    def __call__(self, outputs: Mapping[str, torch.Tensor], micro_batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        settings = with_global_counts(self.config, micro_batch.meta_info)
+        batch = micro_batch.batch
+        loss, metrics = value_loss(outputs["values"], batch["returns"], batch["values"], batch["response_mask"], None, settings)
+        additive = {"critic/vf_loss"}
+        return loss, as_contributions(metrics, additive, token_share(batch["response_mask"], settings.global_token_count))

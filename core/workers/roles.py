@@ -1,0 +1,115 @@
+"""rlplat's own worker roles (kind ``role``), registered by rlplat through ``register_roles``.
+
+``actor``
+    :class:`~rlplat.workers.actor_rollout_ref.ActorRolloutRefWorker` with the policy's engine, the
+    reference model when a KL term reads it, and the rollout unless the ``rollout`` role is separate
+    (HybridFlow's colocated layout). It anchors the colocated processes, so it cannot move.
+``rollout``
+    The rollout in a resource pool of its own (``roles.rollout.placement=separate``): an
+    ``ActorRolloutRefWorker`` with the rollout role only, fed the actor's weights through the object
+    store after every update. Colocated (the default), it lives inside the actor's worker and is not a
+    group of its own.
+``critic``
+    :class:`~rlplat.workers.critic.CriticWorker`, when the algorithm needs one or ``critic.enable``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from rlplat.config import engine_node, rollout_node, sampling_node, uses_critic
+from rlplat.contracts.role import Role, RunContext
+from rlplat.controller.host import WorkerSpec
+
+
+def rollout_separate(run: RunContext) -> bool:
+    """Whether the run's rollout has a resource pool of its own."""
+    return run.role_config("rollout").placement == "separate"
+
+
+def loss_node(run: RunContext, role: str) -> dict[str, Any]:
+    return OmegaConf.to_container(run.config[role].loss, resolve=True)
+
+
+def actor_rollout_config(run: RunContext, roles: list[str]) -> dict[str, Any]:
+    """The ``ActorRolloutRefWorker`` config of this run, for the given roles."""
+    config = run.config
+    return {
+        "roles": roles, "engine": config.actor.engine, "engine_config": engine_node(config, "actor", run.total_steps),
+        "rollout": config.rollout.name, "algorithm": run.algorithm.name, "sampling": sampling_node(config),
+        "rollout_config": rollout_node(config), "actor": loss_node(run, "actor"),
+        "free_rollout_between_phases": config.rollout.free_between_phases,
+    }
+
+
+class ActorRole(Role):
+    """The policy: its training engine, the reference model and (colocated) the rollout."""
+
+    movable = False
+
+    def enabled(self, run: RunContext) -> bool:
+        return True
+
+    def worker(self, run: RunContext) -> WorkerSpec:
+        from rlplat.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+        roles = ["actor"]
+        if not rollout_separate(run):
+            roles.append("rollout")
+        if run.algorithm.uses_reference(loss_node(run, "actor"), OmegaConf.to_container(run.config.algorithm, resolve=True)):
+            roles.append("ref")
+        return WorkerSpec(ActorRolloutRefWorker, actor_rollout_config(run, roles))
+
+    def save_checkpoint(self, group: Any, path: str) -> None:
+        group.save_checkpoint(path)
+
+    def load_checkpoint(self, group: Any, path: str) -> None:
+        group.load_checkpoint(path)
+
+
+class RolloutRole(Role):
+    """The rollout in its own pool (``roles.rollout.placement=separate``); otherwise part of the actor."""
+
+    def enabled(self, run: RunContext) -> bool:
+        return rollout_separate(run)
+
+    def worker(self, run: RunContext) -> WorkerSpec:
+        from rlplat.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+        return WorkerSpec(ActorRolloutRefWorker, actor_rollout_config(run, ["rollout"]))
+
+
+class CriticRole(Role):
+    """The value model, trained with the algorithm's critic loss."""
+
+    def enabled(self, run: RunContext) -> bool:
+        return uses_critic(run.config, run.algorithm)
+
+    def worker(self, run: RunContext) -> WorkerSpec:
+        from rlplat.workers.critic import CriticWorker
+
+        config = run.config
+        return WorkerSpec(CriticWorker, {
+            "engine": config.critic.engine, "engine_config": engine_node(config, "critic", run.total_steps),
+            "algorithm": run.algorithm.name, "critic": loss_node(run, "critic"),
+        })
+
+    def save_checkpoint(self, group: Any, path: str) -> None:
+        group.save_checkpoint(path)
+
+    def load_checkpoint(self, group: Any, path: str) -> None:
+        group.load_checkpoint(path)
+
+
+def actor() -> Role:
+    return ActorRole()
+
+
+def rollout() -> Role:
+    return RolloutRole()
+
+
+def critic() -> Role:
+    return CriticRole()
