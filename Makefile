@@ -1,4 +1,4 @@
-# make setup | make demo | make test | make test-gpu | make bench | make test-vllm | make test-sglang
+# make setup | make demo | make test | make test-fast | make test-gpu | make bench | make test-vllm | make test-sglang
 # Every target creates .venv (idempotently) and installs what it needs; nothing is assumed installed.
 
 PYTHON ?= python3
@@ -17,7 +17,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-gpu bench clean test-vllm test-sglang test-vllm-gpu test-sglang-gpu gpu-check-vllm gpu-check-sglang test-verl-compat
+.PHONY: setup demo test test-fast test-gpu bench clean test-vllm test-sglang test-vllm-gpu test-sglang-gpu gpu-check-vllm gpu-check-sglang test-verl-compat
 
 setup: $(STAMP)
 
@@ -33,6 +33,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+# The quick loop while developing: everything but the tests marked slow (clusters, training runs, subprocess suites).
+test-fast: setup
+	$(PY) -m pytest -m "not gpu and not slow" $(PYTEST_ARGS)
 
 test-gpu: setup
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)

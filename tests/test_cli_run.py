@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from rlplat.data import write_parquet
 from rlplat.testing.tiny_models import save_tiny_model
 
@@ -29,6 +31,7 @@ def test_a_config_error_exits_2_in_seconds_with_one_paragraph_and_no_traceback(c
     assert "Did you mean 'fsdp2'?" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_short_run_prints_its_directory_and_writes_config_metrics_and_checkpoint(cli_run, tmp_path):
     model = save_tiny_model(tmp_path / "model")
     rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{a}+1="}], "reward_model": {"ground_truth": str(a + 1)}}

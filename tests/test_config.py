@@ -75,6 +75,7 @@ def test_a_missing_model_path_says_how_to_set_it():
         load_config()
 
 
+@pytest.mark.slow
 def test_config_show_prints_yaml_and_exits_2_on_an_error_without_a_traceback(paths, cli_run):
     shown = cli_run("config", "show", "--algo", "grpo", *overrides(paths, "rollout.n=4"))
     assert shown.returncode == 0, shown.stderr

@@ -6,6 +6,10 @@ import importlib.util
 import math
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts processes or clusters: left out of `make test-fast`
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_pipeline.py"
 
 

@@ -16,6 +16,8 @@ from rlplat import DataProto, RayWorkerGroup, ResourcePool, WorkerSpec
 from rlplat.controller.dispatch import Layout
 from rlplat.workers.actor_rollout_ref import ActorRolloutRefWorker
 
+pytestmark = pytest.mark.slow  # starts processes or clusters: left out of `make test-fast`
+
 FAKE_ENGINE = '''
 import torch
 import torch.distributed as dist

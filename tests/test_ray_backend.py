@@ -12,6 +12,8 @@ import torch
 
 from rlplat import DataProto, Dispatch, RayWorkerGroup, ResourcePool, Worker, WorkerError, WorkerSpec, register
 
+pytestmark = pytest.mark.slow  # starts processes or clusters: left out of `make test-fast`
+
 
 class RowWorker(Worker):
     @register(Dispatch.DP_COMPUTE_PROTO)

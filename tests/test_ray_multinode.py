@@ -7,6 +7,8 @@ import torch
 
 from rlplat import Dispatch, RayWorkerGroup, ResourcePool, Worker, WorkerSpec, register
 
+pytestmark = pytest.mark.slow  # starts processes or clusters: left out of `make test-fast`
+
 
 class NodeWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)

@@ -81,6 +81,7 @@ def test_a_server_that_exits_early_is_reported_with_its_log(tmp_path):
         process.wait_ready(timeout_s=30)
 
 
+@pytest.mark.slow
 def test_a_server_that_never_answers_times_out_and_is_stopped(tmp_path):
     process = ServerProcess([sys.executable, "-c", "import time; time.sleep(60)"], base_url=f"http://127.0.0.1:{free_port()}",
                             health_path="/health", log_path=tmp_path / "log")

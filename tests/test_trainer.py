@@ -14,6 +14,8 @@ from rlplat.testing.tiny_models import save_tiny_model
 from rlplat.tracking import read_metrics
 from rlplat.trainer import Trainer
 
+pytestmark = pytest.mark.slow  # starts processes or clusters: left out of `make test-fast`
+
 REWARD = '''
 import os
 import pathlib

@@ -373,6 +373,7 @@ def test_converted_values_read_back_as_the_same_value(value):
 REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float(solution_str.strip() == ground_truth)\n"
 
 
+@pytest.mark.slow
 def test_config_show_takes_a_verl_grpo_command_line_on_the_demo(cli_run, tmp_path):
     from rlplat import demo
 
@@ -414,6 +415,7 @@ def test_config_show_takes_a_verl_grpo_command_line_on_the_demo(cli_run, tmp_pat
     assert config.reward.custom_function.path == str(reward) and config.trainer.total_epochs == 15
 
 
+@pytest.mark.slow
 def test_run_refuses_verl_keys_without_an_equivalent_before_anything_starts(cli_run):
     result = cli_run("run", "actor_rollout_ref.model.lora_rank=64", "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
     assert result.returncode == 2

@@ -14,6 +14,8 @@ from rlplat.testing.tiny_models import tiny_qwen2_config
 from rlplat.workers.actor_rollout_ref import ActorRolloutRefWorker, log_prob_mismatch
 from rlplat.workers.critic import CriticWorker
 
+pytestmark = pytest.mark.slow  # starts processes or clusters: left out of `make test-fast`
+
 PROMPTS = [[1, 5, 6, 14, 7, 8, 15], [1, 9, 14, 10, 15], [1, 6, 14, 6, 15], [1, 7, 7, 14, 5, 15]]
 
 

@@ -1,1 +1,41 @@
-"""Abstract contracts that plugins implement. Each module imports torch only for type checking."""
+"""The contracts plugins implement, one module per kind, each importing torch only for type checking.
+
+Names are resolved lazily, so ``from rlplat.contracts import TrainingEngine`` imports nothing heavy:
+
+* :mod:`~rlplat.contracts.engine`: ``TrainingEngine``, ``EngineBuildConfig``, ``LossFunction``,
+  ``DataParallelInfo``
+* :mod:`~rlplat.contracts.rollout`: ``RolloutEngine``, ``RolloutBuildConfig``, ``SamplingParams``,
+  ``TokenOutput``
+* :mod:`~rlplat.contracts.reward`: ``RewardManager``, ``RewardScorer``, ``split_score``
+* :mod:`~rlplat.contracts.algorithm`: ``Algorithm``, ``AlgorithmConfig``, ``KLControlConfig``,
+  ``AdvantageEstimator``, ``PolicyLoss``
+* :mod:`~rlplat.contracts.role`: ``Role``, ``RoleConfig``, ``RunContext``, ``STAGES``
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY_NAMES: dict[str, str] = {
+    **dict.fromkeys(("TrainingEngine", "EngineBuildConfig", "LossFunction", "DataParallelInfo"), "rlplat.contracts.engine"),
+    **dict.fromkeys(("RolloutEngine", "RolloutBuildConfig", "SamplingParams", "TokenOutput"), "rlplat.contracts.rollout"),
+    **dict.fromkeys(("RewardManager", "RewardScorer", "split_score"), "rlplat.contracts.reward"),
+    **dict.fromkeys(("Algorithm", "AlgorithmConfig", "KLControlConfig", "AdvantageEstimator", "PolicyLoss"),
+                    "rlplat.contracts.algorithm"),
+    **dict.fromkeys(("Role", "RoleConfig", "RunContext", "STAGES"), "rlplat.contracts.role"),
+}
+
+__all__ = sorted(_LAZY_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY_NAMES:
+        raise AttributeError(f"module 'rlplat.contracts' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

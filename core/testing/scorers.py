@@ -83,8 +83,11 @@ class RewardScorerConformance:
             call_scorer(scorer, case)
             assert case == before
 
-    def test_is_picklable_by_reference(self, scorer):
-        assert pickle.loads(pickle.dumps(scorer)) is not None
+    def test_a_pickled_copy_scores_as_the_original(self, scorer, scorer_cases):
+        # reward workers receive the scorer pickled: the copy must be the same function
+        copy = pickle.loads(pickle.dumps(scorer))
+        for case in scorer_cases:
+            assert split_score(call_scorer(copy, case)) == split_score(call_scorer(scorer, case))
 
     def test_registered_name_resolves_to_the_scorer(self, scorer, registered_name):
         if registered_name is None:

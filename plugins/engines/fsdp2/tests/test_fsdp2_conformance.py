@@ -72,6 +72,7 @@ class TestBrokenEngine(TrainingEngineConformance):
 '''
 
 
+@pytest.mark.slow
 def test_the_suite_fails_an_engine_that_reorders_rows_and_overfills_buckets(tmp_path):
     (tmp_path / "test_broken_engine.py").write_text(textwrap.dedent(BROKEN_ENGINE_SUITE))
     report = tmp_path / "report.xml"

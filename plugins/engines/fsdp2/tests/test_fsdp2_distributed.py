@@ -16,6 +16,8 @@ import torch
 from rlplat import DataProto, Dispatch, LocalWorkerGroup, RayWorkerGroup, ResourcePool, Worker, WorkerSpec, register
 from rlplat_engine_fsdp2.engine import FSDP2Engine
 
+pytestmark = pytest.mark.slow  # starts processes or clusters: left out of `make test-fast`
+
 # Ray workers get this module's classes by value, so the tests run from any working directory.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SUITE = """
     import pytest
     import torch
@@ -63,11 +65,13 @@ def run_suite(tmp_path, implementation):
     return result, counts
 
 
+@pytest.mark.slow
 def test_a_correct_manager_passes(tmp_path):
     result, counts = run_suite(tmp_path, "NaiveRewardManager")
     assert counts == {"passed": 9}, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_a_broken_manager_fails_the_checks_it_breaks(tmp_path):
     result, counts = run_suite(tmp_path, "Broken")
     assert counts == {"passed": 3, "failed": 6}, result.stdout + result.stderr

@@ -34,6 +34,7 @@ def test_plugins_list_shows_the_hint(tmp_path):
     assert "unavailable: vllm is not installed" in result.stdout and HINT in result.stdout
 
 
+@pytest.mark.slow
 def test_run_with_the_vllm_rollout_fails_before_starting_anything(tmp_path):
     result = rlplat_cli("run", "--algo", "grpo", "--engine", "fsdp2", "--rollout", "vllm", f"trainer.output_dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode != 0
