@@ -6,8 +6,9 @@ no torch, Ray or tensordict; each name imports its module on first access.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from rlplat.lazy_names import lazy_names
 
 __all__ = [
     "Algorithm",
@@ -60,19 +61,12 @@ _LAZY_NAMES: dict[str, tuple[str, str | None]] = {
 }
 
 
+_lazy_getattr, __dir__ = lazy_names("rlplat", _LAZY_NAMES, globals())
+
+
 def __getattr__(name: str) -> Any:
     if name == "__version__":
         from importlib.metadata import version
 
         return version("rlplat")
-    if name not in _LAZY_NAMES:
-        raise AttributeError(f"module 'rlplat' has no attribute {name!r}")
-    module_name, attribute = _LAZY_NAMES[name]
-    module = importlib.import_module(module_name)
-    value = module if attribute is None else getattr(module, attribute)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return _lazy_getattr(name)

@@ -14,8 +14,8 @@ Names are resolved lazily, so ``from rlplat.contracts import TrainingEngine`` im
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from rlplat.lazy_names import lazy_names
+
 
 _LAZY_NAMES: dict[str, str] = {
     **dict.fromkeys(("TrainingEngine", "EngineBuildConfig", "LossFunction", "DataParallelInfo"), "rlplat.contracts.engine"),
@@ -28,14 +28,4 @@ _LAZY_NAMES: dict[str, str] = {
 
 __all__ = sorted(_LAZY_NAMES)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY_NAMES:
-        raise AttributeError(f"module 'rlplat.contracts' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names('rlplat.contracts', _LAZY_NAMES, globals())

@@ -22,8 +22,8 @@ imports no torch until a function is used.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from rlplat.lazy_names import lazy_names
+
 
 _LAZY_NAMES: dict[str, str] = {
     "PolicyLossConfig": "rlplat.losses.config",
@@ -50,14 +50,4 @@ _LAZY_NAMES: dict[str, str] = {
 
 __all__ = sorted(_LAZY_NAMES)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY_NAMES:
-        raise AttributeError(f"module 'rlplat.losses' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names('rlplat.losses', _LAZY_NAMES, globals())

@@ -20,8 +20,8 @@ Suites for kinds that need torch import it only when their module is imported.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from rlplat.lazy_names import lazy_names
+
 
 _LAZY_NAMES = {
     "RewardScorerConformance": "rlplat.testing.scorers",
@@ -42,8 +42,4 @@ _LAZY_NAMES = {
 
 __all__ = sorted(_LAZY_NAMES)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY_NAMES:
-        raise AttributeError(f"module 'rlplat.testing' has no attribute {name!r}")
-    return getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+__getattr__, __dir__ = lazy_names('rlplat.testing', _LAZY_NAMES, globals())
