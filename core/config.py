@@ -126,9 +126,10 @@ class RewardConfig:
     manager: str = "naive"
     """Registered reward manager (kind ``reward_manager``)."""
     scorer: Optional[str] = None
-    """Registered scorer (kind ``reward_scorer``). None: the custom function when one is given, else
-    ``exact_match`` (1 when the response equals the ground truth, stripped). Giving both a scorer and a
-    custom function is an error."""
+    """Registered scorer (kind ``reward_scorer``). None: the custom function when one is given, else each
+    row's ``data_source`` picks the scorer registered for it (``openai/gsm8k`` -> ``gsm8k``, the MATH sets
+    -> ``math``) and other sources get ``exact_match`` (1 when the response equals the ground truth,
+    stripped). Giving both a scorer and a custom function is an error."""
     custom_function: CustomFunctionConfig = dataclasses.field(default_factory=CustomFunctionConfig)
     """A scorer from a file instead of a registered one."""
     config: Dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -1,9 +1,11 @@
 """Reward scorers core owns: the default one (exact match) and a user's function loaded from a file.
 
 ``reward.scorer`` names a registered scorer (kind ``reward_scorer``); ``reward.custom_function.path`` /
-``.name`` name a function in the user's file instead. Giving both is a config error; giving neither
-uses :func:`exact_match`, registered by rlplat itself under the name ``exact_match`` (the demo's
-reward). :func:`scorer_for` makes the choice, for the driver and for ``load_config``'s checks.
+``.name`` name a function in the user's file instead. Giving both is a config error. Giving neither uses
+:class:`DataSourceScorer`: each row goes to the registered scorer that claims its ``data_source`` (an
+entry's ``metadata={"data_sources": [...]}``, e.g. ``gsm8k`` claims ``openai/gsm8k`` as verl's default
+reward does), and rows no scorer claims to :func:`exact_match` (registered by rlplat as ``exact_match``;
+the demo's reward). :func:`scorer_for` makes the choice, for the driver and for ``load_config``'s checks.
 
 A custom function is called as ``fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...)``
 and may be ``async def``. :class:`CustomScorer` wraps it: it checks the file and the function when it
@@ -21,9 +23,6 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from rlplat.contracts.reward import split_score
-
-DEFAULT_SCORER = "exact_match"
-
 
 def exact_match(data_source: str, solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None) -> dict:
     """``{"score": 1.0, "acc": True}`` when ``solution_str`` is ``ground_truth`` once surrounding whitespace
@@ -93,9 +92,50 @@ class CustomScorer:
         return result
 
 
+class DataSourceScorer:
+    """The default scorer: a row's ``data_source`` picks the registered scorer that claims it (entry
+    metadata ``data_sources``); unclaimed sources are scored by :func:`exact_match`. Two scorers claiming
+    one source is a ``ValueError`` naming both. Pickles as nothing: each process reads its own registry."""
+
+    def __init__(self) -> None:
+        self._claims: dict[str, str] | None = None
+
+    def __reduce__(self):
+        return (DataSourceScorer, ())
+
+    def __repr__(self) -> str:
+        return "DataSourceScorer()"
+
+    def claims(self) -> dict[str, str]:
+        """``data_source -> scorer name`` of every registered scorer that claims sources."""
+        if self._claims is None:
+            from rlplat import registry
+
+            claims: dict[str, str] = {}
+            for entry in registry.entries("reward_scorer"):
+                for source in entry.metadata.get("data_sources", ()):
+                    if source in claims:
+                        raise ValueError(
+                            f"data_source {source!r} is claimed by reward scorers {claims[source]!r} and {entry.name!r}; "
+                            "name one with reward.scorer"
+                        )
+                    claims[source] = entry.name
+            self._claims = claims
+        return self._claims
+
+    def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None):
+        name = self.claims().get(data_source)
+        if name is None:
+            return exact_match(data_source, solution_str, ground_truth, extra_info)
+        from rlplat import registry
+
+        return registry.get("reward_scorer", name)(data_source=data_source, solution_str=solution_str,
+                                                   ground_truth=ground_truth, extra_info=extra_info)
+
+
 def scorer_for(scorer: str | None, custom_path: str | None, custom_name: str = "compute_score") -> Callable[..., Any]:
     """The scorer a ``reward`` node selects: the custom function when ``custom_path`` is set, else the
-    registered scorer ``scorer`` (None: :data:`DEFAULT_SCORER`). Both set is a ``ValueError`` naming them."""
+    registered scorer ``scorer``, else a :class:`DataSourceScorer`. Both set is a ``ValueError`` naming them."""
     if custom_path and scorer:
         raise ValueError(
             f"reward.scorer={scorer!r} and reward.custom_function.path={custom_path!r} are both set; "
@@ -103,6 +143,10 @@ def scorer_for(scorer: str | None, custom_path: str | None, custom_name: str = "
         )
     if custom_path:
         return CustomScorer(custom_path, custom_name)
+    if scorer is None:
+        default = DataSourceScorer()
+        default.claims()  # two scorers claiming one data source are reported here, at config load
+        return default
     from rlplat import registry
 
-    return registry.get("reward_scorer", scorer or DEFAULT_SCORER)
+    return registry.get("reward_scorer", scorer)

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from rlplat.testing import RewardScorerConformance, ScorerCase
-from rlplat.scorers import CustomScorer, exact_match, scorer_for
+from rlplat.scorers import CustomScorer, DataSourceScorer, scorer_for
 
 USER_FILE = """
     def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -94,9 +94,27 @@ def test_a_named_scorer_comes_from_the_registry():
     assert scorer_for("math", None) is hendrycks_math.score
 
 
-def test_without_either_the_default_is_the_exact_match():
-    assert scorer_for(None, None) is exact_match
-    assert exact_match("arith", " 46\n", "46") == {"score": 1.0, "acc": True}
+def test_without_either_each_data_source_goes_to_the_scorer_that_claims_it_else_exact_match():
+    scorer = scorer_for(None, None)
+    assert isinstance(scorer, DataSourceScorer)
+    assert scorer.claims()["openai/gsm8k"] == "gsm8k" and scorer.claims()["lighteval/MATH"] == "math"
+    # gsm8k's strict rule wants '#### 46'; exact match would give 0 for this text
+    assert scorer("openai/gsm8k", "so the answer is #### 46", "46", None)["score"] == 1.0
+    assert scorer("arith", " 46\n", "46", None) == {"score": 1.0, "acc": True}
+    assert pickle.loads(pickle.dumps(scorer))("arith", "47", "46", None)["score"] == 0.0
+
+
+def test_two_scorers_claiming_one_data_source_are_refused_naming_both(register_temporary_plugin):
+    from rlplat import hookimpl
+
+    class Claimant:
+        @hookimpl
+        def register_reward_scorers(self, register):
+            register("other_gsm8k", "rlplat.scorers:exact_match", metadata={"data_sources": ["openai/gsm8k"]})
+
+    register_temporary_plugin(Claimant(), name="claimant")
+    with pytest.raises(ValueError, match="'openai/gsm8k' is claimed by reward scorers 'gsm8k' and 'other_gsm8k'"):
+        scorer_for(None, None)
 
 
 def test_a_reward_manager_refuses_to_be_built_without_a_scorer():

@@ -9,6 +9,11 @@ REWARD_SCORERS = {
     "gsm8k_flexible": ("gsm8k:score_flexible", "GSM8K, flexible: the last number in the response must equal the answer."),
     "math": ("hendrycks_math:score", "MATH: the last \\boxed{} answer, equivalent after the benchmark's normalisation."),
 }
+# The data sources each scorer claims when no reward.scorer is named (verl's default_compute_score's).
+DATA_SOURCES = {
+    "gsm8k": ["openai/gsm8k"],
+    "math": ["lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"],
+}
 
 REWARD_MANAGERS = {
     "naive": ("managers:NaiveRewardManager", "One scorer call per sample, with a per-sample timeout."),
@@ -20,7 +25,8 @@ REWARD_MANAGERS = {
 @rlplat.hookimpl
 def register_reward_scorers(register):
     for name, (target, description) in REWARD_SCORERS.items():
-        register(name, f"rlplat_rewards.{target}", description=description)
+        register(name, f"rlplat_rewards.{target}", description=description,
+                 metadata={"data_sources": DATA_SOURCES.get(name, [])})
 
 
 @rlplat.hookimpl
