@@ -61,8 +61,10 @@ class FSDP2EngineConfig(EngineBuildConfig):
     A step whose gradient norm is not finite is skipped: no update, and the LR schedule and step count
     do not advance (Megatron's rule)."""
     ppo_mini_batch_size: Optional[int] = None
-    """Rows of the *global* batch per optimizer step (each rank takes ``ppo_mini_batch_size / dp``);
-    ``meta_info["ppo_mini_batch_size"]`` of a batch overrides it; None takes the whole batch as one step."""
+    """Rows of the *global* batch per optimizer step (each rank takes ``ppo_mini_batch_size / dp``, which
+    must be whole); ``meta_info["ppo_mini_batch_size"]`` of a batch overrides it; None takes the whole
+    batch as one step. A batch whose rows do not fill the last mini-batch (its row count may vary from
+    call to call) gets a last, smaller step; one smaller than a mini-batch is one step."""
     forward_micro_batch_size_per_gpu: Optional[int] = None
     """Rows per micro-batch in ``forward`` (None: ``micro_batch_size_per_gpu``)."""
     use_dynamic_bsz: bool = False

@@ -204,6 +204,14 @@ class FSDP2Engine(TrainingEngine):
         return {key: sum(step[key] for step in steps if key in step) / sum(key in step for step in steps) for key in keys}
 
     def local_mini_batch_rows(self, batch: DataProto) -> int:
+        """Rows of this rank's shard per optimizer step: ``ppo_mini_batch_size / dp``.
+
+        The batch's row count may vary from call to call (rejection sampling, group filtering): the
+        shard is cut into mini-batches of that many rows and the last one takes the remainder, so a
+        ``ppo_mini_batch_size`` larger than the batch gives one step on the whole batch. Each mini-batch
+        is normalised by its own global token and sequence counts, so every step gets the exact
+        gradient of the rows it holds; dispatch padding has no weight (its ``response_mask`` is zero).
+        """
         rows = len(batch)
         low, high = -self.all_reduce_max(-rows), self.all_reduce_max(rows)
         if low != high:
@@ -212,12 +220,14 @@ class FSDP2Engine(TrainingEngine):
         if global_rows is None:
             return rows
         per_rank, remainder = divmod(int(global_rows), self.world_size)
-        if remainder or per_rank == 0 or rows % per_rank:
+        if remainder or per_rank == 0:
             raise ValueError(
-                f"train_batch: ppo_mini_batch_size={global_rows} rows of the global batch must split evenly over "
-                f"{self.world_size} data-parallel rank(s), and each rank's {rows} rows into mini-batches of {per_rank}"
+                f"train_batch: ppo_mini_batch_size={global_rows} rows of the global batch do not split over "
+                f"{self.world_size} data-parallel rank(s); make it a multiple of {self.world_size} "
+                "(<role>.ppo_mini_batch_size x rollout.n in a run config; the engine config's "
+                "ppo_mini_batch_size or the batch's meta_info['ppo_mini_batch_size'] from Python)"
             )
-        return per_rank
+        return min(per_rank, rows)
 
     def optimizer_step(self, mini_batch: DataProto, loss_fn: LossFunction, temperature: float, calculate_entropy: bool) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)

@@ -13,7 +13,8 @@ import pytest
 import ray.cloudpickle
 import torch
 
-from rlplat import DataProto, Dispatch, LocalWorkerGroup, RayWorkerGroup, ResourcePool, Worker, WorkerSpec, register
+from rlplat import DataProto, Dispatch, LocalWorkerGroup, RayWorkerGroup, ResourcePool, Worker, WorkerError, WorkerSpec, register
+from rlplat.controller.worker import without_padding_weight
 from rlplat_engine_fsdp2.engine import FSDP2Engine
 
 pytestmark = pytest.mark.slow  # starts processes or clusters: left out of `make test-fast`
@@ -71,7 +72,7 @@ class EngineHost(Worker):
     @register(Dispatch.DP_COMPUTE_PROTO)
     def train(self, name: str, batch: DataProto, loss: str = "policy") -> dict:
         loss_fn = ValueRegressionLoss() if loss == "value" else PolicyGradientLoss()
-        return self.engines[name].train_batch(batch, loss_fn)
+        return self.engines[name].train_batch(without_padding_weight(batch, self.padding_rows), loss_fn)
 
     @register(Dispatch.ONE_TO_ALL)
     def parameters(self, name: str) -> dict:
@@ -142,6 +143,27 @@ def test_a_two_rank_step_equals_a_one_rank_step_on_the_same_global_batch(two_ran
     assert max_difference(after_one, initial) >= 1e-4  # the step moved the weights far beyond the tolerance
     assert two_rank_metrics[0]["grad_norm"] == pytest.approx(one_rank_metrics[0]["grad_norm"], rel=1e-5)
     assert two_rank_metrics[0]["loss"] == pytest.approx(one_rank_metrics[0]["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_a_varying_row_count_with_dispatch_padding_steps_exactly_on_its_real_rows(two_ranks, one_rank, batch_of):
+    batch = batch_of(7).with_meta_info({"ppo_mini_batch_size": 4})
+    for group in (two_ranks, one_rank):
+        group.build("varying", {})
+    # Dispatch pads 7 rows to 8 (rank 0: rows 0-3, rank 1: rows 4-6 and a copy of row 0 with no weight);
+    # each rank takes 2 rows per step: steps on rows {0, 1, 4, 5}, then on the remainder {2, 3, 6}.
+    two_ranks.train("varying", batch)
+    for rows in ([0, 1, 4, 5], [2, 3, 6]):
+        one_rank.train("varying", batch.select_idxs(rows).with_meta_info({"ppo_mini_batch_size": len(rows)}))
+    after_two, after_one = two_ranks.parameters("varying")[0], one_rank.parameters("varying")[0]
+    difference = max_difference(after_two, after_one)
+    print(f"7 rows in mini-batches of 4 on 2 ranks vs the same steps on 1 rank, max |parameter difference|: {difference:.3g}")
+    assert difference <= 1e-5
+
+
+def test_a_mini_batch_size_that_does_not_split_over_the_ranks_names_the_key(two_ranks, batch_of):
+    two_ranks.build("odd", {})
+    with pytest.raises(WorkerError, match=r"ppo_mini_batch_size=3 rows of the global batch do not split over 2 data-parallel"):
+        two_ranks.train("odd", batch_of(8).with_meta_info({"ppo_mini_batch_size": 3}))
 
 
 def test_forward_on_two_ranks_equals_one_rank_row_for_row(two_ranks, one_rank, batch_of):

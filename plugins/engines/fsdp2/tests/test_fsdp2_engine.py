@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from rlplat.controller.worker import without_padding_weight
+from rlplat.losses import aggregate_loss
 from rlplat_engine_fsdp2.config import FSDP2EngineConfig, read_engine_config
 from rlplat_engine_fsdp2.engine import FSDP2Engine
 from rlplat_engine_fsdp2.micro_batches import balanced_partition, fixed_size_partition, token_budget_partition
@@ -153,9 +155,58 @@ def test_a_model_path_that_is_not_a_model_directory_says_so(tmp_path):
 # -- training details ---------------------------------------------------------------------------------
 
 
-def test_a_mini_batch_size_that_does_not_divide_the_batch_is_refused(tiny_config, batch_of):
-    with pytest.raises(ValueError, match="ppo_mini_batch_size=3"):
-        built(tiny_config).train_batch(batch_of(8).with_meta_info({"ppo_mini_batch_size": 3}), SumOfLogProbs())
+class MeanNegativeLogLikelihood:
+    """``aggregate_loss(-log_probs)`` in ``mode``, normalised by the engine's global counts."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+
+    def __call__(self, outputs, micro_batch):
+        meta = micro_batch.meta_info
+        loss = aggregate_loss(-outputs["log_probs"], micro_batch.batch["response_mask"], self.mode,
+                              global_token_count=meta["global_token_count"], global_sequence_count=meta["global_sequence_count"])
+        return loss, {}
+
+
+def parameters_of(engine: FSDP2Engine) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for bucket in engine.named_weights() for name, tensor in bucket}
+
+
+def test_a_remainder_of_rows_is_a_last_smaller_mini_batch_with_its_exact_gradient(tiny_config, batch_of):
+    batch = batch_of(5)
+    split = built(tiny_config, grad_clip=None)
+    split.train_batch(batch.with_meta_info({"ppo_mini_batch_size": 2}), SumOfLogProbs())  # rows [0, 1], [2, 3], [4]
+    reference = built(tiny_config, grad_clip=None)
+    for rows in ([0, 1], [2, 3], [4]):
+        reference.train_batch(batch.select_idxs(rows), SumOfLogProbs())  # each mini-batch alone, unsplit
+    assert split.state()["step"] == reference.state()["step"] == 3
+    expected, actual = full_gradients(reference), full_gradients(split)  # the gradient of the last step, row 4 alone
+    assert max(float((expected[name] - actual[name]).abs().max()) for name in expected) <= 1e-6
+    after_split, after_reference = parameters_of(split), parameters_of(reference)
+    assert max(float((after_split[name] - after_reference[name]).abs().max()) for name in after_split) <= 1e-6
+
+
+def test_a_mini_batch_larger_than_the_batch_is_one_step_on_the_whole_batch(tiny_config, batch_of):
+    batch = batch_of(5)
+    larger, whole = built(tiny_config, grad_clip=None), built(tiny_config, grad_clip=None)
+    larger.train_batch(batch.with_meta_info({"ppo_mini_batch_size": 64}), SumOfLogProbs())
+    whole.train_batch(batch, SumOfLogProbs())
+    assert larger.state()["step"] == whole.state()["step"] == 1
+    expected, actual = full_gradients(whole), full_gradients(larger)
+    assert max(float((expected[name] - actual[name]).abs().max()) for name in expected) == 0.0
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_padding_rows_without_response_weight_leave_the_gradient_of_the_real_rows(tiny_config, batch_of, mode):
+    batch = batch_of(5)
+    padded, pad_size = batch.pad_to_divisor(4)  # 3 copies of rows 0-2, as dispatch pads for 4 ranks
+    padded = without_padding_weight(padded, pad_size)
+    real, with_padding = built(tiny_config, grad_clip=None), built(tiny_config, grad_clip=None)
+    real.train_batch(batch, MeanNegativeLogLikelihood(mode))
+    with_padding.train_batch(padded, MeanNegativeLogLikelihood(mode))
+    expected, actual = full_gradients(real), full_gradients(with_padding)
+    assert max(float((expected[name] - actual[name]).abs().max()) for name in expected) <= 1e-6
+    assert max(float(gradient.abs().max()) for gradient in expected.values()) > 1e-3
 
 
 def test_activation_checkpointing_does_not_change_the_gradient(tiny_config, batch_of):
