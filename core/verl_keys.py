@@ -27,7 +27,10 @@ Some rules read the rest of the command line (and the ``--config`` file): ``data
 actor's, and a verl-style command line whose ``algorithm.adv_estimator`` implies an rlplat algorithm
 (``gae`` -> ``ppo``) selects it unless ``--algo`` or ``algorithm.name`` does.
 
-This module imports only the standard library and omegaconf: it runs before anything heavy.
+This module imports only the standard library and omegaconf: it runs before anything heavy. It is long
+(about 1,300 lines) because it is a table: one rule per verl key, grouped by verl's nodes, kept in one
+file so that a reader finds every verl key and its fate in one place and a test can check the whole table
+against rlplat's schemas and the docs.
 ``docs/coming-from-verl.md`` holds the table (:func:`markdown_table`) and the reasons.
 """
 
