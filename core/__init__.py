@@ -32,6 +32,8 @@ __all__ = [
     "__version__",
     "hookimpl",
     "load_config",
+    "read_config_node",
+    "ConfigError",
     "registry",
 ]
 
@@ -51,6 +53,8 @@ _LAZY_NAMES: dict[str, tuple[str, str | None]] = {
     "LocalWorkerGroup": ("rlplat.controller.local_backend", "LocalWorkerGroup"),
     "start_ray": ("rlplat.controller.ray_backend", "start_ray"),
     "load_config": ("rlplat.config", "load_config"),
+    "read_config_node": ("rlplat.config_node", "read_config_node"),
+    "ConfigError": ("rlplat.config_node", "ConfigError"),
     "Trainer": ("rlplat.trainer", "Trainer"),
     "EngineRegistry": ("rlplat.registry", "EngineRegistry"),
     "hookimpl": ("rlplat.hookspecs", "hookimpl"),

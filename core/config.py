@@ -269,7 +269,14 @@ def load_config(
     if name is None and file_node is not None:
         name = OmegaConf.select(file_node, "algorithm.name")
     name = name or "grpo"
-    config = merge_checked(config, algorithm_spec(name).default_nodes(), f"algorithm {name!r} defaults")
+    defaults = algorithm_spec(name).default_nodes()
+    chosen_loss = OmegaConf.select(override_node, "actor.loss.policy_loss.loss_mode")
+    if chosen_loss is None and file_node is not None:
+        chosen_loss = OmegaConf.select(file_node, "actor.loss.policy_loss.loss_mode")
+    if chosen_loss is not None and chosen_loss != defaults["actor"]["loss"]["policy_loss"]["loss_mode"]:
+        # the algorithm's knobs belong to its own policy loss, not to the one the user chose instead
+        defaults["actor"]["loss"]["policy_loss"] = {"loss_mode": chosen_loss}
+    config = merge_checked(config, defaults, f"algorithm {name!r} defaults")
     if file_node is not None:
         config = merge_checked(config, file_node, f"--config {config_file}")
     config = merge_checked(config, shortcuts, "command line")

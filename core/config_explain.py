@@ -75,6 +75,7 @@ def explain(config: DictConfig) -> list[KeyDoc]:
             key, hint = f"{prefix}{field.name}", hints.get(field.name, Any)
             if key in owned:
                 keys.extend(plugin_keys(owned[key]))
+                keys.extend(doc for inner in owned.values() if inner.key.startswith(key + ".") for doc in plugin_keys(inner))
             elif dataclasses.is_dataclass(hint):
                 walk(hint, f"{key}.", values.get(field.name) or {})
             elif key == "roles":

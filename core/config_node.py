@@ -5,7 +5,7 @@ uses the same function to check every plugin-owned node before a worker starts, 
 there loads the same way in a worker:
 
 * **strict by default:** a key the dataclass does not declare is a :class:`ConfigError` naming the
-  dotted key and the closest declared one (``strict=False`` ignores unknown keys, for a component
+  dotted key and the closest declared one (:func:`rlplat.registry.did_you_mean`, the one suggestion rule) (``strict=False`` ignores unknown keys, for a component
   that reads its part of a node another component owns);
 * **typed:** each value is checked against the field's annotation (``int``, ``float``, ``bool``,
   ``str``, ``Optional``/unions, ``Literal``, lists, tuples, mappings, nested dataclasses, recursively)
@@ -30,19 +30,13 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from rlplat.registry import did_you_mean
+
 T = TypeVar("T")
 
 
 class ConfigError(ValueError):
     """A config problem, explained in one paragraph for the person who wrote the config."""
-
-
-def did_you_mean(name: str, candidates: Sequence[str], prefix: str = "") -> str:
-    """``" Did you mean 'PREFIXmatch'?"`` for the closest candidate (the registry's matching), else ``""``."""
-    from rlplat.registry import closest
-
-    match = closest(str(name), list(candidates))
-    return f" Did you mean '{prefix}{match}'?" if match else ""
 
 
 def read_config_node(config: Any, cls: type[T], where: str | None = None, *, strict: bool = True) -> T:

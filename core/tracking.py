@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from rlplat.registry import closest
+from rlplat.registry import did_you_mean
 
 __all__ = [
     "BACKENDS",
@@ -388,10 +388,8 @@ class Tracker:
         names = list(dict.fromkeys(backends))
         for name in names:
             if name not in BACKENDS:
-                suggestion = closest(name, BACKENDS)
-                hint = f" Did you mean {suggestion!r}?" if suggestion else ""
                 raise ValueError(
-                    f"unknown logging backend {name!r}; the backends are: {', '.join(BACKENDS)}.{hint}"
+                    f"unknown logging backend {name!r}; the backends are: {', '.join(BACKENDS)}.{did_you_mean(name, BACKENDS)}"
                 )
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)

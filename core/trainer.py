@@ -86,11 +86,11 @@ class Trainer:
         reward = config.reward
         scorer = scorer_for(reward.scorer, reward.custom_function.path, reward.custom_function.name)
         self.reward = registry.get("reward_manager", reward.manager)(scorer, self.tokenizer, self.node["reward"]["config"])
-        algorithm_node = self.node["algorithm"]
-        self.estimator = registry.get("advantage_estimator", algorithm_node["adv_estimator"])
+        algorithm_node = self.algorithm.config
+        self.estimator = registry.get("advantage_estimator", algorithm_node.adv_estimator)
         self.kl_controller = None
-        if algorithm_node.get("use_kl_in_reward"):
-            self.kl_controller = self.algorithm.resolve("kl_controller")(algorithm_node.get("kl_ctrl"))
+        if algorithm_node.use_kl_in_reward:
+            self.kl_controller = self.algorithm.resolve("kl_controller")(algorithm_node.kl_ctrl)
         self.use_reference = self.algorithm.uses_reference(self.node["actor"]["loss"], algorithm_node)
         self.run_dir = Path(config.trainer.output_dir)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", config.trainer.keep_last)
@@ -227,13 +227,13 @@ class Trainer:
         if self.kl_controller is not None:
             rewards, metrics = self.algorithm.resolve("reward_kl")(
                 tensors["token_level_scores"], tensors["old_log_probs"], tensors["ref_log_prob"],
-                tensors["response_mask"], self.kl_controller, self.node["algorithm"])
+                tensors["response_mask"], self.kl_controller, self.algorithm.config)
         else:
             rewards = tensors["token_level_scores"]
         extra = self.algorithm.estimator_inputs(batch)
         values = tensors["values"] if "values" in tensors.keys() else None
         advantages, returns = self.estimator(rewards, tensors["response_mask"], np.asarray(batch.non_tensor_batch["uid"]),
-                                             values=values, config=self.node["algorithm"], **extra)
+                                             values=values, config=self.algorithm.config, **extra)
         added = DataProto.from_dict({"token_level_rewards": rewards, "advantages": advantages, "returns": returns})
         return batch.union(added), metrics
 

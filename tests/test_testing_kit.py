@@ -178,7 +178,7 @@ def test_policy_loss_suite(pytester):
 
 
 def test_algorithm_suite_and_the_temporary_plugin_fixture(pytester):
-    run_suite(pytester, ALGORITHM_SUITE, "good").assert_outcomes(passed=7, skipped=2)
+    run_suite(pytester, ALGORITHM_SUITE, "good").assert_outcomes(passed=8, skipped=1)
     broken = run_suite(pytester, ALGORITHM_SUITE, "broken")
     broken.assert_outcomes(passed=5, failed=3, skipped=1)
     broken.stdout.fnmatch_lines(["*Did you mean 'kit_estimator'*", "*unknown config key 'algorithm.gama'*"])

@@ -22,9 +22,14 @@ class AdvantageEstimator(Protocol):
 
     ``token_level_rewards`` and ``response_mask`` are [B, R]; ``index`` is a numpy array of B group ids
     (the non-tensor ``uid``: responses to the same prompt share one); ``values`` [B, R] for estimators
-    with a critic; ``config`` the algorithm config node. ``extra`` carries estimator-specific inputs
-    (e.g. ``reward_baselines`` for ReMax). Returns ``(advantages, returns)``, both [B, R] float32 and
-    0 where ``response_mask`` is 0. Inputs are not modified.
+    with a critic; ``config`` the run's ``algorithm`` node, typed by the algorithm's schema: an
+    :class:`AlgorithmConfig` (or the subclass the algorithm registers), so ``config.gamma`` works (an
+    estimator that also accepts a mapping or None reads it with
+    ``rlplat.read_config_node(config, AlgorithmConfig, "algorithm", strict=False)``). ``extra`` carries
+    the inputs the algorithm's :meth:`Algorithm.estimator_inputs` returns (e.g. ``reward_baselines`` for
+    ReMax). Returns ``(advantages, returns)``, both [B, R] float32 and 0 where ``response_mask`` is 0.
+    Inputs are not modified. :mod:`rlplat.advantages` has the shape checks, the grouping by ``uid`` and
+    the broadcasting every estimator needs. The registered object *is* the function.
     """
 
     def __call__(
@@ -41,17 +46,19 @@ class AdvantageEstimator(Protocol):
 class PolicyLoss(Protocol):
     """``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config) -> (loss, metrics)``.
 
-    All tensors [B, R]; ``log_prob`` carries gradients. ``loss_agg_mode`` is one of ``token-mean``,
-    ``seq-mean-token-sum``, ``seq-mean-token-mean``, ``seq-mean-token-sum-norm`` (an unknown one raises
-    ``ValueError``). ``config`` is the ``actor.loss`` node as a
+    All tensors [B, R]; ``log_prob`` carries gradients. ``loss_agg_mode`` is one of
+    ``rlplat.losses.LOSS_AGG_MODES`` (an unknown one raises ``ValueError``; aggregating through
+    :func:`rlplat.losses.aggregate_with_settings` handles every mode). ``config`` is the ``actor.loss`` node as a
     :class:`rlplat.losses.PolicyLossConfig` whose ``global_token_count`` and ``global_sequence_count``
     attributes hold the mini-batch's totals over every data-parallel rank (set per micro-batch by
     :class:`rlplat.losses.ActorLoss`): aggregate with
     ``rlplat.losses.aggregate_with_settings(per_token, response_mask, loss_agg_mode, config)`` and the
     loss of each micro-batch is its share of the mini-batch's. The loss's own knobs are in
-    ``config.policy_loss`` (a dict, checked at load against the schema its registry entry declares).
+    ``config.policy_loss`` (a dict, checked at load against the schema its registry entry declares;
+    ``rlplat.read_config_node(config.policy_loss, MyKnobs, "actor.loss.policy_loss")`` types it).
     Returns a scalar loss and a dict of floats (``actor/pg_clipfrac``, ``actor/ppo_kl``, ...), means
-    over this micro-batch's tokens (the actor loss scales them into contributions).
+    over this micro-batch's tokens (the actor loss scales them into contributions). The registered
+    object *is* the function.
     """
 
     def __call__(

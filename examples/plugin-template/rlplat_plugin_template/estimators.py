@@ -1,6 +1,7 @@
 """The advantage estimator ``example_group_median``: a response's score minus its group's median score.
 
-It follows :class:`rlplat.contracts.algorithm.AdvantageEstimator`. The median is a baseline that one
+It follows :class:`rlplat.contracts.algorithm.AdvantageEstimator`, built with the public estimator kit
+(:mod:`rlplat.advantages`). The median is a baseline that one
 outlier cannot move: a single lucky 1.0 among seven 0.0 scores leaves it at 0.0, so that response keeps
 the whole credit, where GRPO's mean baseline would hand every other response a small negative advantage.
 """
@@ -8,6 +9,8 @@ the whole credit, where GRPO's mean baseline would hand every other response a s
 from __future__ import annotations
 
 import torch
+
+from rlplat.advantages import check_shapes, group_rows, outcome_advantages
 
 
 def group_median(token_level_rewards, response_mask, index, values=None, config=None, **extra):
@@ -18,17 +21,9 @@ def group_median(token_level_rewards, response_mask, index, values=None, config=
     (``torch.quantile(scores, 0.5)``), so a group of one gets 0. Returns are the advantages, as for
     every outcome-level estimator without a critic. ``values`` and ``config`` are not read.
     """
-    if token_level_rewards.shape != response_mask.shape or len(index) != token_level_rewards.shape[0]:
-        raise ValueError(
-            f"example_group_median: token_level_rewards has shape {tuple(token_level_rewards.shape)}, response_mask "
-            f"{tuple(response_mask.shape)} and index {len(index)} rows; they must describe the same [B, R] batch"
-        )
+    check_shapes("example_group_median", token_level_rewards, response_mask, index)
     scores = token_level_rewards.sum(dim=-1).to(torch.float32)
-    group_numbers: dict = {}
-    groups = torch.tensor([group_numbers.setdefault(group, len(group_numbers)) for group in index])
     baselines = torch.empty_like(scores)
-    for group in range(len(group_numbers)):
-        members = groups == group
-        baselines[members] = torch.quantile(scores[members], 0.5)
-    advantages = (scores - baselines).unsqueeze(-1) * response_mask.to(torch.float32)
-    return advantages, advantages.clone()
+    for rows in group_rows(index).values():
+        baselines[rows] = torch.quantile(scores[rows], 0.5)
+    return outcome_advantages(scores - baselines, response_mask)

@@ -29,49 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlplat.advantages import check_shapes, group_rows, outcome_advantages
 from rlplat.config_node import read_config_node
 from rlplat.contracts.algorithm import AlgorithmConfig
 from rlplat.losses.aggregation import masked_whiten
-
-
-def check_shapes(
-    name: str,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: Any = None,
-    values: torch.Tensor | None = None,
-) -> None:
-    """Raise a ``ValueError`` (mentioning "shape") unless the inputs describe the same [B, R] batch."""
-    if token_level_rewards.dim() != 2 or token_level_rewards.shape != response_mask.shape:
-        raise ValueError(
-            f"advantage estimator {name!r}: token_level_rewards has shape {tuple(token_level_rewards.shape)} "
-            f"and response_mask has shape {tuple(response_mask.shape)}; both must be the same [B, R]"
-        )
-    if values is not None and values.shape != token_level_rewards.shape:
-        raise ValueError(
-            f"advantage estimator {name!r}: values has shape {tuple(values.shape)}, "
-            f"token_level_rewards {tuple(token_level_rewards.shape)}; they must match"
-        )
-    if index is not None and len(index) != token_level_rewards.shape[0]:
-        raise ValueError(
-            f"advantage estimator {name!r}: index has {len(index)} group ids for "
-            f"{token_level_rewards.shape[0]} rows (shape [B] expected)"
-        )
-
-
-def group_rows(index: Any) -> dict[Any, torch.Tensor]:
-    """Group id -> the row numbers holding it, in order of first appearance."""
-    if index is None:
-        raise ValueError("this advantage estimator needs index, the group id (uid) of every row; got None")
-    rows: dict[Any, list[int]] = {}
-    for row, group in enumerate(np.asarray(index, dtype=object)):
-        rows.setdefault(group, []).append(row)
-    return {group: torch.tensor(members) for group, members in rows.items()}
-
-
-def _broadcast(per_row: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    advantages = (per_row.unsqueeze(-1) * response_mask.to(torch.float32)).to(torch.float32)
-    return advantages, advantages.clone()
 
 
 def gae(token_level_rewards, response_mask, index=None, values=None, config=None, **extra):
@@ -122,7 +83,7 @@ def grpo(token_level_rewards, response_mask, index, values=None, config=None, **
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1).to(torch.float32)
         centred = _group_centred(scores, index, settings.norm_adv_by_std_in_grpo, settings.epsilon)
-    return _broadcast(centred, response_mask)
+    return outcome_advantages(centred, response_mask)
 
 
 def dr_grpo(token_level_rewards, response_mask, index, values=None, config=None, **extra):
@@ -133,7 +94,7 @@ def dr_grpo(token_level_rewards, response_mask, index, values=None, config=None,
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1).to(torch.float32)
         centred = _group_centred(scores, index, False, settings.epsilon)
-    return _broadcast(centred, response_mask)
+    return outcome_advantages(centred, response_mask)
 
 
 def rloo(token_level_rewards, response_mask, index, values=None, config=None, **extra):
@@ -148,7 +109,7 @@ def rloo(token_level_rewards, response_mask, index, values=None, config=None, **
             if count > 1:
                 group = scores[rows]
                 result[rows] = group * count / (count - 1) - torch.mean(group) * count / (count - 1)
-    return _broadcast(result, response_mask)
+    return outcome_advantages(result, response_mask)
 
 
 def opo(token_level_rewards, response_mask, index, values=None, config=None, **extra):
@@ -163,7 +124,7 @@ def opo(token_level_rewards, response_mask, index, values=None, config=None, **e
             if len(rows) > 1:
                 baseline = (lengths[rows] * scores[rows]).sum() / lengths[rows].sum()
                 result[rows] = scores[rows] - baseline
-    return _broadcast(result, response_mask)
+    return outcome_advantages(result, response_mask)
 
 
 def gpg(token_level_rewards, response_mask, index, values=None, config=None, **extra):
@@ -174,7 +135,7 @@ def gpg(token_level_rewards, response_mask, index, values=None, config=None, **e
         scores = token_level_rewards.sum(dim=-1).to(torch.float32)
         alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)
         result = alpha * _group_centred(scores, index, False, 0.0)
-    return _broadcast(result, response_mask)
+    return outcome_advantages(result, response_mask)
 
 
 def grpo_passk(token_level_rewards, response_mask, index, values=None, config=None, **extra):
@@ -195,7 +156,7 @@ def grpo_passk(token_level_rewards, response_mask, index, values=None, config=No
             if settings.norm_adv_by_std_in_grpo:
                 advantage = advantage / (torch.std(group_scores) + settings.epsilon)
             result[rows[top_rows[0]]] = advantage
-    return _broadcast(result, response_mask)
+    return outcome_advantages(result, response_mask)
 
 
 def reinforce_plus_plus(token_level_rewards, response_mask, index=None, values=None, config=None, **extra):
