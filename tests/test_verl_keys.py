@@ -1,11 +1,12 @@
 """verl's dotted keys on rlplat's command line: every target exists, each kind of translation and refusal,
 hydra's prefixes, the nested (YAML) path, the documented table, and ``rlplat config show`` on a real verl
-GRPO command line."""
+GRPO command line, and ``rlplat run`` training the demo from that command line."""
 
 from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import json
 import typing
 from pathlib import Path
 
@@ -373,15 +374,12 @@ def test_converted_values_read_back_as_the_same_value(value):
 REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float(solution_str.strip() == ground_truth)\n"
 
 
-@pytest.mark.slow
-def test_config_show_takes_a_verl_grpo_command_line_on_the_demo(cli_run, tmp_path):
+def verl_grpo_command_line(reward) -> list[str]:
+    """examples/grpo_trainer/run_qwen2-7b.sh of verl, on the demo's model and data, the hf rollout and 2 CPU
+    processes: 40 keys."""
     from rlplat import demo
 
-    reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
-    # examples/grpo_trainer/run_qwen2-7b.sh of verl, on the demo's model and data, the hf rollout and 2 CPU processes
-    result = cli_run(
-        "config", "show",
+    return [
         "algorithm.adv_estimator=grpo", f"data.train_files={demo.train_file()}", f"data.val_files={demo.val_file()}",
         "data.train_batch_size=32", "data.max_prompt_length=16", "data.max_response_length=4",
         "data.filter_overlong_prompts=True", "data.truncation=error", f"actor_rollout_ref.model.path={demo.model_dir()}",
@@ -398,7 +396,16 @@ def test_config_show_takes_a_verl_grpo_command_line_on_the_demo(cli_run, tmp_pat
         "trainer.project_name=verl_grpo_example_gsm8k", "trainer.experiment_name=demo", "trainer.n_gpus_per_node=2",
         "trainer.nnodes=1", "trainer.device=cpu", "trainer.save_freq=20", "trainer.test_freq=5", "trainer.total_epochs=15",
         f"custom_reward_function.path={reward}", "custom_reward_function.name=compute_score",
-    )
+    ]
+
+
+@pytest.mark.slow
+def test_config_show_takes_a_verl_grpo_command_line_on_the_demo(cli_run, tmp_path):
+    from rlplat import demo
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    result = cli_run("config", "show", *verl_grpo_command_line(reward))
     assert result.returncode == 0, result.stderr[-3000:]
     notes = [line for line in result.stderr.splitlines() if line.startswith("rlplat: verl key ")]
     assert "rlplat: verl key actor_rollout_ref.actor.optim.lr -> actor.optim.lr" in notes
@@ -413,6 +420,21 @@ def test_config_show_takes_a_verl_grpo_command_line_on_the_demo(cli_run, tmp_pat
     assert config.data.truncation == "filter" and config.rollout.config == {}
     assert (config.cluster.devices_per_node, config.cluster.nnodes, config.cluster.use_gpu) == (2, 1, False)
     assert config.reward.custom_function.path == str(reward) and config.trainer.total_epochs == 15
+
+
+@pytest.mark.slow
+def test_rlplat_run_trains_the_demo_from_a_verl_grpo_command_line(cli_run, tmp_path):
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    run = tmp_path / "run"
+    result = cli_run("run", *verl_grpo_command_line(reward), "trainer.total_training_steps=2",
+                     f"trainer.default_local_dir={run}", "trainer.val_before_train=False", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rlplat: verl key trainer.default_local_dir -> trainer.output_dir" in result.stderr
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [record for record in records if "actor/kl_loss" in record]
+    assert [record["step"] for record in steps] == [1, 2]  # the KL loss of use_kl_loss=True is in effect
+    assert (run / "checkpoints" / "global_step_2" / "COMPLETE").exists()
 
 
 @pytest.mark.slow
