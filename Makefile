@@ -113,4 +113,4 @@ gpu-check-sglang:
 	scripts/rollout_gpu_check.sh sglang
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .venv-vllm .venv-sglang
+	rm -rf $(VENV) $(BENCH_VENV) .venv-vllm .venv-sglang $(VERL_COMPAT)
