@@ -177,6 +177,18 @@ class ClusterConfig:
     """Worker processes per machine (GPUs per machine with ``use_gpu``)."""
     use_gpu: bool = False
     """Place workers on GPUs (NCCL) instead of CPUs (gloo)."""
+    py_modules: List[str] = dataclasses.field(default_factory=list)
+    """Your own modules to ship to every Ray worker (a loss, a worker class or a reward defined in a
+    module that is not installed): import names (``my_losses``, ``my_package``; a dotted name ships its
+    top-level package) or local paths (a package folder or a ``.py`` file). Checked at load."""
+    ship_driver_modules: bool = True
+    """Also ship the driver's own code: the modules it imported from the ``__main__`` script's folder
+    that no installed distribution provides (never site-packages; a package over 20 MiB is left out
+    with a warning). See ``rlplat.start_ray``."""
+    runtime_env: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    """More of Ray's runtime environment for every worker process: ``env_vars``, ``pip``,
+    ``working_dir``, ``excludes``, ... (Ray's names; checked at load). Fixed when Ray starts: a run
+    that joins Ray already started in its process cannot add to it."""
 
 
 @dataclasses.dataclass
@@ -493,6 +505,7 @@ def validate_config(config: DictConfig) -> None:
         )
     if config.cluster.backend not in ("ray", "local"):
         raise ConfigError(f"cluster.backend must be 'ray' or 'local', got {config.cluster.backend!r}.")
+    check_code_shipping(config.cluster)
     check_batch_sizes(config, ["actor"] + (["critic"] if uses_critic(config, algorithm) else []))
     from rlplat.tracking import BACKENDS
 
@@ -502,6 +515,19 @@ def validate_config(config: DictConfig) -> None:
                               f"{did_you_mean(name, BACKENDS)}")
     if config.trainer.resume not in ("auto", "disable") and not Path(config.trainer.resume).exists():
         raise ConfigError(f"trainer.resume: {config.trainer.resume} is neither auto, disable nor an existing checkpoint.")
+
+
+def check_code_shipping(cluster: DictConfig) -> None:
+    """``cluster.py_modules`` can be found and ``cluster.runtime_env`` is one Ray accepts (this
+    imports Ray, so only when either is set)."""
+    if not cluster.py_modules and not cluster.runtime_env:
+        return
+    from rlplat.controller.ray_backend import worker_runtime_env
+
+    try:
+        worker_runtime_env(list(cluster.py_modules), OmegaConf.to_container(cluster.runtime_env))
+    except ValueError as error:
+        raise ConfigError(f"cluster.{error}") from None
 
 
 def parquet_rows(files: Sequence[str]) -> int:

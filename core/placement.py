@@ -67,7 +67,8 @@ def place(roles: dict[str, Role], run: RunContext) -> Placement:
         return Placement(LocalWorkerGroup.colocated(specs, use_gpu=cluster.use_gpu), roles)
     from rlplat.controller.ray_backend import RayWorkerGroup, ResourcePool, start_ray
 
-    start_ray(cluster.address)
+    start_ray(cluster.address, py_modules=cluster.py_modules, runtime_env=cluster.runtime_env,
+              ship_driver_modules=cluster.ship_driver_modules)
     pool = ResourcePool([cluster.devices_per_node] * cluster.nnodes, use_gpu=cluster.use_gpu)
     placement = Placement(RayWorkerGroup.colocated(pool, specs), roles, [pool])
     for name, (spec, settings) in separate.items():
