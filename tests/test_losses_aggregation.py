@@ -121,3 +121,11 @@ def test_critic_loss_over_micro_batches_sums_to_the_full_batch_loss(mode):
         for part in parts
     )
     torch.testing.assert_close(total, full, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_a_mini_batch_without_a_valid_token_gives_zero_not_nan(mode):
+    loss_mat = torch.tensor([[2.0, 3.0]], requires_grad=True)
+    loss = aggregate_loss(loss_mat, torch.zeros(1, 2), mode, global_token_count=0, global_sequence_count=0)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(loss_mat.grad, torch.zeros(1, 2))

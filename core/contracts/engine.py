@@ -127,7 +127,9 @@ class TrainingEngine(abc.ABC):
     def train_batch(self, batch: "DataProto", loss_fn: LossFunction) -> dict[str, float]:
         """One optimizer step per mini-batch of ``batch`` (``meta_info["ppo_mini_batch_size"]`` rows,
         ``meta_info["ppo_epochs"]`` passes), accumulating gradients over micro-batches (fixed size or a
-        token budget), clipping them and stepping the LR schedule.
+        token budget), clipping them and stepping the LR schedule. A row count that the mini-batch size
+        does not divide ends with a smaller mini-batch (a batch smaller than it is one step); each
+        mini-batch is normalised by its own global counts.
 
         Reads what ``loss_fn`` needs (typically ``responses``, ``response_mask``, ``old_log_probs``,
         ``advantages``, ``ref_log_prob``, ``values``, ``returns``) plus the model inputs. Returns

@@ -22,8 +22,8 @@ engines sum rather than average gradients over ranks):
     constant normaliser.
 
 Without global counts the sequence count is that of sequences with at least one valid token (verl's
-choice: fully masked rows are not counted), and the token count is clamped to at least 1 so an
-all-masked micro-batch gives 0 rather than verl's NaN. To keep invariance exact when some rows are
+choice: fully masked rows are not counted). Token counts, and global sequence counts, are clamped to at
+least 1, so an all-masked micro-batch or mini-batch gives 0 rather than verl's NaN. To keep invariance exact when some rows are
 fully masked, pass as ``global_sequence_count`` the number of rows with a valid token.
 """
 
@@ -74,6 +74,12 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     return whitened if shift_mean else whitened + mean
 
 
+def at_least_one(count: Any) -> Any:
+    """A count used as a divisor, at least 1: a mini-batch without a valid token (every response empty)
+    gives a loss of 0 and no gradient instead of NaN."""
+    return count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1)
+
+
 def aggregate_loss(
     loss_mat: torch.Tensor,
     loss_mask: torch.Tensor,
@@ -89,7 +95,7 @@ def aggregate_loss(
     """
     mask = loss_mask.to(loss_mat.dtype)
     if loss_agg_mode == "token-mean":
-        tokens = mask.sum().clamp(min=1) if global_token_count is None else global_token_count
+        tokens = at_least_one(mask.sum() if global_token_count is None else global_token_count)
         return masked_sum(loss_mat, mask) / tokens
     if loss_agg_mode == "token-sum":
         return masked_sum(loss_mat, mask)
@@ -99,7 +105,7 @@ def aggregate_loss(
         if loss_agg_mode == "seq-mean-token-mean":
             sequence_losses = sequence_losses / (tokens_per_sequence + 1e-8)
         sequence_mask = (tokens_per_sequence > 0).to(loss_mat.dtype)
-        sequences = sequence_mask.sum() if global_sequence_count is None else global_sequence_count
+        sequences = sequence_mask.sum() if global_sequence_count is None else at_least_one(global_sequence_count)
         loss = masked_sum(sequence_losses, sequence_mask) / sequences
         if loss_agg_mode == "seq-mean-token-sum-norm":
             loss = loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
