@@ -234,6 +234,15 @@ def merge_checked(base: DictConfig, extra: Any, source: str) -> DictConfig:
         raise ConfigError(f"{source}: {str(error).splitlines()[0]}") from None
 
 
+def algorithm_schema(name: str) -> type:
+    """The dataclass the ``algorithm`` node of algorithm ``name`` is read with: its entry's ``config_schema``,
+    else :class:`rlplat.contracts.algorithm.AlgorithmConfig`."""
+    from rlplat import registry
+    from rlplat.contracts.algorithm import AlgorithmConfig
+
+    return resolve_schema(registry.entry("algorithm", name).config_schema) or AlgorithmConfig
+
+
 def algorithm_spec(name: str) -> Any:
     """The registered algorithm's spec; a :class:`ConfigError` naming what is available otherwise."""
     from rlplat import registry
@@ -569,12 +578,11 @@ def check_scorer(config: DictConfig) -> None:
 
 
 def check_roles(config: DictConfig, algorithm: Any, registry: Any) -> None:
-    from rlplat.contracts.role import RoleConfig
+    from rlplat.contracts.role import read_role_config
 
-    for name, node in OmegaConf.to_container(config.roles, resolve=True).items():
+    for name in config.roles:
         role = registry.get("role", name)()
-        schema = resolve_schema(registry.entry("role", name).config_schema) or RoleConfig
-        settings = read_config_node(node or {}, schema, f"roles.{name}")
+        settings = read_role_config(config, name)
         if not role.movable and settings.placement != role.default_placement:
             raise ConfigError(f"roles.{name}.placement: the {name} role always runs {role.default_placement}.")
         if settings.placement == "separate" and config.cluster.backend == "local":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rlplat.contracts.role import Role, RoleConfig, RunContext
+from rlplat.contracts.role import Role, RunContext
 
 
 @dataclasses.dataclass
@@ -30,15 +30,6 @@ class Placement:
             pool.release()
 
 
-def role_settings(run: RunContext, name: str) -> RoleConfig:
-    """The ``roles.<name>`` node read with the role entry's schema (placement defaults to the role's)."""
-    from rlplat import registry
-    from rlplat.config_node import resolve_schema
-
-    schema = resolve_schema(registry.entry("role", name).config_schema) or RoleConfig
-    return run.role_config(name, schema)
-
-
 def enabled_roles(run: RunContext) -> dict[str, Role]:
     """Every registered role this run needs, ``actor`` first, then by name."""
     from rlplat import registry
@@ -53,7 +44,7 @@ def place(roles: dict[str, Role], run: RunContext) -> Placement:
     cluster = run.config.cluster
     specs, separate = {}, {}
     for name, role in roles.items():
-        settings = role_settings(run, name)
+        settings = run.role_config(name)
         placement = settings.placement if "placement" in (run.config.roles.get(name) or {}) else role.default_placement
         if placement == "separate":
             separate[name] = (role.worker(run), settings)

@@ -24,8 +24,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlplat.checkpoint import CheckpointManager, capture_rng_state, graceful_interrupt, restore_rng_state
-from rlplat.config import sampling_node, total_training_steps, validate_config
-from rlplat.config_node import read_config_node, resolve_schema
+from rlplat.config import algorithm_schema, sampling_node, total_training_steps, validate_config
+from rlplat.config_node import read_config_node
 from rlplat.contracts.role import RunContext
 from rlplat.contracts.rollout import SamplingParams
 from rlplat.data import build_loaders
@@ -72,15 +72,13 @@ class Trainer:
         from transformers import AutoTokenizer
 
         from rlplat import registry
-        from rlplat.contracts.algorithm import AlgorithmConfig
         from rlplat.scorers import scorer_for
 
         validate_config(config)
         self.config = config
         self.node = OmegaConf.to_container(config, resolve=True)
         self.algorithm = registry.get("algorithm", config.algorithm.name)()
-        schema = resolve_schema(registry.entry("algorithm", config.algorithm.name).config_schema) or AlgorithmConfig
-        self.algorithm.config = read_config_node(self.node["algorithm"], schema, "algorithm")
+        self.algorithm.config = read_config_node(self.node["algorithm"], algorithm_schema(config.algorithm.name), "algorithm")
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
         self.train_loader, self.val_loader = build_loaders(config.data, self.tokenizer)
         reward = config.reward
@@ -113,8 +111,6 @@ class Trainer:
         self.rollout = groups.get("rollout", self.actor)
         for name, group in groups.items():
             self.placement.roles[name].start(group)
-        if self.rollout is not self.actor:
-            self.sync_weights()
 
     def sync_weights(self) -> None:
         """The actor's weights to the rollout: inside each process when colocated, else through the
@@ -138,6 +134,8 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.config, resolve=True))
         self.build_workers()
         self.resume()
+        if self.rollout is not self.actor:  # a rollout in its own pool starts from the built or restored weights
+            self.sync_weights()
         metrics: dict[str, float] = {}
         trainer = self.config.trainer
         with Tracker(self.run_dir, trainer.logger, total_steps=self.total_steps, start_step=self.step + 1,
@@ -271,8 +269,6 @@ class Trainer:
             return
         for name, group in self.placement.groups.items():
             self.placement.roles[name].load_checkpoint(group, str(path))
-        if self.rollout is not self.actor:
-            self.sync_weights()
         state = self.checkpoints.load_state(path)
         self.train_loader.load_state_dict(state["data"])
         restore_rng_state(state["rng"])

@@ -72,12 +72,20 @@ class RunContext:
     total_steps: int
     """Training steps of the run."""
 
-    def role_config(self, name: str, schema: type = RoleConfig) -> Any:
-        """The ``roles.<name>`` node read as ``schema`` (defaults when the config has no such node)."""
-        from rlplat.config_node import read_config_node
+    def role_config(self, name: str) -> RoleConfig:
+        """The ``roles.<name>`` node of this run (see :func:`read_role_config`)."""
+        return read_role_config(self.config, name)
 
-        node = self.config.get("roles", {}).get(name) if self.config.get("roles") is not None else None
-        return read_config_node(node, schema, f"roles.{name}")
+
+def read_role_config(config: Any, name: str) -> RoleConfig:
+    """The ``roles.<name>`` node of a run config read with the schema the role's registry entry declares
+    (default :class:`RoleConfig`; its defaults when the config has no such node)."""
+    from rlplat import registry
+    from rlplat.config_node import read_config_node, resolve_schema
+
+    schema = resolve_schema(registry.entry("role", name).config_schema) or RoleConfig
+    roles = config.get("roles") or {}
+    return read_config_node(roles.get(name), schema, f"roles.{name}")
 
 
 class Role(abc.ABC):
