@@ -60,7 +60,9 @@ class OptimConfig:
 
 
 @dataclasses.dataclass
-class ActorConfig:
+class EngineRoleConfig:
+    """What the actor and the critic share: an engine, its optimizer, and how a step's batch is cut."""
+
     engine: str = "fsdp2"
     """Registered training engine (kind ``engine``) of the actor and the reference model."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
@@ -84,8 +86,22 @@ class ActorConfig:
     engine registers; ``rlplat config explain actor.engine_config`` lists them."""
 
 
+#: ``actor.recompute_old_log_prob`` values.
+OLD_LOG_PROB_MODES = ("auto", "always", "never")
+
+
 @dataclasses.dataclass
-class CriticConfig(ActorConfig):
+class ActorConfig(EngineRoleConfig):
+    recompute_old_log_prob: str = "auto"
+    """Whether ``old_log_probs`` come from a forward pass of their own before the update: ``always``;
+    ``never`` (the update's first forward supplies them: only for a strictly on-policy update, one
+    ``ppo_epochs`` and one mini-batch per step, with nothing reading them before the update); ``auto``
+    (the default) skips the pass on the steps where that holds and runs it otherwise (PPO epochs,
+    several mini-batches, KL in the reward). The ``rollout/log_prob_diff_*`` metric is there in every mode."""
+
+
+@dataclasses.dataclass
+class CriticConfig(EngineRoleConfig):
     enable: Optional[bool] = None
     """Build a critic: None follows the algorithm (PPO needs one); False with such an algorithm is an error."""
 
@@ -516,6 +532,7 @@ def validate_config(config: DictConfig) -> None:
         raise ConfigError(f"cluster.backend must be 'ray' or 'local', got {config.cluster.backend!r}.")
     check_code_shipping(config.cluster)
     check_batch_sizes(config, ["actor"] + (["critic"] if uses_critic(config, algorithm) else []))
+    check_old_log_prob_mode(config, algorithm)
     from rlplat.tracking import BACKENDS
 
     for name in config.trainer.logger:
@@ -524,6 +541,36 @@ def validate_config(config: DictConfig) -> None:
                               f"{did_you_mean(name, BACKENDS)}")
     if config.trainer.resume not in ("auto", "disable") and not Path(config.trainer.resume).exists():
         raise ConfigError(f"trainer.resume: {config.trainer.resume} is neither auto, disable nor an existing checkpoint.")
+
+
+def old_log_prob_pass_reasons(config: DictConfig, algorithm: Any) -> list[str]:
+    """Why the steps of this run need ``old_log_probs`` before the update (a forward pass of their own);
+    empty when the update's first forward can supply them (see ``actor.recompute_old_log_prob``)."""
+    actor, reasons = config.actor, []
+    if actor.ppo_epochs != 1:
+        reasons.append(f"actor.ppo_epochs={actor.ppo_epochs}: the epochs after the first see updated weights")
+    if actor.ppo_mini_batch_size < config.data.train_batch_size:
+        reasons.append(f"actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} < data.train_batch_size="
+                       f"{config.data.train_batch_size}: the mini-batches after the first see updated weights")
+    if OmegaConf.select(config, "algorithm.use_kl_in_reward", default=False):
+        reasons.append("algorithm.use_kl_in_reward=true: the reward's KL term reads them before the update")
+    if getattr(algorithm, "reads_old_log_probs", False):
+        reasons.append(f"algorithm {algorithm.name!r} reads them before the update (Algorithm.reads_old_log_probs)")
+    return reasons
+
+
+def check_old_log_prob_mode(config: DictConfig, algorithm: Any) -> None:
+    mode = config.actor.recompute_old_log_prob
+    if mode not in OLD_LOG_PROB_MODES:
+        raise ConfigError(f"actor.recompute_old_log_prob must be one of {', '.join(OLD_LOG_PROB_MODES)}, got {mode!r}."
+                          f"{did_you_mean(str(mode), OLD_LOG_PROB_MODES)}")
+    reasons = old_log_prob_pass_reasons(config, algorithm)
+    if mode == "never" and reasons:
+        raise ConfigError(
+            "actor.recompute_old_log_prob=never takes old_log_probs from the update's first forward, which is "
+            f"only right for a strictly on-policy update; this run is not: {'; '.join(reasons)}. "
+            "Use auto (the default: the pass runs where it is needed) or always."
+        )
 
 
 def check_code_shipping(cluster: DictConfig) -> None:

@@ -1,7 +1,8 @@
 """``Trainer``: the driver loop, written as the algorithm reads.
 
 load batch -> generate (n per prompt) -> algorithm.after_generate -> reward -> algorithm.filter_batch
--> old log-probs -> reference log-probs -> values -> KL in the reward -> advantages -> update critic
+-> old log-probs (unless the update is strictly on-policy: then its first forward gives them)
+-> reference log-probs (when a KL term reads them) -> values -> KL in the reward -> advantages -> update critic
 -> update actor -> sync weights to the rollout -> validate / checkpoint / log.
 
 The heavy work runs in worker groups, one per role (kind ``role``, :mod:`rlplat.placement`); roles take
@@ -24,7 +25,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlplat.checkpoint import CheckpointManager, capture_rng_state, graceful_interrupt, restore_rng_state
-from rlplat.config import algorithm_schema, sampling_node, total_training_steps, validate_config
+from rlplat.config import (algorithm_schema, old_log_prob_pass_reasons, sampling_node, total_training_steps,
+                           validate_config)
 from rlplat.config_node import read_config_node
 from rlplat.contracts.role import RunContext
 from rlplat.contracts.rollout import SamplingParams
@@ -90,6 +92,7 @@ class Trainer:
         if algorithm_node.use_kl_in_reward:
             self.kl_controller = self.algorithm.resolve("kl_controller")(algorithm_node.kl_ctrl)
         self.use_reference = self.algorithm.uses_reference(self.node["actor"]["loss"], algorithm_node)
+        self.old_log_prob_reasons = old_log_prob_pass_reasons(config, self.algorithm)
         self.run_dir = Path(config.trainer.output_dir)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", config.trainer.keep_last)
         self.total_steps = total_training_steps(config, self.train_loader.rows_per_epoch)
@@ -166,8 +169,10 @@ class Trainer:
         with timed(timing, "gen"):
             batch = self.generate_filled_batch(seed, timing)
         batch = self.stage("scored", batch)
-        with timed(timing, "old_log_prob"):
-            batch = batch.union(self.actor.compute_log_prob(batch))
+        separate_old_log_prob = self.needs_old_log_prob_pass(batch)
+        if separate_old_log_prob:
+            with timed(timing, "old_log_prob"):
+                batch = batch.union(self.actor.compute_log_prob(batch))
         if self.use_reference:
             with timed(timing, "ref"):
                 batch = batch.union(self.actor.compute_ref_log_prob(batch))
@@ -177,12 +182,16 @@ class Trainer:
         with timed(timing, "adv"):
             batch, reward_kl_metrics = self.compute_advantage(batch)
         batch = self.stage("prepared", batch)
-        metrics: dict[str, Any] = {**reward_kl_metrics, **log_prob_mismatch(batch)}
+        metrics: dict[str, Any] = dict(reward_kl_metrics)
         if self.critic is not None:
             with timed(timing, "update_critic"):
                 metrics.update(self.critic.update_critic(batch).meta_info["metrics"])
         with timed(timing, "update_actor"):
-            metrics.update(self.actor.update_actor(batch).meta_info["metrics"])
+            updated = self.actor.update_actor(batch)
+        metrics.update(updated.meta_info["metrics"])
+        if not separate_old_log_prob:  # the update's first forward supplied them
+            batch = batch.union(updated.select(batch_keys=["old_log_probs"], meta_info_keys=[]))
+        metrics.update(log_prob_mismatch(batch))
         with timed(timing, "sync_weights"):
             self.sync_weights()
         self.stage("updated", batch)
@@ -192,6 +201,23 @@ class Trainer:
         tokens = float(batch.batch["attention_mask"].sum())
         metrics["perf/throughput"] = tokens / timing["timing_s/step"] / max(self.actor.world_size, 1)
         return {**metrics, **timing}
+
+    def needs_old_log_prob_pass(self, batch: DataProto) -> bool:
+        """Whether this step computes ``old_log_probs`` in a forward pass of their own, per
+        ``actor.recompute_old_log_prob``; without one, the update's first forward supplies them."""
+        if self.old_log_prob_reasons or self.config.actor.recompute_old_log_prob == "always":
+            return True
+        mini_batch_rows = self.config.actor.ppo_mini_batch_size * self.config.rollout.n
+        if len(batch) <= mini_batch_rows:
+            return False
+        if self.config.actor.recompute_old_log_prob == "never":
+            raise RuntimeError(
+                f"step {self.step}: the batch has {len(batch)} rows, more than one mini-batch "
+                f"(actor.ppo_mini_batch_size x rollout.n = {mini_batch_rows}; algorithm {self.algorithm.name!r} "
+                "added rows), so the update is not strictly on-policy and actor.recompute_old_log_prob=never "
+                "cannot take old_log_probs from its first forward; use auto or always"
+            )
+        return True
 
     def generate_filled_batch(self, seed: int, timing: dict[str, float]) -> DataProto:
         """Prompts -> responses -> rewards, through the algorithm's hooks; an algorithm that drops

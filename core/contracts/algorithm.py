@@ -156,6 +156,10 @@ class Algorithm:
     policy_loss: str = "vanilla"
     needs_critic: bool = False
     needs_reference: bool = False
+    reads_old_log_probs: bool = False
+    """True when a hook of this algorithm (``estimator_inputs``, ``after_generate``...) reads
+    ``old_log_probs`` before the update; the loop then always runs their forward pass first
+    (``actor.recompute_old_log_prob``)."""
     default_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     description: str = ""
     actor_loss: Any = "rlplat.losses:ActorLoss"

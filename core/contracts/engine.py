@@ -128,7 +128,8 @@ class TrainingEngine(abc.ABC):
         """One optimizer step per mini-batch of ``batch`` (``meta_info["ppo_mini_batch_size"]`` rows,
         ``meta_info["ppo_epochs"]`` passes), accumulating gradients over micro-batches (fixed size or a
         token budget), clipping them and stepping the LR schedule. A row count that the mini-batch size
-        does not divide ends with a smaller mini-batch (a batch smaller than it is one step); each
+        does not divide ends with a smaller mini-batch (a batch smaller than it is one step);
+        ``meta_info["ppo_mini_batch_size"] = None`` makes the whole batch one mini-batch. Each
         mini-batch is normalised by its own global counts.
 
         Reads what ``loss_fn`` needs (typically ``responses``, ``response_mask``, ``old_log_probs``,

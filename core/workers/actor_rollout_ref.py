@@ -36,6 +36,45 @@ def log_prob_mismatch(batch: DataProto) -> dict[str, float]:
     return {"rollout/log_prob_diff_max": float(difference.max()), "rollout/log_prob_diff_mean": float(difference.mean())}
 
 
+ROW_INDEX = "rlplat_row_index"
+
+
+class OldLogProbsFromForward:
+    """A loss function around ``loss_fn`` for a strictly on-policy update (one epoch, one mini-batch):
+    before the optimizer step every row's forward runs on the weights that sampled nothing since, so
+    its detached log-probs *are* ``old_log_probs``. Each micro-batch gets them as that column before
+    ``loss_fn`` reads it, and they are kept by row (``ROW_INDEX``) for the driver: the separate pass
+    they replace is one forward fewer per step."""
+
+    def __init__(self, loss_fn: Any, rows: int):
+        self.loss_fn = loss_fn
+        self.needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
+        self.old_log_probs: torch.Tensor | None = None
+        self.seen = torch.zeros(rows, dtype=torch.bool)
+        self.rows = rows
+
+    def __call__(self, outputs: Any, micro_batch: DataProto) -> Any:
+        log_probs = outputs["log_probs"].detach()
+        micro_batch.batch["old_log_probs"] = log_probs
+        rows = micro_batch.batch[ROW_INDEX].cpu()
+        if self.old_log_probs is None:
+            self.old_log_probs = torch.zeros(self.rows, log_probs.shape[1], dtype=log_probs.dtype)
+        fresh = ~self.seen[rows]  # the first forward of a row counts (an engine may repeat a stand-in row)
+        self.old_log_probs[rows[fresh]] = log_probs.cpu()[fresh]
+        self.seen[rows] = True
+        return self.loss_fn(outputs, micro_batch)
+
+    def result(self) -> torch.Tensor:
+        if self.old_log_probs is None or not bool(self.seen.all()):
+            missing = int((~self.seen).sum())
+            raise RuntimeError(
+                f"update_actor: the engine's update never passed {missing} of {self.rows} rows to the loss "
+                "function, so their old_log_probs are unknown; run compute_log_prob before update_actor "
+                "(actor.recompute_old_log_prob=always)"
+            )
+        return self.old_log_probs
+
+
 class ActorRolloutRefWorker(Worker):
     """See the module docstring. Methods read and write verl's DataProto keys."""
 
@@ -131,18 +170,31 @@ class ActorRolloutRefWorker(Worker):
         """One actor update on ``batch`` (reads ``responses``, ``response_mask``, ``old_log_probs``,
         ``advantages`` and ``ref_log_prob`` with a KL loss) with ``loss_fn``, a
         :class:`~rlplat.contracts.engine.LossFunction` built in the driver and shipped here by value
-        (None: the algorithm's actor loss built from the ``actor`` node at ``init_model``). Returns no
-        rows; ``meta_info["metrics"]`` holds the engine's and the loss's metrics."""
+        (None: the algorithm's actor loss built from the ``actor`` node at ``init_model``).
+        ``meta_info["metrics"]`` holds the engine's and the loss's metrics.
+
+        A batch without ``old_log_probs`` gets a strictly on-policy update: one epoch of one mini-batch
+        (one optimizer step), whose forward supplies them (:class:`OldLogProbsFromForward`); they come
+        back as the result's one column. Otherwise the result has no rows."""
         actor = self.require("actor", "update_actor")
         loss_fn = loss_fn if loss_fn is not None else self.actor_loss
         meta = {"temperature": self.temperature(batch), "calculate_entropy": bool(getattr(loss_fn, "needs_entropy", False)),
                 **batch.meta_info}
         started = time.perf_counter()
         batch = without_padding_weight(batch, self.padding_rows)
+        from_forward = None
+        if "old_log_probs" not in batch.batch.keys():
+            from_forward = OldLogProbsFromForward(loss_fn, len(batch))
+            tensors = batch.batch.clone(recurse=False)
+            tensors.set(ROW_INDEX, torch.arange(len(batch)))
+            batch, loss_fn = DataProto(tensors, batch.non_tensor_batch, batch.meta_info), from_forward
+            meta.update(ppo_mini_batch_size=None, ppo_epochs=1)  # one optimizer step: every forward precedes it
         metrics = actor.train_batch(batch.with_meta_info(meta), loss_fn)
         metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()}
         metrics["timing_s/update_actor_worker"] = time.perf_counter() - started
-        return DataProto(meta_info={"metrics": metrics})
+        if from_forward is None:
+            return DataProto(meta_info={"metrics": metrics})
+        return DataProto.from_dict({"old_log_probs": from_forward.result()}, meta_info={"metrics": metrics})
 
     # -- weights -----------------------------------------------------------------------------------
 
