@@ -125,6 +125,10 @@ class RolloutConfig:
     free_between_phases: bool = False
     """Put the rollout to sleep after each generation and wake it (weights, then KV cache) at the next
     weight sync, so that training has its memory: what a colocated vllm or sglang rollout on a GPU needs."""
+    share_weights: bool = True
+    """A colocated rollout reads the actor engine's parameters in place when both allow it (one process
+    holding whole parameters, same device and dtype: ``cluster.backend=local`` or one worker): a weight
+    sync then copies nothing and the model is held once. Elsewhere weights are copied bucket by bucket."""
     config: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """The rollout's own keys, checked against the schema the rollout registers."""
 

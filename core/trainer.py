@@ -115,13 +115,15 @@ class Trainer:
         for name, group in groups.items():
             self.placement.roles[name].start(group)
 
-    def sync_weights(self) -> None:
-        """The actor's weights to the rollout: inside each process when colocated, else through the
-        object store (the rollout group fetches the actor's buckets itself)."""
+    def sync_weights(self) -> dict[str, float]:
+        """The actor's weights to the rollout: inside each process when colocated (in place where the
+        engine and rollout allow it), else through the object store (the rollout group fetches the
+        actor's buckets itself). Returns the first process's ``sync/*`` metrics when colocated."""
         if self.rollout is self.actor:
-            self.actor.sync_weights()
-        else:
-            self.rollout.load_weights(self.actor.call_async("export_weights"))
+            reports = self.actor.sync_weights()
+            return {key: value for key, value in reports[0].items() if key.startswith("sync/")} if reports else {}
+        self.rollout.load_weights(self.actor.call_async("export_weights"))
+        return {}
 
     def stage(self, name: str, batch: DataProto) -> DataProto:
         """Let every role take part in stage ``name`` of the step (:meth:`Role.on_stage`)."""
@@ -193,7 +195,7 @@ class Trainer:
             batch = batch.union(updated.select(batch_keys=["old_log_probs"], meta_info_keys=[]))
         metrics.update(log_prob_mismatch(batch))
         with timed(timing, "sync_weights"):
-            self.sync_weights()
+            metrics.update(self.sync_weights())
         self.stage("updated", batch)
         metrics.update(batch_metrics(batch))
         metrics.update(batch.meta_info.get("reward_metrics", {}))

@@ -71,7 +71,8 @@ def test_after_a_sync_the_engine_and_the_rollout_agree_on_log_probs_before_and_a
 
 @pytest.fixture
 def in_process_hybrid():
-    workers = LocalWorkerGroup(WorkerSpec(ActorRolloutRefWorker, worker_config()), role="actor_rollout_ref")
+    # the copying sync (sleep frees the rollout's own weights); zero-copy is tested below
+    workers = LocalWorkerGroup(WorkerSpec(ActorRolloutRefWorker, worker_config(share_weights=False)), role="actor_rollout_ref")
     workers.init_model()
     yield workers
     workers.shutdown()
@@ -96,7 +97,8 @@ def test_sleep_frees_the_rollout_weights_and_wake_plus_sync_reproduces_generatio
 
 
 def test_freeing_between_phases_sleeps_after_generating_and_a_second_generation_wakes_with_the_actor_weights():
-    group = LocalWorkerGroup(WorkerSpec(ActorRolloutRefWorker, worker_config(free_rollout_between_phases=True)), role="actor_rollout_ref")
+    group = LocalWorkerGroup(WorkerSpec(ActorRolloutRefWorker, worker_config(free_rollout_between_phases=True, share_weights=False)),
+                             role="actor_rollout_ref")
     try:
         group.init_model()
         rollout = the_worker(group).rollout
@@ -139,3 +141,46 @@ def test_the_critic_predicts_values_and_its_loss_falls_on_a_fixed_batch(in_proce
     train = batch.union(DataProto.from_dict({"values": values, "returns": returns}))
     losses = [critic.update_critic(train).meta_info["metrics"]["critic/vf_loss"][0] for _ in range(6)]
     assert losses[-1] < 0.5 * losses[0]
+
+
+def storages(tensors) -> dict[int, int]:
+    """Bytes of each distinct storage behind ``tensors``, by its address."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+def test_in_one_process_the_rollout_reads_the_engine_weights_in_place_and_samples_from_each_update():
+    group = LocalWorkerGroup(WorkerSpec(ActorRolloutRefWorker, worker_config()), role="actor_rollout_ref")
+    reference = LocalWorkerGroup(WorkerSpec(ActorRolloutRefWorker, worker_config(roles=["rollout"])), role="copying",
+                                 init_distributed=False)
+    try:
+        group.init_model()
+        worker = the_worker(group)
+        engine_storages = storages(tensor for _, tensor in worker.actor.shared_weights())
+        rollout_storages = storages(worker.rollout.model.parameters())
+        # one copy of the model: every rollout weight lives in the engine's storage, none of its own
+        assert set(rollout_storages) <= set(engine_storages)
+        own = sum(size for address, size in rollout_storages.items() if address not in engine_storages)
+        assert own == 0 and sum(engine_storages.values()) > 2_000_000
+
+        prompts = left_padded_prompts(PROMPTS, 0)
+        for step in range(2):
+            batch = group.generate_sequences(prompts)
+            batch = batch.union(group.compute_log_prob(batch)).union(group.compute_ref_log_prob(batch))
+            assert log_prob_mismatch(batch)["rollout/log_prob_diff_max"] < 1e-4
+            group.update_actor(with_advantages(batch))
+            (report,) = group.sync_weights()
+            assert report["sync/shared"] == 1.0 and report["sync/bytes"] == 0.0
+            # the next samples come from the updated weights: the same as a rollout given a copy of them
+            if step == 0:
+                reference.init_model()
+            copier = the_worker(reference)
+            for bucket in worker.actor.named_weights():
+                copier.rollout.update_weights(bucket)
+            shared = group.generate_sequences(prompts)
+            copied = reference.generate_sequences(prompts)
+            assert torch.equal(shared.batch["responses"], copied.batch["responses"])
+            assert torch.allclose(shared.batch["rollout_log_probs"], copied.batch["rollout_log_probs"], atol=1e-6)
+        assert storages(worker.rollout.model.parameters()).keys() <= engine_storages.keys()
+    finally:
+        group.shutdown()
+        reference.shutdown()

@@ -142,6 +142,14 @@ class TrainingEngine(abc.ABC):
         """Full (unsharded) parameters in Hugging Face naming, yielded in buckets of at most
         ``bucket_bytes`` (a single tensor larger than that forms its own bucket), for the rollout."""
 
+    def shared_weights(self) -> "list[tuple[str, torch.Tensor]] | None":
+        """The full weights in the names of :meth:`named_weights`, as tensors that share storage with the
+        engine's own parameters (views, no copy), or None (the default) when this rank does not hold
+        whole parameters (sharded, offloaded). A rollout in the same process binds them
+        (:meth:`RolloutEngine.bind_weights`) so that a weight sync copies nothing. The views are valid
+        until the engine re-materialises its parameters; callers ask again at every sync."""
+        return None
+
     @abc.abstractmethod
     def save(self, path: str) -> None:
         """Write a resumable, sharded checkpoint (model, optimizer, LR schedule, RNG) into ``path``."""

@@ -114,3 +114,13 @@ class RolloutEngine(abc.ABC):
     def wake_up_kv_cache(self) -> None:
         """Second stage of a staged wake-up, after the weights were updated. The default does nothing
         (an engine whose :meth:`wake_up_weights` restored everything)."""
+
+    def bind_weights(self, named_tensors: Sequence[tuple[str, "torch.Tensor"]]) -> bool:
+        """Optional zero-copy sync: make the model's weights *be* these tensors (views of the training
+        engine's own parameters in the same process, from :meth:`TrainingEngine.shared_weights`), so an
+        optimizer step is seen by the next generation with nothing copied; called again at every sync
+        (cheap: it rebinds, it does not copy). Returns False (the default) when this engine cannot, or
+        not for these tensors (another device or dtype, missing names): the caller then copies with
+        :meth:`update_weights`. An engine that binds must keep the tensors untouched (no in-place
+        writes, not freed by :meth:`sleep`) and take its own copy again before :meth:`update_weights`."""
+        return False

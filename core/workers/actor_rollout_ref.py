@@ -200,16 +200,25 @@ class ActorRolloutRefWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def sync_weights(self) -> dict[str, float]:
-        """Engine -> colocated rollout, one bucket at a time (never a second full copy of the model)."""
+        """Engine -> colocated rollout. Zero-copy where it can (``share_weights``; the engine holds whole
+        parameters on the rollout's device and dtype): the rollout's weights become views of the engine's
+        (:meth:`TrainingEngine.shared_weights`, :meth:`RolloutEngine.bind_weights`), so a sync copies
+        nothing and the model exists once. Otherwise one bucket at a time (never a second full copy in
+        flight). Returns ``sync/bytes`` copied and ``sync/shared``."""
         actor, rollout = self.require("actor", "sync_weights"), self.require("rollout", "sync_weights")
         started, moved = time.perf_counter(), 0
+        if self.config.share_weights:
+            shared = actor.shared_weights()
+            if shared is not None and rollout.bind_weights(shared):
+                self.rollout_asleep = False
+                return {"timing_s/sync_weights": time.perf_counter() - started, "sync/bytes": 0.0, "sync/shared": 1.0}
         rollout.wake_up_weights()
         for bucket in actor.named_weights(self.config.weight_bucket_bytes):
             rollout.update_weights(bucket)
             moved += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
         rollout.wake_up_kv_cache()
         self.rollout_asleep = False
-        return {"timing_s/sync_weights": time.perf_counter() - started, "sync/bytes": float(moved)}
+        return {"timing_s/sync_weights": time.perf_counter() - started, "sync/bytes": float(moved), "sync/shared": 0.0}
 
     @register(Dispatch.ONE_TO_ALL)
     def export_weights(self) -> list[list[tuple[str, torch.Tensor]]] | None:

@@ -42,6 +42,10 @@ class ActorRolloutRefConfig:
     weight_bucket_bytes: int = 256 << 20
     """Size bound of one bucket of weights moved from the engine to the rollout."""
 
+    share_weights: bool = True
+    """Let the colocated rollout read the engine's parameters in place when both allow it (no copy per
+    sync, one copy of the model); else weights are copied bucket by bucket."""
+
     free_rollout_between_phases: bool = False
     """Put the rollout to sleep after generating and wake it for the next weight sync (frees memory)."""
 

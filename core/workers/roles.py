@@ -41,6 +41,7 @@ def actor_rollout_config(run: RunContext, roles: list[str]) -> dict[str, Any]:
         "rollout": config.rollout.name, "algorithm": run.algorithm.name, "sampling": sampling_node(config),
         "rollout_config": rollout_node(config), "actor": loss_node(run, "actor"),
         "free_rollout_between_phases": config.rollout.free_between_phases,
+        "share_weights": config.rollout.share_weights,
     }
 
 

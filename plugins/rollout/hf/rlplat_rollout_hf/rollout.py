@@ -69,6 +69,8 @@ class HFRollout(RolloutEngine):
         self.asleep = False
         self.saved_buffers: dict[str, torch.Tensor] = {}
         self.missing_weights: set[int] = set()
+        self.dtype = getattr(torch, self.config.dtype)
+        self.bound = False  # parameters are views of a training engine's (bind_weights)
 
     # -- generation ------------------------------------------------------------------------------------
 
@@ -158,9 +160,37 @@ class HFRollout(RolloutEngine):
 
     # -- weights and memory ----------------------------------------------------------------------------
 
+    def bind_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
+        """Make every parameter a view of the given tensor of the same name (see the contract): only
+        when all of them are there, on this device, in this dtype and shape; else False, nothing bound."""
+        given = dict(named_tensors)
+        parameters = dict(self.model.named_parameters())  # tied weights once, as the engine names them
+        for name, parameter in parameters.items():
+            tensor = given.get(name)
+            if (tensor is None or tensor.shape != parameter.shape or tensor.dtype != self.dtype
+                    or tensor.device != self.device):
+                return False
+        if self.asleep:  # real parameters (and buffers) again, then bound: their own storage goes
+            self.wake_up()
+            parameters = dict(self.model.named_parameters())
+        for name, parameter in parameters.items():
+            parameter.data = given[name]
+        self.missing_weights = set()
+        self.bound = True
+        return True
+
+    def unbind_weights(self) -> None:
+        """Own copies of bound weights again (before anything writes into them)."""
+        if self.bound:
+            with torch.no_grad():
+                for parameter in self.model.parameters():
+                    parameter.data = parameter.data.clone()
+            self.bound = False
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.asleep:
             raise RuntimeError("hf rollout is asleep: call wake_up() before update_weights()")
+        self.unbind_weights()  # never write into the training engine's parameters
         with torch.no_grad():
             for name, tensor in named_tensors:
                 target = self.targets.get(name)
@@ -172,8 +202,9 @@ class HFRollout(RolloutEngine):
                 self.missing_weights.discard(id(target))
 
     def sleep(self) -> None:
-        """Release every parameter and buffer (the KV cache lives only inside ``generate``)."""
-        if self.asleep:
+        """Release every parameter and buffer (the KV cache lives only inside ``generate``). Bound
+        weights are the training engine's: nothing of the rollout's own to release, they stay."""
+        if self.asleep or self.bound:
             return
         self.saved_buffers = {name: buffer.detach().to("cpu", copy=True) for name, buffer in self.model.named_buffers()}
         self.model.to_empty(device="meta")
