@@ -197,6 +197,10 @@ class ClusterConfig:
     """Worker processes per machine (GPUs per machine with ``use_gpu``)."""
     use_gpu: bool = False
     """Place workers on GPUs (NCCL) instead of CPUs (gloo)."""
+    threads_per_process: Optional[int] = None
+    """torch threads of each worker process. None: on Ray, each process's share of its machine's cores
+    (cores // worker processes of its pool there, at least 1); with the local backend, torch's default
+    (every core) for the one process."""
     py_modules: List[str] = dataclasses.field(default_factory=list)
     """Your own modules to ship to every Ray worker (a loss, a worker class or a reward defined in a
     module that is not installed): import names (``my_losses``, ``my_package``; a dotted name ships its
@@ -534,6 +538,9 @@ def validate_config(config: DictConfig) -> None:
         )
     if config.cluster.backend not in ("ray", "local"):
         raise ConfigError(f"cluster.backend must be 'ray' or 'local', got {config.cluster.backend!r}.")
+    if config.cluster.threads_per_process is not None and config.cluster.threads_per_process < 1:
+        raise ConfigError(f"cluster.threads_per_process must be >= 1 or null (each process's share of its "
+                          f"machine's cores), got {config.cluster.threads_per_process}.")
     check_code_shipping(config.cluster)
     check_batch_sizes(config, ["actor"] + (["critic"] if uses_critic(config, algorithm) else []))
     check_old_log_prob_mode(config, algorithm)

@@ -55,16 +55,21 @@ def place(roles: dict[str, Role], run: RunContext) -> Placement:
 
         if separate:
             raise ValueError(f"roles {sorted(separate)} are placed separately, which needs cluster.backend=ray")
+        if cluster.threads_per_process:
+            from rlplat.controller.host import set_threads
+
+            set_threads(cluster.threads_per_process)
         return Placement(LocalWorkerGroup.colocated(specs, use_gpu=cluster.use_gpu), roles)
     from rlplat.controller.ray_backend import RayWorkerGroup, ResourcePool, start_ray
 
     start_ray(cluster.address, py_modules=cluster.py_modules, runtime_env=cluster.runtime_env,
               ship_driver_modules=cluster.ship_driver_modules)
-    pool = ResourcePool([cluster.devices_per_node] * cluster.nnodes, use_gpu=cluster.use_gpu)
+    pool = ResourcePool([cluster.devices_per_node] * cluster.nnodes, use_gpu=cluster.use_gpu,
+                        threads_per_process=cluster.threads_per_process)
     placement = Placement(RayWorkerGroup.colocated(pool, specs), roles, [pool])
     for name, (spec, settings) in separate.items():
         own = ResourcePool([settings.devices_per_node or cluster.devices_per_node] * (settings.nnodes or cluster.nnodes),
-                           use_gpu=cluster.use_gpu, name_prefix=f"rlplat_{name}")
+                           use_gpu=cluster.use_gpu, name_prefix=f"rlplat_{name}", threads_per_process=cluster.threads_per_process)
         placement.pools.append(own)
         placement.groups[name] = RayWorkerGroup(own, spec, role=name)
     return placement

@@ -186,3 +186,19 @@ def test_the_local_cluster_listens_on_loopback_without_a_dashboard(local_ray):
     assert {node["NodeManagerAddress"] for node in local_ray.nodes()} == {"127.0.0.1"}
     assert local_ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
     assert not ray._private.worker.get_dashboard_url()
+
+
+def test_each_worker_process_runs_its_share_of_the_cores_in_torch_threads(four_workers, local_ray):
+    import ray
+
+    from rlplat.controller.host import cores_share
+
+    threads = ray.get([host.torch_threads.remote() for host in four_workers.backend.hosts])
+    assert threads == [cores_share(4)] * 4
+    pool = ResourcePool([1], cpus_per_process=1, threads_per_process=3)
+    try:
+        group = RayWorkerGroup(pool, WorkerSpec(RowWorker), role="threads")
+        assert ray.get(group.backend.hosts[0].torch_threads.remote()) == 3
+        group.shutdown()
+    finally:
+        pool.release()

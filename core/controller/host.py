@@ -50,12 +50,35 @@ def node_address() -> str:
     return "127.0.0.1"
 
 
+def cores_share(processes_on_node: int) -> int:
+    """This process's share of the cores it may run on: ``cores // processes_on_node``, at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, processes_on_node))
+
+
+def set_threads(threads: int) -> int:
+    """torch's intra-op threads of this worker process (and OpenMP's, for libraries that read it).
+    Too many threads per process on shared cores wait on each other at every barrier; too few leave
+    cores idle."""
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    return threads
+
+
 class WorkerHost:
     """See the module docstring. ``fetch`` turns object references into values (``ray.get`` under Ray)."""
 
-    def __init__(self, rank: int, world_size: int, local_rank: int = 0, fetch: Callable[[list], list] | None = None):
+    def __init__(self, rank: int, world_size: int, local_rank: int = 0, fetch: Callable[[list], list] | None = None,
+                 processes_on_node: int | None = None, threads: int | None = None):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.set_environment()
+        if processes_on_node is not None or threads is not None:
+            self.threads = set_threads(threads or cores_share(processes_on_node or 1))
         self.fetch = fetch or (lambda values: list(values))
         self.workers: dict[str, Any] = {}
         self.owns_process_group = False
@@ -65,6 +88,11 @@ class WorkerHost:
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank))
         if role is not None:
             os.environ[ENV_ROLE] = role
+
+    def torch_threads(self) -> int:
+        import torch
+
+        return torch.get_num_threads()
 
     def address(self) -> tuple[str, int, int]:
         """``(ip, free port, pid)`` of this process: rank 0's becomes the rendezvous address."""

@@ -9,6 +9,8 @@ that is stable across restarts (sorted by node address, then bundle).
 
 from __future__ import annotations
 
+import collections
+
 import copy
 import importlib.metadata
 import importlib.util
@@ -296,19 +298,22 @@ def folder_bytes(path: Path, limit: int) -> int:
 class ResourcePool:
     """Where a worker group's processes go: ``process_on_nodes[i]`` processes on node ``i``.
 
-    Each process gets a bundle of ``cpus_per_process`` CPUs (and one GPU with ``use_gpu``). Worker
+    Each process gets a bundle of ``cpus_per_process`` CPUs (and one GPU with ``use_gpu``) and runs
+    ``threads_per_process`` torch threads (None: its share of its machine's cores, ``cores //
+    processes of the pool on that machine``; Ray's CPU bundle only reserves, it does not size threads). Worker
     groups built on the same pool share its bundles; with ``max_colocate_count=k`` up to ``k`` groups'
     processes share one bundle, each taking ``1/k`` of its CPUs and GPU (fractional sharing).
     """
 
     def __init__(self, process_on_nodes: Sequence[int], use_gpu: bool = False, max_colocate_count: int = 1,
-                 cpus_per_process: float = 1.0, name_prefix: str = "rlplat"):
+                 cpus_per_process: float = 1.0, name_prefix: str = "rlplat", threads_per_process: int | None = None):
         if not process_on_nodes or any(count < 1 for count in process_on_nodes):
             raise ValueError(f"process_on_nodes needs one positive count per node, got {list(process_on_nodes)}")
         self.process_on_nodes = list(process_on_nodes)
         self.use_gpu = use_gpu
         self.max_colocate_count = max_colocate_count
         self.cpus_per_process = cpus_per_process
+        self.threads_per_process = threads_per_process
         self.name_prefix = name_prefix
         self._slots: list[tuple[Any, int, str, int]] | None = None
         self._groups: list[Any] = []
@@ -425,13 +430,14 @@ def start_hosts(pool: ResourcePool, init_distributed: bool = True) -> RayBackend
     slots = pool.slots()
     share = 1.0 / pool.max_colocate_count
     host_class = ray.remote(WorkerHost)
+    on_node = collections.Counter(address for _, _, address, _ in slots)
     hosts = [
         host_class.options(
             num_cpus=pool.cpus_per_process * share,
             num_gpus=share if pool.use_gpu else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle),
-        ).remote(rank, len(slots), local_rank, ray.get)
-        for rank, (group, bundle, _, local_rank) in enumerate(slots)
+        ).remote(rank, len(slots), local_rank, ray.get, processes_on_node=on_node[address], threads=pool.threads_per_process)
+        for rank, (group, bundle, address, local_rank) in enumerate(slots)
     ]
     backend = RayBackend(hosts)
     calls = [RankCall(rank, (), {}) for rank in range(len(hosts))]
