@@ -9,12 +9,18 @@ checkpointing. Contenders, each in a fresh child process of this script:
 * ``TRL GRPOTrainer, 1 thread``: the same with one torch thread (two threads that wait for each other at
   every barrier suffer most when something else shares the 2 cores);
 * ``rlplat ray x2``: the demo's layout, 2 FSDP2 worker processes on a private Ray cluster (1 CPU each);
-* ``rlplat local``: ``cluster.backend=local``, the worker in the driver process, torch threads = ``--threads``.
+* ``rlplat local``: ``cluster.backend=local``, the worker in the driver process, torch threads = ``--threads``;
+* ``plain PyTorch loop``: ``bench/plain_grpo.py``, the same recipe hand-written in one process (sampling with
+  the KV cache, one forward and backward, AdamW), torch threads = ``--threads``: the floor a framework's own
+  overhead is measured against.
 
 Seconds per step: TRL from a ``TrainerCallback`` (``on_step_begin`` -> ``on_step_end``), rlplat from its
-``timing_s/step`` metric (the checkpoint written after the last step is outside it). Medians over the steps
+``timing_s/step`` metric (the checkpoint written after the last step is outside it), the plain loop from its
+own clock around generation + update. Medians over the steps
 after ``--warmup`` in one run; each contender runs ``--rounds`` times (fresh processes, alternating order) and
-the table takes its quietest run. Nothing passes or fails: the script prints what it measured and the ratio.
+the table takes its quietest run. Nothing passes or fails: the script prints what it measured, the ratios
+and, after the table, rlplat's targets (local <= 0.7x TRL, ray x2 <= 1.0x TRL, local <= 1.3x the plain loop)
+beside the measured ratios.
 Run: python bench/trl_vs_rlplat.py [--warmup 3] [--steps 6] [--rounds 3] [--only trl --only rlplat-ray ...]
 """
 
@@ -139,16 +145,35 @@ def run_rlplat(backend: str, warmup: int, steps: int, threads: int, output_dir: 
     return {"step": step_s, "breakdown": breakdown, "steps_seen": len(records) + warmup, "threads": torch.get_num_threads()}
 
 
+# -- plain PyTorch loop -------------------------------------------------------------------------------
+
+def run_plain(warmup: int, steps: int, threads: int) -> dict:
+    import torch
+
+    import plain_grpo  # bench/plain_grpo.py, beside this script
+
+    result = plain_grpo.run(warmup + steps, seed=0, threads=threads, lr=LR, prompts=PROMPTS, samples=SAMPLES, new_tokens=NEW_TOKENS)
+    return {
+        "step": result["step_s"][warmup:],
+        "breakdown": {"gen+score": result["gen_s"][warmup:], "update (forward, backward, optimizer)": result["train_s"][warmup:]},
+        "steps_seen": result["steps"], "threads": torch.get_num_threads(),
+    }
+
+
 # -- driver ---------------------------------------------------------------------------------------------
 
 CONTENDERS = {"trl": "TRL GRPOTrainer", "trl-t1": "TRL GRPOTrainer, 1 thread", "rlplat-ray": "rlplat ray x2 (demo)",
-              "rlplat-local": "rlplat local x1"}
+              "rlplat-local": "rlplat local x1", "plain": "plain PyTorch loop"}
+# Targets: (contender, reference, most allowed ratio contender / reference).
+TARGETS = [("rlplat-local", "trl", 0.7), ("rlplat-ray", "trl", 1.0), ("rlplat-local", "plain", 1.3)]
 
 
 def child(name: str, args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
         if name.startswith("trl"):
             result = run_trl(args.warmup, args.steps, 1 if name == "trl-t1" else args.threads, tmp)
+        elif name == "plain":
+            result = run_plain(args.warmup, args.steps, args.threads)
         else:
             result = run_rlplat(name.split("-")[1], args.warmup, args.steps, args.threads, str(Path(tmp) / "run"))
     print(RESULT_TAG + json.dumps(result), flush=True)
@@ -186,7 +211,7 @@ def main() -> None:
 
     from measure import print_table
 
-    names = args.only or ["trl", "trl-t1", "rlplat-ray", "rlplat-local"]
+    names = args.only or ["trl", "trl-t1", "rlplat-ray", "rlplat-local", "plain"]
     runs: dict[str, list[dict]] = {}
     load_before = os.getloadavg()[0]
     # Rounds in alternating order. The machine's 2 cores may be shared (a test suite, another benchmark):
@@ -225,6 +250,17 @@ def main() -> None:
          f"{', '.join(f'{k} {v}' for k, v in versions.items())}; load average {load_before:.1f} before, "
          f"{load_after:.1f} after (above ~0.5 means something else shared the cores)"],
     )
+
+    target_rows = []
+    for name, reference, most in TARGETS:
+        if name in results and reference in results:
+            ratio = statistics.median(results[name]["step"]) / statistics.median(results[reference]["step"])
+            target_rows.append([f"{CONTENDERS[name]} / {CONTENDERS[reference]}", f"<= {most:.1f}", f"{ratio:.2f}",
+                                "met" if ratio <= most else "not met"])
+        else:
+            target_rows.append([f"{CONTENDERS[name]} / {CONTENDERS[reference]}", f"<= {most:.1f}", "-", "not measured"])
+    print_table("rlplat's targets: median s/step of the quietest runs, as a ratio", ["ratio", "target", "measured", ""],
+                target_rows, ["one run per contender is noisy on a shared machine: trust ratios from --rounds 3 or more"])
 
     for name, result in results.items():
         step_median = statistics.median(result["step"])
