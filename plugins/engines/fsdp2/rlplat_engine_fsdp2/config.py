@@ -70,6 +70,14 @@ class FSDP2EngineConfig(EngineBuildConfig):
     use_dynamic_bsz: bool = False
     """Form micro-batches by a token budget (``max_token_len_per_gpu``) instead of a row count, with a
     balanced partition of the rows by their ``attention_mask`` token counts."""
+    use_remove_padding: bool = False
+    """Sequence packing: run each micro-batch as one row of only its valid tokens (``attention_mask == 1``),
+    attention kept within each sequence, logits computed only where they predict a response token;
+    outputs are scattered back to ``[B, R]`` (0 at padding). The same log-probs, values and gradients
+    as padded rows, without the compute spent on padding; pairs with ``use_dynamic_bsz``, whose token
+    budget then bounds the pack's length. With ``sdpa`` or ``eager`` the model is built with a packing
+    attention function that calls the configured kernel for unpacked calls; ``flash_attention_2`` uses
+    its own varlen path."""
     logprob_chunk_size: int = 4096
     """Tokens (rows x positions) whose float32 log-softmax is computed at once; bounds the memory of
     log-probs and entropy instead of a whole ``[batch, response, vocab]`` float32 tensor."""

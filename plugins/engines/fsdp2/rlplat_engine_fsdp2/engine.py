@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -56,6 +57,7 @@ class FSDP2Engine(TrainingEngine):
         self.global_step = 0
         self.params_offloaded = False
         self.optimizer_offloaded = False
+        self.remove_padding = False
 
     # -- building ----------------------------------------------------------------------------------
 
@@ -69,6 +71,13 @@ class FSDP2Engine(TrainingEngine):
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.hf_config = modeling.hf_config(config)
         model = modeling.build_model(config)
+        self.remove_padding = config.use_remove_padding and modeling.enable_packing(model, config.attn_implementation)
+        if config.use_remove_padding and not self.remove_padding:
+            warnings.warn(
+                f"use_remove_padding: {type(model).__name__} does not route attention through Hugging Face's "
+                "attention interface, so its rows cannot be packed; the fsdp2 engine runs them padded",
+                stacklevel=2,
+            )
         if config.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
@@ -147,6 +156,7 @@ class FSDP2Engine(TrainingEngine):
             temperature=temperature,
             chunk_tokens=self.config.logprob_chunk_size,
             calculate_entropy=calculate_entropy,
+            remove_padding=self.remove_padding,
         )
 
     @staticmethod
@@ -403,6 +413,7 @@ class FSDP2Engine(TrainingEngine):
             "parameters": sum(parameter.numel() for parameter in self.module.parameters()),
             "world_size": self.world_size,
             "value_model": self.config.value_model,
+            "remove_padding": self.remove_padding,
         }
 
 

@@ -6,10 +6,14 @@ float32, so a float32 ``[batch, response, vocab]`` tensor never exists at once. 
 chunk is recomputed in backward (``torch.utils.checkpoint``), so autograd does not keep every
 chunk's float32 copy either. The temperature is applied exactly as Hugging Face ``generate`` and
 vLLM sample: the logits are cast to float32, then divided.
+
+With ``remove_padding`` the rows run as one pack of their valid tokens (:mod:`rlplat_engine_fsdp2.packing`)
+and the same ``[B, R]`` outputs come back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Mapping
@@ -18,6 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from rlplat_engine_fsdp2 import packing
 from rlplat_engine_fsdp2.config import FSDP2EngineConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,6 +64,19 @@ def build_model(config: FSDP2EngineConfig) -> torch.nn.Module:
     if config.model_path is not None:
         return loader.from_pretrained(config.model_path, config=model_config, **options)
     return loader.from_config(model_config, **options)
+
+
+def enable_packing(model: torch.nn.Module, attn_implementation: str) -> bool:
+    """Make ``model`` able to run packed calls (:func:`run_packed_model`): its attention becomes
+    :func:`packing.attention_implementation` of ``attn_implementation``, the same kernel for unpacked
+    calls. False, and ``model`` unchanged, when the model does not route attention through Hugging
+    Face's attention interface (``_supports_attention_backend``), so a pack would attend across sequences."""
+    if not getattr(model, "_supports_attention_backend", False):
+        return False
+    name = packing.attention_implementation(attn_implementation)
+    if name != attn_implementation:
+        model.set_attn_implementation(name)
+    return True
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -115,14 +133,25 @@ def over_chunks(function: Callable[..., torch.Tensor], logits: torch.Tensor, tok
 
 
 class ModelOutputs(Mapping):
-    """What the loss function receives: ``log_probs`` (or ``values``), with ``entropy`` computed only
-    if the loss function reads it. Values keep their gradients."""
+    """What the loss function receives: ``log_probs`` (or ``values``) ``[B, R]``, with ``entropy``
+    computed only if the loss function reads it. Values keep their gradients.
 
-    def __init__(self, values: dict[str, torch.Tensor], logits: torch.Tensor | None, temperature: float, chunk_tokens: int):
+    ``logits`` are those of the response positions: ``[B, R, V]`` padded, or ``[1, K, V]`` packed, where
+    ``place`` scatters a ``[K]`` result into ``[B, R]`` (so the loss function never sees the packing)."""
+
+    def __init__(
+        self,
+        values: dict[str, torch.Tensor],
+        logits: torch.Tensor | None,
+        temperature: float,
+        chunk_tokens: int,
+        place: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
         self._values = values
         self._logits = logits
         self._temperature = temperature
         self._chunk_tokens = chunk_tokens
+        self._place = place
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key == "entropy" and key not in self._values and self._logits is not None:
@@ -130,7 +159,8 @@ class ModelOutputs(Mapping):
         return self._values[key]
 
     def compute_entropy(self) -> None:
-        self._values["entropy"] = response_entropy(self._logits, self._temperature, self._chunk_tokens)
+        entropy = response_entropy(self._logits, self._temperature, self._chunk_tokens)
+        self._values["entropy"] = entropy if self._place is None else self._place(entropy[0])
 
     def __iter__(self) -> Iterator[str]:
         keys = list(self._values)
@@ -150,15 +180,21 @@ def run_model(
     temperature: float,
     chunk_tokens: int,
     calculate_entropy: bool,
+    remove_padding: bool = False,
 ) -> ModelOutputs:
     """One forward of ``model`` on ``input_ids``, ``attention_mask``, ``position_ids`` and
-    ``responses`` (``[B, R]``, the last ``R`` tokens of ``input_ids``)."""
+    ``responses`` (``[B, R]``, the last ``R`` tokens of ``input_ids``).
+
+    ``remove_padding``: run the rows as one pack of their valid tokens (:mod:`rlplat_engine_fsdp2.packing`;
+    the model must have passed :func:`enable_packing`). Outputs are
+    the same ``[B, R]`` tensors, 0 at response positions that are padding."""
+    if remove_padding:
+        return run_packed_model(model, inputs, value_model=value_model, temperature=temperature, chunk_tokens=chunk_tokens,
+                                calculate_entropy=calculate_entropy)
     response_length = inputs["responses"].shape[1]
     arguments = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"], use_cache=False)
     if value_model:
-        with warnings.catch_warnings():
-            # The value head's nn.Linear returns a view of its 2-D matmul; nothing here modifies it in place.
-            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        with quiet_value_head_view():
             values = model(**arguments).logits[:, -response_length - 1 : -1, 0].float()
         return ModelOutputs({"values": values}, None, temperature, chunk_tokens)
     # Only the logits that predict response tokens: positions T-R-1 .. T-2.
@@ -169,6 +205,40 @@ def run_model(
     if calculate_entropy:
         outputs.compute_entropy()
     return outputs
+
+
+def run_packed_model(
+    model: torch.nn.Module,
+    inputs: Mapping[str, torch.Tensor],
+    *,
+    value_model: bool,
+    temperature: float,
+    chunk_tokens: int,
+    calculate_entropy: bool,
+) -> ModelOutputs:
+    """:func:`run_model` on the rows packed into one row of their valid tokens."""
+    grouped = model.config._attn_implementation.startswith(packing.PACKED_ATTENTION_PREFIX)
+    packed = packing.pack(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"], inputs["responses"], grouped_attention=grouped)
+    arguments = packed.model_kwargs()
+    if value_model:
+        with quiet_value_head_view(), packing.packed_forward():
+            values = model(**arguments).logits[0, packed.predictors, 0].float()
+        return ModelOutputs({"values": packed.unpack(values)}, None, temperature, chunk_tokens)
+    with packing.packed_forward():
+        logits = model(**arguments, logits_to_keep=packed.predictors).logits
+    log_probs = response_log_probs(logits, packed.targets.unsqueeze(0), temperature, chunk_tokens)[0]
+    outputs = ModelOutputs({"log_probs": packed.unpack(log_probs)}, logits, temperature, chunk_tokens, place=packed.unpack)
+    if calculate_entropy:
+        outputs.compute_entropy()
+    return outputs
+
+
+@contextlib.contextmanager
+def quiet_value_head_view() -> Iterator[None]:
+    # The value head's nn.Linear returns a view of its 2-D matmul; nothing here modifies it in place.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        yield
 
 
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:

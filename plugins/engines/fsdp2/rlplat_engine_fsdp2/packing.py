@@ -1,0 +1,282 @@
+"""Sequence packing (verl's ``use_remove_padding``): a micro-batch's rows as one row of only their valid
+tokens, with causal attention inside each sequence.
+
+:func:`pack` takes verl's padded layout (``input_ids``, ``attention_mask``, ``position_ids`` ``[B, T]``:
+a left-padded prompt then a right-padded response; ``responses`` the last ``R`` columns) and gives one
+row of the ``attention_mask == 1`` tokens with the batch's own position ids (0 at each sequence's
+start), the cumulative sequence lengths Hugging Face's varlen kernels read (``cu_seq_lens_q/k``,
+``max_length_q/k``), and which packed positions predict a response token, so the model computes
+logits only there (``logits_to_keep`` as indices) and :meth:`Pack.unpack` scatters per-token results
+back to ``[B, R]`` (0 where a response token is padding or has no valid token before it).
+
+Attention. With ``flash_attention_2`` Hugging Face's own varlen path reads those kwargs. For the others
+(``sdpa``, ``eager``), :func:`attention_implementation` registers a Hugging Face attention function
+(``rlplat_packed_<base>``) that the model is built with: a call that carries ``cu_seq_lens_q`` is
+packed, and runs :func:`grouped_causal_attention`; any other call goes to ``<base>`` unchanged, with
+``<base>``'s attention mask. No ``[N, N]`` block-diagonal mask is ever built (quadratic in the pack):
+sequences of similar length are gathered into right-padded sub-batches, one ``is_causal``
+``scaled_dot_product_attention`` each. Causality alone keeps every valid query off the padding keys
+(they come after it), so the padding inside attention needs no mask, and its outputs are dropped.
+
+The dispatch is by the call's kwargs rather than a switch of ``config._attn_implementation`` around
+packed calls, because activation checkpointing re-runs decoder layers in backward, after any such
+switch would have been undone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import sys
+from typing import Any, Iterator, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+PACKED_ATTENTION_PREFIX = "rlplat_packed_"
+
+#: A sequence joins the attention group of the longest ungrouped one while it holds at least this
+#: share of that length (groups of sequences up to SHORT_SEQUENCE tokens take any shorter one): padding
+#: inside attention stays under half of a group's tokens, and 1-400 token sequences make about 5 groups.
+GROUP_LENGTH_RATIO = 0.5
+SHORT_SEQUENCE = 32
+
+_packing = contextvars.ContextVar("rlplat_packed_forward", default=False)
+
+
+# -- the packed layout ---------------------------------------------------------------------------------
+
+
+class AttentionGroup(NamedTuple):
+    """Sequences of similar length, attended as one right-padded sub-batch."""
+
+    rows: int
+    length: int
+    """The longest one's length: the sub-batch's width."""
+    start: int
+    """Pack position of the first sequence's first token (used when ``rows == 1``: a slice)."""
+    gather: torch.Tensor
+    """Pack positions to gather, ``[rows * length]``; padding repeats a sequence's last token."""
+    keep: torch.Tensor | None
+    """Gathered positions that are not padding (None when none is)."""
+
+
+@dataclasses.dataclass
+class AttentionGroups:
+    """How :func:`grouped_causal_attention` lays a pack out: the groups, and the permutation from their
+    concatenated kept tokens back to pack order (None when that is pack order already)."""
+
+    groups: list[AttentionGroup]
+    restore: torch.Tensor | None
+
+
+def plan_attention_groups(lengths: list[int], device: torch.device) -> AttentionGroups:
+    """Groups of similar-length sequences (see :data:`GROUP_LENGTH_RATIO`) for sequence lengths
+    ``lengths`` laid end to end (no zero lengths)."""
+    starts = [0]
+    for length in lengths[:-1]:
+        starts.append(starts[-1] + length)
+    order = sorted(range(len(lengths)), key=lambda index: (-lengths[index], index))
+    members: list[list[int]] = []
+    for index in order:
+        if members and (lengths[index] >= GROUP_LENGTH_RATIO * lengths[members[-1][0]] or lengths[members[-1][0]] <= SHORT_SEQUENCE):
+            members[-1].append(index)
+        else:
+            members.append([index])
+    groups, sources = [], []
+    for member in members:
+        longest = lengths[member[0]]
+        group_starts = torch.tensor([starts[index] for index in member], dtype=torch.long)
+        group_lengths = torch.tensor([lengths[index] for index in member], dtype=torch.long)
+        offsets = torch.arange(longest)
+        gather = (group_starts[:, None] + torch.minimum(offsets[None, :], group_lengths[:, None] - 1)).flatten()
+        valid = (offsets[None, :] < group_lengths[:, None]).flatten()
+        keep = None if bool(valid.all()) else valid.nonzero().squeeze(1)
+        sources.append(gather if keep is None else gather[keep])
+        groups.append(AttentionGroup(len(member), longest, starts[member[0]], gather.to(device), None if keep is None else keep.to(device)))
+    source = torch.cat(sources)
+    restore = None
+    if not torch.equal(source, torch.arange(len(source))):
+        restore = torch.empty_like(source)
+        restore[source] = torch.arange(len(source))
+        restore = restore.to(device)
+    return AttentionGroups(groups, restore)
+
+
+@dataclasses.dataclass
+class Pack:
+    """One micro-batch packed: model inputs ``[1, N]`` and where its per-token outputs go."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seq_lens: torch.Tensor
+    max_length: int
+    attention_groups: AttentionGroups | None
+    predictors: torch.Tensor
+    """Pack positions whose next token is a response token, ascending: ``[K]``."""
+    targets: torch.Tensor
+    """The response token each of them predicts: ``[K]``."""
+    slots: torch.Tensor
+    """Where each lands in the flattened ``[B, R]`` output: ``[K]``."""
+    rows: int
+    response_length: int
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of a Hugging Face model call on this pack (no attention mask)."""
+        arguments = dict(
+            input_ids=self.input_ids,
+            position_ids=self.position_ids,
+            attention_mask=None,
+            use_cache=False,
+            cu_seq_lens_q=self.cu_seq_lens,
+            cu_seq_lens_k=self.cu_seq_lens,
+            max_length_q=self.max_length,
+            max_length_k=self.max_length,
+        )
+        if self.attention_groups is not None:
+            arguments["packed_attention_groups"] = self.attention_groups
+        return arguments
+
+    def unpack(self, values: torch.Tensor) -> torch.Tensor:
+        """``[K]`` per-predictor values -> ``[B, R]``, 0 elsewhere (keeps the autograd graph)."""
+        flat = values.new_zeros(self.rows * self.response_length).index_copy(0, self.slots, values)
+        return flat.view(self.rows, self.response_length)
+
+
+def pack(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    responses: torch.Tensor,
+    *,
+    grouped_attention: bool,
+) -> Pack:
+    """The pack of a padded micro-batch (see the module docstring). ``grouped_attention`` plans the
+    groups :func:`grouped_causal_attention` runs (not needed by flash-attention's varlen kernel)."""
+    valid = attention_mask.bool()
+    rows, columns = valid.shape
+    response_length = responses.shape[1]
+    pack_position = (valid.flatten().long().cumsum(0) - 1).view(rows, columns)
+    lengths = [length for length in valid.sum(-1).tolist() if length > 0]
+    cu_seq_lens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(input_ids.device)
+    # Column c predicts column c + 1: a response token is predicted when it and the token before it are valid.
+    before = F.pad(valid[:, :-1], (1, 0))
+    predicted = (valid & before)[:, columns - response_length :]
+    predictor_position = F.pad(pack_position[:, :-1], (1, 0))[:, columns - response_length :]
+    return Pack(
+        input_ids=input_ids[valid].unsqueeze(0),
+        position_ids=position_ids[valid].unsqueeze(0),
+        cu_seq_lens=cu_seq_lens,
+        max_length=max(lengths, default=0),
+        attention_groups=plan_attention_groups(lengths, input_ids.device) if grouped_attention and lengths else None,
+        predictors=predictor_position[predicted],
+        targets=responses[predicted],
+        slots=predicted.flatten().nonzero().squeeze(1),
+        rows=rows,
+        response_length=response_length,
+    )
+
+
+@contextlib.contextmanager
+def packed_forward() -> Iterator[None]:
+    """Marks a model call as packed, so the registered mask function builds no mask for it."""
+    token = _packing.set(True)
+    try:
+        yield
+    finally:
+        _packing.reset(token)
+
+
+# -- attention -----------------------------------------------------------------------------------------
+
+
+def grouped_causal_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    groups: AttentionGroups,
+    scaling: float | None,
+    dropout: float,
+) -> torch.Tensor:
+    """Causal attention within each sequence of a pack: ``query`` ``[1, heads, N, head_dim]``, ``key``
+    and ``value`` ``[1, kv_heads, N, head_dim]`` -> ``[1, N, heads, head_dim]`` (Hugging Face's layout
+    of an attention function's output)."""
+    query, key, value = query[0], key[0], value[0]
+    heads, key_heads = query.shape[0], key.shape[0]
+    options: dict[str, Any] = dict(is_causal=True, scale=scaling, dropout_p=dropout)
+    if heads != key_heads:
+        if key.shape[-1] == value.shape[-1]:
+            options["enable_gqa"] = True
+        else:
+            key = key.repeat_interleave(heads // key_heads, dim=0)
+            value = value.repeat_interleave(heads // key_heads, dim=0)
+    pieces = []
+    for rows, length, start, gather, keep in groups.groups:
+        if rows == 1:
+            grouped = [tensor[:, start : start + length].unsqueeze(0) for tensor in (query, key, value)]
+        else:
+            grouped = [tensor.index_select(1, gather).view(tensor.shape[0], rows, length, -1).transpose(0, 1) for tensor in (query, key, value)]
+        output = F.scaled_dot_product_attention(*grouped, **options)
+        output = output.transpose(1, 2).reshape(rows * length, heads, -1)
+        pieces.append(output if keep is None else output.index_select(0, keep))
+    output = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    if groups.restore is not None:
+        output = output.index_select(0, groups.restore)
+    return output.unsqueeze(0)
+
+
+def attention_implementation(base: str) -> str:
+    """The attention implementation a model packed calls can run on, given its configured ``base``:
+    flash-attention as it is (its varlen path reads ``cu_seq_lens_*``), otherwise
+    ``rlplat_packed_<base>``, registered with Hugging Face's attention and mask interfaces on first use."""
+    if base.startswith("flash_attention"):
+        return base
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    name = PACKED_ATTENTION_PREFIX + base
+    if name in AttentionInterface._global_mapping:
+        return name
+    if base not in ALL_MASK_ATTENTION_FUNCTIONS:
+        raise ValueError(
+            f"use_remove_padding: attn_implementation {base!r} is not one Hugging Face knows a mask for; use "
+            "sdpa, eager or flash_attention_2"
+        )
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if kwargs.get("cu_seq_lens_q") is None:
+            return unpacked_attention(module, base)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        window = kwargs.get("sliding_window")
+        if window is not None and kwargs["max_length_q"] > window:
+            raise NotImplementedError(
+                f"use_remove_padding: a sliding attention window ({window} tokens) shorter than a sequence "
+                f"({kwargs['max_length_q']}) is not supported by packed {base} attention; use flash_attention_2 "
+                "or use_remove_padding=False"
+            )
+        groups = kwargs.get("packed_attention_groups")
+        if groups is None:
+            lengths = kwargs["cu_seq_lens_q"].diff().tolist()
+            groups = plan_attention_groups([length for length in lengths if length > 0], query.device)
+        return grouped_causal_attention(module, query, key, value, groups, scaling, dropout), None
+
+    def mask(**kwargs):
+        return None if _packing.get() else ALL_MASK_ATTENTION_FUNCTIONS[base](**kwargs)
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, mask)
+    return name
+
+
+def unpacked_attention(module: torch.nn.Module, base: str) -> Any:
+    """``base``'s attention function for ``module``: Hugging Face's registered one, or for ``eager``
+    the one in the module's own modeling file (eager attention is per model)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if base in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[base]
+    function = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if function is None:
+        raise ValueError(f"use_remove_padding: {type(module).__name__}'s modeling file has no eager_attention_forward for {base!r}")
+    return function

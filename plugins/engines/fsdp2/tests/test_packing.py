@@ -1,0 +1,205 @@
+"""Sequence packing (``use_remove_padding``): the packed forward and update equal the padded ones.
+
+A tiny Qwen2 with grouped-query attention (4 heads, 2 key-value heads), float32, on batches of
+sequences whose lengths spread from 2 to 300 tokens in verl's layout (left-padded prompt, right-padded
+response). Tolerances: 1e-5 on per-token outputs (packed vs padded); 1e-6 relative on loss and
+gradient norm across micro-batch partitions with packing on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlplat import DataProto
+from rlplat.losses import aggregate_loss
+from rlplat_engine_fsdp2.engine import FSDP2Engine
+from rlplat_engine_fsdp2.packing import pack, plan_attention_groups
+
+TINY_GQA_QWEN2 = dict(
+    model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512,
+)
+MAX_PROMPT, MAX_RESPONSE = 150, 150
+
+
+def spread_batch(rows: int = 32, seed: int = 0) -> DataProto:
+    """``rows`` sequences of random prompt (1-150) and response (1-150) lengths, so 2 to 300 tokens.
+    Rows 0-3 have a 1-token prompt (a response token predicted from a sequence's very first token);
+    row 5 has a 1-token response; row 6 an empty one (its response is all padding)."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt_lengths = torch.randint(1, MAX_PROMPT + 1, (rows,), generator=generator)
+    response_lengths = torch.randint(1, MAX_RESPONSE + 1, (rows,), generator=generator)
+    prompt_lengths[:4] = 1
+    response_lengths[5], response_lengths[6] = 1, 0
+    columns = torch.arange(MAX_PROMPT + MAX_RESPONSE)
+    prompt_valid = columns[None, :MAX_PROMPT] >= MAX_PROMPT - prompt_lengths[:, None]
+    response_valid = columns[None, :MAX_RESPONSE] < response_lengths[:, None]
+    attention_mask = torch.cat([prompt_valid, response_valid], dim=1).long()
+    input_ids = torch.randint(1, 64, attention_mask.shape, generator=generator) * attention_mask
+    return DataProto.from_dict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": input_ids[:, MAX_PROMPT:],
+            "response_mask": response_valid.float(),
+            "advantages": torch.randn(rows, MAX_RESPONSE, generator=generator),
+        },
+        meta_info={"ppo_mini_batch_size": rows},
+    )
+
+
+def built(**overrides) -> FSDP2Engine:
+    config = dict(model_config=dict(TINY_GQA_QWEN2), seed=3, lr=1e-3, dtype="float32", micro_batch_size_per_gpu=32)
+    engine = FSDP2Engine(config, **overrides)
+    engine.init_model()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def batch() -> DataProto:
+    return spread_batch()
+
+
+# -- the pack ------------------------------------------------------------------------------------------
+
+
+def test_attention_groups_gather_similar_lengths_longest_first():
+    # 100 and 60 (>= half of 100); 40 and 20 (>= half of 40); 3 (< half of 40, and 40 is not short).
+    groups = plan_attention_groups([3, 40, 100, 60, 20], torch.device("cpu"))
+    assert [(group.rows, group.length) for group in groups.groups] == [(2, 100), (2, 40), (1, 3)]
+    # All sequences of up to 32 tokens share a group whatever their spread.
+    assert [(group.rows, group.length) for group in plan_attention_groups([1, 32, 7], torch.device("cpu")).groups] == [(3, 32)]
+
+
+def test_a_pack_holds_the_valid_tokens_with_their_own_positions_and_the_response_predictors():
+    # Row 0: prompt [5 6], response [7 pad]; row 1: prompt [pad 8], response [9 4].
+    input_ids = torch.tensor([[5, 6, 7, 0], [0, 8, 9, 4]])
+    attention_mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]])
+    position_ids = torch.tensor([[0, 1, 2, 2], [0, 0, 1, 2]])
+    packed = pack(input_ids, attention_mask, position_ids, input_ids[:, 2:], grouped_attention=False)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 4]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1, 2]]
+    assert packed.cu_seq_lens.tolist() == [0, 3, 6]
+    # Response tokens 7 (after 6 at pack position 1), 9 (after 8 at 3) and 4 (after 9 at 4).
+    assert packed.predictors.tolist() == [1, 3, 4] and packed.targets.tolist() == [7, 9, 4]
+    assert packed.unpack(torch.tensor([1.0, 2.0, 3.0])).tolist() == [[1.0, 0.0], [2.0, 3.0]]
+
+
+# -- packed forward == padded forward ------------------------------------------------------------------
+
+
+def assert_equal_where_valid(packed: torch.Tensor, padded: torch.Tensor, mask: torch.Tensor) -> None:
+    valid = mask.bool()
+    torch.testing.assert_close(packed[valid], padded[valid], atol=1e-5, rtol=0)
+    # The first response token of every row (row 0 opens the pack; every other row follows another sequence).
+    first = valid[:, 0]
+    torch.testing.assert_close(packed[first, 0], padded[first, 0], atol=1e-5, rtol=0)
+    assert torch.count_nonzero(packed[~valid]) == 0
+
+
+def test_packed_log_probs_and_entropy_equal_padded(batch):
+    padded, packed = built(), built(use_remove_padding=True)
+    expected = padded.forward(batch, calculate_entropy=True).batch
+    actual = packed.forward(batch, calculate_entropy=True).batch
+    mask = batch.batch["response_mask"]
+    assert int(mask.sum()) > 1000
+    assert_equal_where_valid(actual["log_probs"], expected["log_probs"], mask)
+    assert_equal_where_valid(actual["entropy"], expected["entropy"], mask)
+
+
+def test_packed_log_probs_equal_padded_in_micro_batches_and_token_budgets(batch):
+    padded = built(micro_batch_size_per_gpu=32).forward(batch).batch["log_probs"]
+    mask = batch.batch["response_mask"]
+    for overrides in ({"forward_micro_batch_size_per_gpu": 5}, {"use_dynamic_bsz": True, "max_token_len_per_gpu": 700}):
+        packed = built(use_remove_padding=True, **overrides).forward(batch).batch["log_probs"]
+        assert_equal_where_valid(packed, padded, mask)
+
+
+def test_packed_values_equal_padded(batch):
+    padded, packed = built(value_model=True), built(value_model=True, use_remove_padding=True)
+    mask = batch.batch["response_mask"]
+    assert_equal_where_valid(packed.forward(batch).batch["values"], padded.forward(batch).batch["values"], mask)
+
+
+def test_eager_attention_packs_too(batch):
+    rows = batch.select_idxs(list(range(8)))
+    padded = built(attn_implementation="eager").forward(rows).batch["log_probs"]
+    packed = built(attn_implementation="eager", use_remove_padding=True).forward(rows).batch["log_probs"]
+    assert_equal_where_valid(packed, padded, rows.batch["response_mask"])
+
+
+def test_an_unpacked_call_on_a_packing_model_keeps_the_configured_attention(batch):
+    rows = batch.select_idxs(list(range(4))).batch
+    arguments = dict(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"], position_ids=rows["position_ids"])
+    with torch.no_grad():
+        expected = built().module(**arguments).logits
+        actual = built(use_remove_padding=True).module(**arguments).logits
+    assert torch.equal(actual, expected)
+
+
+def test_a_model_whose_attention_cannot_be_packed_runs_padded_with_a_warning(batch, monkeypatch):
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2PreTrainedModel
+
+    rows = batch.select_idxs(list(range(4)))
+    expected = built().forward(rows).batch["log_probs"]
+    monkeypatch.setattr(Qwen2PreTrainedModel, "_supports_attention_backend", False)
+    with pytest.warns(UserWarning, match="Qwen2ForCausalLM does not route attention through Hugging Face's attention interface"):
+        engine = built(use_remove_padding=True)
+    assert engine.state()["remove_padding"] is False
+    assert torch.equal(engine.forward(rows).batch["log_probs"], expected)
+
+
+# -- the update ----------------------------------------------------------------------------------------
+
+
+class TokenMean:
+    """``token-mean`` (rlplat.losses) of ``-advantages * log_probs``, or of ``-log_probs`` with
+    ``advantages=False`` (a loss without cancellation between tokens, for relative comparisons)."""
+
+    def __init__(self, advantages: bool = True):
+        self.advantages = advantages
+
+    def __call__(self, outputs, micro_batch):
+        batch, meta = micro_batch.batch, micro_batch.meta_info
+        weight = batch["advantages"] if self.advantages else 1.0
+        loss = aggregate_loss(-weight * outputs["log_probs"], batch["response_mask"], "token-mean",
+                              global_token_count=meta["global_token_count"], global_sequence_count=meta["global_sequence_count"])
+        return loss, {}
+
+
+def test_loss_and_gradient_norm_do_not_depend_on_the_packed_partition(batch):
+    rows = batch.select_idxs(list(range(16))).with_meta_info({"ppo_mini_batch_size": 16})
+    partitions = [
+        {"micro_batch_size_per_gpu": 16},
+        {"micro_batch_size_per_gpu": 5},
+        {"use_dynamic_bsz": True, "max_token_len_per_gpu": 700},
+    ]
+    metrics = [built(use_remove_padding=True, grad_clip=None, **partition).train_batch(rows, TokenMean(advantages=False))
+               for partition in partitions]
+    padded = built(grad_clip=None, micro_batch_size_per_gpu=8).train_batch(rows, TokenMean(advantages=False))
+    for result in metrics[1:]:
+        assert result["loss"] == pytest.approx(metrics[0]["loss"], rel=1e-6)
+        assert result["grad_norm"] == pytest.approx(metrics[0]["grad_norm"], rel=1e-6)
+    assert metrics[0]["loss"] == pytest.approx(padded["loss"], rel=1e-5)
+    assert metrics[0]["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-5)
+    assert metrics[0]["grad_norm"] > 1e-2
+
+
+def test_packed_and_padded_updates_give_the_same_weights(batch):
+    rows = batch.select_idxs(list(range(12))).with_meta_info({"ppo_mini_batch_size": 12})
+    padded, packed = built(grad_clip=None), built(grad_clip=None, use_remove_padding=True, micro_batch_size_per_gpu=7)
+    for engine in (padded, packed):
+        engine.train_batch(rows, TokenMean())
+    expected = {name: tensor for bucket in padded.named_weights() for name, tensor in bucket}
+    actual = {name: tensor for bucket in packed.named_weights() for name, tensor in bucket}
+    assert max(float((actual[name] - expected[name]).abs().max()) for name in expected) <= 1e-6
+
+
+def test_activation_checkpointing_recomputes_packed_attention(batch):
+    rows = batch.select_idxs(list(range(8))).with_meta_info({"ppo_mini_batch_size": 8})
+    plain = built(grad_clip=None, use_remove_padding=True)
+    checkpointed = built(grad_clip=None, use_remove_padding=True, enable_gradient_checkpointing=True)
+    expected, actual = (engine.train_batch(rows, TokenMean(advantages=False)) for engine in (plain, checkpointed))
+    assert actual["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-6)
