@@ -171,6 +171,9 @@ class TrainerConfig:
     """Validate every this many steps (0: never during training)."""
     val_before_train: bool = True
     """Validate once before the first step (when a validation set is given)."""
+    balance_batch: bool = True
+    """Order each step's rows so that every data-parallel rank of the actor gets about the same number of
+    tokens (verl's ``trainer.balance_batch``): with long-tail lengths the slowest rank sets each pass's time."""
     output_dir: str = "runs/rlplat"
     """Run directory: resolved config, metrics (JSONL, TensorBoard) and checkpoints."""
     resume: str = "auto"

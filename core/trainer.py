@@ -67,6 +67,21 @@ def batch_metrics(batch: DataProto) -> dict[str, float]:
     return metrics
 
 
+def balanced_order(tokens: list[int], parts: int) -> list[int] | None:
+    """Row order whose ``parts`` consecutive equal chunks hold about the same token sums (heaviest row
+    first, into the lightest chunk with room), or None when the rows do not split evenly."""
+    rows = len(tokens)
+    if parts <= 1 or rows % parts:
+        return None
+    size, loads = rows // parts, [0] * parts
+    chunks: list[list[int]] = [[] for _ in range(parts)]
+    for row in sorted(range(rows), key=lambda r: (-tokens[r], r)):
+        part = min((p for p in range(parts) if len(chunks[p]) < size), key=lambda p: (loads[p], p))
+        chunks[part].append(row)
+        loads[part] += tokens[row]
+    return [row for chunk in chunks for row in sorted(chunk)]
+
+
 class Trainer:
     """Runs ``config`` (from :func:`rlplat.config.load_config`) to the end: ``Trainer(config).fit()``."""
 
@@ -166,11 +181,14 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         timing: dict[str, float] = {}
+        metrics: dict[str, Any] = {}
         started = time.perf_counter()
         seed = self.config.trainer.seed * 1_000_003 + self.step
         with timed(timing, "gen"):
             batch = self.generate_filled_batch(seed, timing)
         batch = self.stage("scored", batch)
+        if self.config.trainer.balance_batch:
+            self.balance(batch, metrics)
         separate_old_log_prob = self.needs_old_log_prob_pass(batch)
         if separate_old_log_prob:
             with timed(timing, "old_log_prob"):
@@ -184,7 +202,7 @@ class Trainer:
         with timed(timing, "adv"):
             batch, reward_kl_metrics = self.compute_advantage(batch)
         batch = self.stage("prepared", batch)
-        metrics: dict[str, Any] = dict(reward_kl_metrics)
+        metrics.update(reward_kl_metrics)
         if self.critic is not None:
             with timed(timing, "update_critic"):
                 metrics.update(self.critic.update_critic(batch).meta_info["metrics"])
@@ -203,6 +221,18 @@ class Trainer:
         tokens = float(batch.batch["attention_mask"].sum())
         metrics["perf/throughput"] = tokens / timing["timing_s/step"] / max(self.actor.world_size, 1)
         return {**metrics, **timing}
+
+    def balance(self, batch: DataProto, metrics: dict[str, Any]) -> None:
+        """Reorder ``batch`` in place so each data-parallel rank of the actor gets about the same tokens."""
+        tokens = batch.batch["attention_mask"].sum(-1).tolist()
+        parts = self.actor.layout().dp_size
+        order = balanced_order(tokens, parts)
+        if order is None:
+            return
+        batch.reorder(torch.tensor(order))
+        size = len(order) // parts
+        loads = [sum(tokens[row] for row in order[i * size:(i + 1) * size]) for i in range(parts)]
+        metrics["perf/dp_token_imbalance"] = max(loads) / max(1.0, sum(loads) / parts)
 
     def needs_old_log_prob_pass(self, batch: DataProto) -> bool:
         """Whether this step computes ``old_log_probs`` in a forward pass of their own, per
