@@ -58,6 +58,7 @@ class FSDP2Engine(TrainingEngine):
         self.params_offloaded = False
         self.optimizer_offloaded = False
         self.remove_padding = False
+        self.sharded_parameters: dict[str, torch.nn.Parameter] = {}
 
     # -- building ----------------------------------------------------------------------------------
 
@@ -86,6 +87,9 @@ class FSDP2Engine(TrainingEngine):
             fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
         fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
         self.module = model
+        # The sharded parameters the optimizer updates; between a forward and its backward FSDP2 registers
+        # gathered copies on the module in their place, so shared_weights reads them from here.
+        self.sharded_parameters = dict(model.named_parameters())
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay
         )
@@ -324,6 +328,32 @@ class FSDP2Engine(TrainingEngine):
         if bucket:
             yield bucket
         self.offload_parameters_if_configured()
+
+    def shared_weights(self) -> list[tuple[str, torch.Tensor]] | None:
+        """The model's full weights under the names :meth:`named_weights` gives (tied parameters once,
+        then persistent buffers), as tensors that share storage with the engine's own: views, no copy.
+        None when no such views exist: more than one rank (each holds a shard), ``param_offload``
+        (parameters move between devices), or any parameter whose local tensor is not the whole of it.
+
+        They are the float32 master weights the optimizer updates in place (not the compute-dtype copies
+        a forward gathers), so after ``train_batch`` they hold the new weights with no call. They stay
+        valid until the engine's parameters are re-materialised (offload and onload, a load that
+        replaces storage): a caller keeps them across syncs only while each ``data_ptr()`` is unchanged,
+        or calls again at every sync. Not a collective; callers must not write to them."""
+        model = self.require_model("shared_weights")
+        if self.world_size > 1 or self.config.param_offload or self.params_offloaded:
+            return None
+        shared = []
+        for name, parameter in self.sharded_parameters.items():
+            local = parameter.detach()
+            if isinstance(local, DTensor):
+                local = local.to_local()
+            if local.shape != parameter.shape:
+                return None
+            shared.append((name, local))
+        persistent = set(model.state_dict().keys())
+        shared += [(name, buffer.detach()) for name, buffer in model.named_buffers() if name in persistent]
+        return shared
 
     def save(self, path: str) -> None:
         self.require_model("save")
