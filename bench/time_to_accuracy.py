@@ -1,0 +1,228 @@
+"""Time to accuracy on the built-in demo: rlplat's demo run vs the plain PyTorch loop (``bench/plain_grpo.py``).
+
+Both start from the shipped model (``rlplat.demo.model_dir()``) with the demo's recipe (32 prompts x 8
+samples, 4 new tokens, lr 1e-4, ...), the same seed (``trainer.seed`` and ``data.seed`` for rlplat; the
+plain loop's data order is rlplat's loader's, ``default_rng((seed, epoch))``), and greedy validation on the
+whole ``val.parquet`` before the first step and every ``--val-every`` steps. Each runs in a fresh child
+process of this script, one at a time:
+
+* ``rlplat``: ``rlplat run`` (the demo preset, ``rlplat.demo.overrides()``: 2 FSDP2 worker processes on a
+  private Ray cluster) with ``trainer.test_freq=<val-every>``, ``trainer.val_before_train=true``,
+  ``trainer.logger=[jsonl,console]``, ``trainer.total_training_steps=100000`` (a cap never reached),
+  ``trainer.save_freq=0`` (the plain loop writes no checkpoints; ``--override trainer.save_freq=50`` puts
+  the demo's back) and a private output folder; each ``--override KEY=VALUE`` comes after these and wins
+  (``--override cluster.backend=local``, ...). This script reads its ``metrics.jsonl``
+  (``rlplat.tracking.read_metrics``) once a second and stops it (SIGINT twice: no checkpoint) once a
+  validation reaches the target or the time budget is spent.
+* ``plain``: ``plain_grpo.run`` with ``--threads`` torch threads, stopping at the target or the budget.
+
+Wall time, the same for both: from the end of the first validation (before step 1) to the end of the first
+validation whose accuracy is >= ``--target``. For rlplat that is the difference of the ``time`` fields
+(unix seconds, written as each record is logged, i.e. after that step's validation) of the step-0 record and
+the reaching record; the plain loop takes ``time.perf_counter()`` at the same two points. Start-up (Ray,
+workers, model loading) is outside it for both; training steps, validations and logging in between are in
+it. ``other s`` in the table is that wall time minus the sum of the step times (validations, logging,
+whatever runs between steps).
+
+Greedy accuracy on 200 prompts moves 0.05-0.15 between evaluations and across seeds: one seed is one
+sample; ``--seed 0 --seed 1`` runs both contenders per seed (alternating order) and prints each.
+Run: python bench/time_to_accuracy.py [--target 0.75] [--val-every 10] [--budget 150] [--seed 0 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULT_TAG = "TIME_TO_ACCURACY_RESULT "
+ACCURACY_SUFFIX = "/acc/mean"
+
+
+def rlplat_overrides(args: argparse.Namespace, seed: int, output_dir: str) -> list[str]:
+    return [
+        f"trainer.test_freq={args.val_every}", "trainer.val_before_train=true", "trainer.logger=[jsonl,console]",
+        "trainer.total_training_steps=100000", "trainer.save_freq=0", f"trainer.output_dir={output_dir}",
+        "trainer.resume=disable", f"trainer.seed={seed}", f"data.seed={seed}", *args.override,
+    ]
+
+
+def accuracy_of(record: dict) -> float | None:
+    values = [v for k, v in record.items() if k.startswith("val/") and k.endswith(ACCURACY_SUFFIX)]
+    return sum(values) / len(values) if values else None
+
+
+def rlplat_curve(output_dir: str) -> tuple[list[tuple[float, int, float]], list[float], float | None]:
+    """Validation curve [(seconds since the first validation, step, accuracy)], step times so far, and
+    the first validation's unix time."""
+    from rlplat.tracking import read_metrics
+
+    if not (Path(output_dir) / "metrics.jsonl").exists():
+        return [], [], None
+    records = read_metrics(output_dir)
+    validations = [(r["time"], r["step"], accuracy_of(r)) for r in records if accuracy_of(r) is not None]
+    step_s = [r["timing_s/step"] for r in records if "timing_s/step" in r]
+    if not validations:
+        return [], step_s, None
+    first = validations[0][0]
+    return [(t - first, step, accuracy) for t, step, accuracy in validations], step_s, first
+
+
+def run_rlplat(args: argparse.Namespace, seed: int) -> dict:
+    rlplat = Path(sys.executable).with_name("rlplat")
+    launcher = [str(rlplat)] if rlplat.exists() else [sys.executable, "-c", "from rlplat.cli.main import main; main()"]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
+           "RAY_ADDRESS": "local"}
+    with tempfile.TemporaryDirectory(prefix="bench-tta-rlplat-") as tmp:
+        output_dir = str(Path(tmp) / "run")
+        log_path = Path(tmp) / "log.txt"
+        with open(log_path, "w") as log:
+            child = subprocess.Popen([*launcher, "run", *rlplat_overrides(args, seed, output_dir)], stdout=log,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            started, reason = time.perf_counter(), ""
+            while True:
+                time.sleep(1.0)
+                curve, step_s, first = rlplat_curve(output_dir)
+                if child.poll() is not None:
+                    reason = f"rlplat exited with {child.returncode}"
+                    break
+                if curve and curve[-1][2] >= args.target:
+                    reason = "target reached"
+                    break
+                if first is not None and time.time() - first > args.budget:
+                    reason = "budget spent"
+                    break
+                if not curve and time.perf_counter() - started > args.startup_timeout:
+                    reason = f"no first validation within {args.startup_timeout:.0f} s"
+                    break
+            stop(child)
+            curve, step_s, _ = rlplat_curve(output_dir)
+        tail = "\n".join(log_path.read_text().splitlines()[-20:])
+    return {"val": curve, "step_s": step_s, "reason": reason, "log_tail": tail if not curve else ""}
+
+
+def stop(child: subprocess.Popen) -> None:
+    """SIGINT twice (the trainer's second Ctrl-C stops at once, no checkpoint; ``rlplat run`` then shuts its
+    workers and Ray down), then SIGKILL for the child's whole session if it is still there after 60 s."""
+    if child.poll() is None:
+        child.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        if child.poll() is None:
+            child.send_signal(signal.SIGINT)
+        try:
+            child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    child.wait()
+
+
+def run_plain(args: argparse.Namespace, seed: int) -> dict:
+    command = [sys.executable, __file__, "--child-plain", "--seed", str(seed), "--val-every", str(args.val_every),
+               "--target", str(args.target), "--budget", str(args.budget), "--threads", str(args.threads)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.budget + args.startup_timeout + 60,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    tail = "\n".join((done.stdout + "\n" + done.stderr).strip().splitlines()[-20:])
+    return {"val": [], "step_s": [], "reason": f"plain loop exited with {done.returncode}", "log_tail": tail}
+
+
+def plain_child(args: argparse.Namespace) -> None:
+    import plain_grpo  # bench/plain_grpo.py, beside this script
+
+    result = plain_grpo.run(10**6, seed=args.seed, threads=args.threads, val_every=args.val_every,
+                            time_budget=args.budget, stop_at=args.target)
+    reached = result["val"] and result["val"][-1][2] >= args.target
+    print(RESULT_TAG + json.dumps({"val": result["val"], "step_s": result["step_s"],
+                                   "reason": "target reached" if reached else "budget spent"}), flush=True)
+
+
+def summary(result: dict, target: float) -> dict:
+    curve = result["val"]
+    hit = next(((t, step, acc) for t, step, acc in curve if acc >= target), None)
+    summary = {"reached": hit is not None, "start_acc": curve[0][2] if curve else None,
+               "best_acc": max((acc for _, _, acc in curve), default=None), "last": curve[-1] if curve else None,
+               "median_step_s": statistics.median(result["step_s"]) if result["step_s"] else None}
+    if hit:
+        seconds, step, accuracy = hit
+        summary.update(seconds=seconds, steps=step, accuracy=accuracy, other_s=seconds - sum(result["step_s"][:step]))
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", type=float, default=0.75, help="greedy validation accuracy to reach")
+    parser.add_argument("--val-every", type=int, default=10, help="validate every N steps (rlplat: trainer.test_freq)")
+    parser.add_argument("--budget", type=float, default=150.0, help="seconds after the first validation, per contender run")
+    parser.add_argument("--seed", type=int, action="append", help="seed(s); default 0")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the plain loop")
+    parser.add_argument("--only", choices=["rlplat", "plain"], action="append", help="run only these contenders")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="an rlplat override after the script's own (repeatable), e.g. cluster.backend=local")
+    parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds a contender may take to its first validation")
+    parser.add_argument("--child-plain", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    seeds = args.seed or [0]
+    if args.child_plain:
+        args.seed = seeds[0]
+        plain_child(args)
+        return
+
+    from measure import print_table
+
+    names = args.only or ["rlplat", "plain"]
+    labels = {"rlplat": "rlplat run (demo" + (", " + " ".join(args.override) if args.override else "") + ")",
+              "plain": f"plain PyTorch loop ({args.threads} threads)"}
+    rows, ratios = [], []
+    for index, seed in enumerate(seeds):
+        order = names if index % 2 == 0 else names[::-1]
+        found = {}
+        for name in order:
+            result = run_rlplat(args, seed) if name == "rlplat" else run_plain(args, seed)
+            found[name] = summary(result, args.target)
+            s = found[name]
+            where = f"{s['seconds']:.1f} s, step {s['steps']}" if s["reached"] else "not reached within budget"
+            print(f"seed {seed}: {labels[name]}: {where} ({result['reason']}; load average {os.getloadavg()[0]:.1f})", flush=True)
+            if result.get("log_tail"):
+                print(result["log_tail"], flush=True)
+        for name in names:
+            s = found[name]
+            last = s["last"]
+            rows.append([labels[name], str(seed),
+                         f"{s['seconds']:.1f}" if s["reached"] else "not reached within budget",
+                         str(s["steps"]) if s["reached"] else "-",
+                         f"{s['median_step_s']:.3f}" if s["median_step_s"] else "-",
+                         f"{s['other_s']:.1f}" if s["reached"] else "-",
+                         f"{s['start_acc']:.3f}" if s["start_acc"] is not None else "-",
+                         f"{last[2]:.3f} @ {last[1]}" if last else "-"])
+        if all(found.get(n, {}).get("reached") for n in ("rlplat", "plain")):
+            ratios.append(found["rlplat"]["seconds"] / found["plain"]["seconds"])
+    print_table(
+        f"Seconds from the first validation to greedy validation accuracy >= {args.target:g} on the demo "
+        f"(validation every {args.val_every} steps, budget {args.budget:.0f} s per run)",
+        ["contender", "seed", f"s to {args.target:g}", "steps", "median s/step", "other s", "acc at step 0", "last acc @ step"],
+        rows,
+        ["other s: wall time minus the step times (validations, logging, anything between steps)",
+         f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} now (above ~0.5 means something else shared the cores)"],
+    )
+    if ratios:
+        print(f"rlplat / plain loop, seconds to {args.target:g}: " + ", ".join(f"{r:.2f}" for r in ratios)
+              + (f" (median {statistics.median(ratios):.2f})" if len(ratios) > 1 else "") + "; target <= 1.0")
+    elif {"rlplat", "plain"} <= set(names):
+        print(f"rlplat / plain loop, seconds to {args.target:g}: no ratio (a contender did not reach it within the budget); target <= 1.0")
+
+
+if __name__ == "__main__":
+    main()
