@@ -182,6 +182,21 @@ class TrainingEngineConformance:
         engine.onload()
         assert torch.equal(engine.forward(engine_batch).batch["log_probs"], before)
 
+    def test_shared_weights_if_offered_are_views_of_what_training_updates(self, engine, engine_batch):
+        shared = engine.shared_weights()
+        if shared is None:
+            pytest.skip("this engine offers no shared weights here (sharded or offloaded)")
+        names = {name for bucket in engine.named_weights() for name, _ in bucket}
+        assert {name for name, _ in shared} <= names, "shared_weights names a weight named_weights does not"
+        addresses = {name: tensor.data_ptr() for name, tensor in shared}
+        before = {name: tensor.clone() for name, tensor in shared}
+        engine.train_batch(engine_batch, TokenMeanNLL())
+        current = {name: tensor for bucket in engine.named_weights() for name, tensor in bucket}
+        assert any(not torch.equal(tensor, before[name]) for name, tensor in shared), "training changed no shared tensor"
+        for name, tensor in shared:  # the same storage, holding the updated weights
+            assert tensor.data_ptr() == addresses[name]
+            torch.testing.assert_close(tensor.float().cpu(), current[name].float().cpu(), atol=0, rtol=0)
+
     def test_state_is_a_mapping(self, engine):
         assert isinstance(engine.state(), Mapping)
 

@@ -152,6 +152,25 @@ class RolloutEngineConformance:
         rollout.update_weights(named_weights)
         assert_same_samples(before, rollout.generate(prompts, sampling))
 
+    def test_bound_weights_if_supported_are_read_in_place(self, rollout, prompts, named_weights):
+        if named_weights is None:
+            pytest.skip("no named_weights fixture")
+        sampling = SamplingParams(n=2, max_new_tokens=5, seed=17)
+        before = rollout.generate(prompts, sampling)
+        owned = [(name, tensor.detach().clone()) for name, tensor in named_weights]
+        if not rollout.bind_weights(owned):
+            pytest.skip("this rollout does not bind weights (bind_weights returned False)")
+        assert_same_samples(before, rollout.generate(prompts, sampling))
+        with torch.no_grad():  # a change to the bound tensors (an optimizer step) is what the next call samples from
+            for _, tensor in owned:
+                tensor.mul_(0.0)
+        changed = rollout.generate(prompts, sampling)
+        assert not torch.equal(changed.batch["rollout_log_probs"], before.batch["rollout_log_probs"])
+        kept = [tensor.clone() for _, tensor in owned]
+        rollout.update_weights(named_weights)  # a copying update never writes into bound tensors
+        assert all(torch.equal(tensor, copy) for (_, tensor), copy in zip(owned, kept))
+        assert_same_samples(before, rollout.generate(prompts, sampling))
+
     def test_a_staged_wake_up_weights_then_kv_cache_reproduces_the_samples(self, rollout, prompts, named_weights):
         if named_weights is None:
             pytest.skip("no named_weights fixture")
