@@ -42,6 +42,9 @@ PACKED_ATTENTION_PREFIX = "rlplat_packed_"
 GROUP_LENGTH_RATIO = 0.5
 SHORT_SEQUENCE = 32
 
+#: Attention terms some models pass that plain causal attention does not compute; a packed call refuses them.
+UNSUPPORTED_ATTENTION_TERMS = ("softcap", "s_aux", "position_bias")
+
 _packing = contextvars.ContextVar("rlplat_packed_forward", default=False)
 
 
@@ -55,9 +58,10 @@ class AttentionGroup(NamedTuple):
     length: int
     """The longest one's length: the sub-batch's width."""
     start: int
-    """Pack position of the first sequence's first token (used when ``rows == 1``: a slice)."""
-    gather: torch.Tensor
-    """Pack positions to gather, ``[rows * length]``; padding repeats a sequence's last token."""
+    """Pack position of the first sequence's first token."""
+    gather: torch.Tensor | None
+    """Pack positions to gather, ``[rows * length]`` (padding repeats a sequence's last token); None
+    when the group is the pack's ``rows * length`` tokens from ``start`` on, equal lengths in pack order."""
     keep: torch.Tensor | None
     """Gathered positions that are not padding (None when none is)."""
 
@@ -94,7 +98,11 @@ def plan_attention_groups(lengths: list[int], device: torch.device) -> Attention
         valid = (offsets[None, :] < group_lengths[:, None]).flatten()
         keep = None if bool(valid.all()) else valid.nonzero().squeeze(1)
         sources.append(gather if keep is None else gather[keep])
-        groups.append(AttentionGroup(len(member), longest, starts[member[0]], gather.to(device), None if keep is None else keep.to(device)))
+        start = starts[member[0]]
+        if keep is None and torch.equal(gather, torch.arange(start, start + len(gather))):
+            groups.append(AttentionGroup(len(member), longest, start, None, None))
+        else:
+            groups.append(AttentionGroup(len(member), longest, start, gather.to(device), None if keep is None else keep.to(device)))
     source = torch.cat(sources)
     restore = None
     if not torch.equal(source, torch.arange(len(source))):
@@ -214,10 +222,11 @@ def grouped_causal_attention(
             value = value.repeat_interleave(heads // key_heads, dim=0)
     pieces = []
     for rows, length, start, gather, keep in groups.groups:
-        if rows == 1:
-            grouped = [tensor[:, start : start + length].unsqueeze(0) for tensor in (query, key, value)]
+        if gather is None:
+            grouped = [tensor[:, start : start + rows * length] for tensor in (query, key, value)]
         else:
-            grouped = [tensor.index_select(1, gather).view(tensor.shape[0], rows, length, -1).transpose(0, 1) for tensor in (query, key, value)]
+            grouped = [tensor.index_select(1, gather) for tensor in (query, key, value)]
+        grouped = [tensor.unflatten(1, (rows, length)).transpose(0, 1) for tensor in grouped]
         output = F.scaled_dot_product_attention(*grouped, **options)
         output = output.transpose(1, 2).reshape(rows * length, heads, -1)
         pieces.append(output if keep is None else output.index_select(0, keep))
@@ -248,12 +257,16 @@ def attention_implementation(base: str) -> str:
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         if kwargs.get("cu_seq_lens_q") is None:
             return unpacked_attention(module, base)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        unsupported = [key for key in UNSUPPORTED_ATTENTION_TERMS if kwargs.get(key) is not None]
+        if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+            unsupported.append("is_causal=False")
         window = kwargs.get("sliding_window")
         if window is not None and kwargs["max_length_q"] > window:
+            unsupported.append(f"a sliding window of {window} tokens, shorter than a sequence ({kwargs['max_length_q']})")
+        if unsupported:
             raise NotImplementedError(
-                f"use_remove_padding: a sliding attention window ({window} tokens) shorter than a sequence "
-                f"({kwargs['max_length_q']}) is not supported by packed {base} attention; use flash_attention_2 "
-                "or use_remove_padding=False"
+                f"use_remove_padding: {type(module).__name__} attends with {', '.join(unsupported)}, which packed "
+                f"{base} attention does not implement; set use_remove_padding=False (or use flash_attention_2)"
             )
         groups = kwargs.get("packed_attention_groups")
         if groups is None:

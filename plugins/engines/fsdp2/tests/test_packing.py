@@ -14,7 +14,7 @@ import torch
 from rlplat import DataProto
 from rlplat.losses import aggregate_loss
 from rlplat_engine_fsdp2.engine import FSDP2Engine
-from rlplat_engine_fsdp2.packing import pack, plan_attention_groups
+from rlplat_engine_fsdp2.packing import attention_implementation, pack, plan_attention_groups
 
 TINY_GQA_QWEN2 = dict(
     model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -50,9 +50,9 @@ def spread_batch(rows: int = 32, seed: int = 0) -> DataProto:
     )
 
 
-def built(**overrides) -> FSDP2Engine:
+def built(*, packed: bool, **overrides) -> FSDP2Engine:
     config = dict(model_config=dict(TINY_GQA_QWEN2), seed=3, lr=1e-3, dtype="float32", micro_batch_size_per_gpu=32)
-    engine = FSDP2Engine(config, **overrides)
+    engine = FSDP2Engine(config, use_remove_padding=packed, **overrides)
     engine.init_model()
     return engine
 
@@ -87,6 +87,18 @@ def test_a_pack_holds_the_valid_tokens_with_their_own_positions_and_the_response
     assert packed.unpack(torch.tensor([1.0, 2.0, 3.0])).tolist() == [[1.0, 0.0], [2.0, 3.0]]
 
 
+def test_packed_attention_refuses_terms_it_does_not_compute():
+    from transformers import AttentionInterface
+
+    function = AttentionInterface._global_mapping[attention_implementation("sdpa")]
+    states = torch.randn(1, 2, 4, 8)
+    packed = dict(cu_seq_lens_q=torch.tensor([0, 4], dtype=torch.int32), max_length_q=4)
+    with pytest.raises(NotImplementedError, match="Module attends with softcap, which packed sdpa attention does not implement"):
+        function(torch.nn.Module(), states, states, states, None, softcap=30.0, **packed)
+    with pytest.raises(NotImplementedError, match="a sliding window of 2 tokens, shorter than a sequence \\(4\\)"):
+        function(torch.nn.Module(), states, states, states, None, sliding_window=2, **packed)
+
+
 # -- packed forward == padded forward ------------------------------------------------------------------
 
 
@@ -100,7 +112,7 @@ def assert_equal_where_valid(packed: torch.Tensor, padded: torch.Tensor, mask: t
 
 
 def test_packed_log_probs_and_entropy_equal_padded(batch):
-    padded, packed = built(), built(use_remove_padding=True)
+    padded, packed = built(packed=False), built(packed=True)
     expected = padded.forward(batch, calculate_entropy=True).batch
     actual = packed.forward(batch, calculate_entropy=True).batch
     mask = batch.batch["response_mask"]
@@ -110,23 +122,23 @@ def test_packed_log_probs_and_entropy_equal_padded(batch):
 
 
 def test_packed_log_probs_equal_padded_in_micro_batches_and_token_budgets(batch):
-    padded = built(micro_batch_size_per_gpu=32).forward(batch).batch["log_probs"]
+    padded = built(packed=False, micro_batch_size_per_gpu=32).forward(batch).batch["log_probs"]
     mask = batch.batch["response_mask"]
     for overrides in ({"forward_micro_batch_size_per_gpu": 5}, {"use_dynamic_bsz": True, "max_token_len_per_gpu": 700}):
-        packed = built(use_remove_padding=True, **overrides).forward(batch).batch["log_probs"]
+        packed = built(packed=True, **overrides).forward(batch).batch["log_probs"]
         assert_equal_where_valid(packed, padded, mask)
 
 
 def test_packed_values_equal_padded(batch):
-    padded, packed = built(value_model=True), built(value_model=True, use_remove_padding=True)
+    padded, packed = built(packed=False, value_model=True), built(packed=True, value_model=True)
     mask = batch.batch["response_mask"]
     assert_equal_where_valid(packed.forward(batch).batch["values"], padded.forward(batch).batch["values"], mask)
 
 
 def test_eager_attention_packs_too(batch):
     rows = batch.select_idxs(list(range(8)))
-    padded = built(attn_implementation="eager").forward(rows).batch["log_probs"]
-    packed = built(attn_implementation="eager", use_remove_padding=True).forward(rows).batch["log_probs"]
+    padded = built(packed=False, attn_implementation="eager").forward(rows).batch["log_probs"]
+    packed = built(packed=True, attn_implementation="eager").forward(rows).batch["log_probs"]
     assert_equal_where_valid(packed, padded, rows.batch["response_mask"])
 
 
@@ -134,8 +146,8 @@ def test_an_unpacked_call_on_a_packing_model_keeps_the_configured_attention(batc
     rows = batch.select_idxs(list(range(4))).batch
     arguments = dict(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"], position_ids=rows["position_ids"])
     with torch.no_grad():
-        expected = built().module(**arguments).logits
-        actual = built(use_remove_padding=True).module(**arguments).logits
+        expected = built(packed=False).module(**arguments).logits
+        actual = built(packed=True).module(**arguments).logits
     assert torch.equal(actual, expected)
 
 
@@ -143,10 +155,10 @@ def test_a_model_whose_attention_cannot_be_packed_runs_padded_with_a_warning(bat
     from transformers.models.qwen2.modeling_qwen2 import Qwen2PreTrainedModel
 
     rows = batch.select_idxs(list(range(4)))
-    expected = built().forward(rows).batch["log_probs"]
+    expected = built(packed=False).forward(rows).batch["log_probs"]
     monkeypatch.setattr(Qwen2PreTrainedModel, "_supports_attention_backend", False)
     with pytest.warns(UserWarning, match="Qwen2ForCausalLM does not route attention through Hugging Face's attention interface"):
-        engine = built(use_remove_padding=True)
+        engine = built(packed=True)
     assert engine.state()["remove_padding"] is False
     assert torch.equal(engine.forward(rows).batch["log_probs"], expected)
 
@@ -176,9 +188,9 @@ def test_loss_and_gradient_norm_do_not_depend_on_the_packed_partition(batch):
         {"micro_batch_size_per_gpu": 5},
         {"use_dynamic_bsz": True, "max_token_len_per_gpu": 700},
     ]
-    metrics = [built(use_remove_padding=True, grad_clip=None, **partition).train_batch(rows, TokenMean(advantages=False))
+    metrics = [built(packed=True, grad_clip=None, **partition).train_batch(rows, TokenMean(advantages=False))
                for partition in partitions]
-    padded = built(grad_clip=None, micro_batch_size_per_gpu=8).train_batch(rows, TokenMean(advantages=False))
+    padded = built(packed=False, grad_clip=None, micro_batch_size_per_gpu=8).train_batch(rows, TokenMean(advantages=False))
     for result in metrics[1:]:
         assert result["loss"] == pytest.approx(metrics[0]["loss"], rel=1e-6)
         assert result["grad_norm"] == pytest.approx(metrics[0]["grad_norm"], rel=1e-6)
@@ -191,8 +203,8 @@ def test_packed_and_padded_updates_give_the_same_weights(batch):
     rows = batch.select_idxs(list(range(12))).with_meta_info({"ppo_mini_batch_size": 12})
     # eps 1e-6: AdamW's first step, lr * g / (|g| + eps), would turn rounding on gradients of about eps into
     # differences of a sizeable part of lr (see test_packing_distributed).
-    padded = built(grad_clip=None, eps=1e-6)
-    packed = built(grad_clip=None, eps=1e-6, use_remove_padding=True, micro_batch_size_per_gpu=7)
+    padded = built(packed=False, grad_clip=None, eps=1e-6)
+    packed = built(packed=True, grad_clip=None, eps=1e-6, micro_batch_size_per_gpu=7)
     for engine in (padded, packed):
         engine.train_batch(rows, TokenMean())
     expected = {name: tensor for bucket in padded.named_weights() for name, tensor in bucket}
@@ -202,7 +214,7 @@ def test_packed_and_padded_updates_give_the_same_weights(batch):
 
 def test_activation_checkpointing_recomputes_packed_attention(batch):
     rows = batch.select_idxs(list(range(8))).with_meta_info({"ppo_mini_batch_size": 8})
-    plain = built(grad_clip=None, use_remove_padding=True)
-    checkpointed = built(grad_clip=None, use_remove_padding=True, enable_gradient_checkpointing=True)
+    plain = built(packed=True, grad_clip=None)
+    checkpointed = built(packed=True, grad_clip=None, enable_gradient_checkpointing=True)
     expected, actual = (engine.train_batch(rows, TokenMean(advantages=False)) for engine in (plain, checkpointed))
     assert actual["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-6)

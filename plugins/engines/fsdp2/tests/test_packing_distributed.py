@@ -128,7 +128,7 @@ def test_a_packed_two_rank_step_equals_a_padded_one_rank_step(two_ranks, one_ran
     # default), float32 summation-order differences move the update by a sizeable part of lr. eps 1e-6
     # keeps the parameter comparison about the gradient; the gradient itself is compared too.
     two_ranks.build("packed", {**PACKED, "eps": 1e-6})
-    one_rank.build("padded", {"eps": 1e-6})
+    one_rank.build("padded", {"eps": 1e-6, "use_remove_padding": False})
     initial = one_rank.parameters("padded")[0]
     packed_metrics = two_ranks.train("packed", batch)[0]
     padded_metrics = one_rank.train("padded", batch)[0]
@@ -147,7 +147,7 @@ def test_a_packed_two_rank_step_equals_a_padded_one_rank_step(two_ranks, one_ran
 def test_a_packed_two_rank_forward_equals_a_padded_one_rank_forward(two_ranks, one_rank):
     batch = spread_batch(seed=1)
     two_ranks.build("packed_forward", PACKED)
-    one_rank.build("padded_forward", {})
+    one_rank.build("padded_forward", {"use_remove_padding": False})
     valid = batch.batch["response_mask"].bool()
     packed = two_ranks.forward("packed_forward", batch).batch["log_probs"]
     padded = one_rank.forward("padded_forward", batch).batch["log_probs"]
