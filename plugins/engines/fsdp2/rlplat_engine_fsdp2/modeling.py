@@ -128,7 +128,9 @@ def over_chunks(function: Callable[..., torch.Tensor], logits: torch.Tensor, tok
         else:
             pieces.append(function(*arguments))
     if not pieces:
-        return logits.new_zeros(rows, 0, dtype=torch.float32)
+        # No position (a packed micro-batch without response tokens): still part of the graph, so its
+        # backward reaches every parameter, as FSDP2's gradient reduction needs on every rank.
+        return logits[:, :0, 0].float()
     return torch.cat(pieces, dim=1)
 
 

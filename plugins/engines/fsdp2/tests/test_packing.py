@@ -218,3 +218,11 @@ def test_activation_checkpointing_recomputes_packed_attention(batch):
     checkpointed = built(packed=True, grad_clip=None, enable_gradient_checkpointing=True)
     expected, actual = (engine.train_batch(rows, TokenMean(advantages=False)) for engine in (plain, checkpointed))
     assert actual["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-6)
+
+
+def test_a_packed_micro_batch_without_response_tokens_steps_with_a_zero_share(batch):
+    rows = batch.select_idxs([6, 2]).with_meta_info({"ppo_mini_batch_size": 2})  # row 6's response is all padding
+    assert rows.batch["response_mask"][0].sum() == 0
+    split = built(packed=True, grad_clip=None, micro_batch_size_per_gpu=1).train_batch(rows, TokenMean())
+    whole = built(packed=True, grad_clip=None, micro_batch_size_per_gpu=2).train_batch(rows, TokenMean())
+    assert split["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-6) and whole["grad_norm"] > 1e-2
