@@ -11,6 +11,9 @@ over micro-batches and ranks. FSDP2's reduce-scatter averages over ranks, so eac
 multiplied by the data-parallel size before backward (gloo has no pre-multiplied sum to do it in the
 collective). The result is the gradient of the unsplit mini-batch, however it was split.
 
+Micro-batches run as padded rows, or with ``use_remove_padding`` as one pack of their valid tokens
+(:mod:`rlplat_engine_fsdp2.packing`); the loss function gets the same ``[B, R]`` outputs either way.
+
 Every collective-bearing method (``init_model``, ``forward``, ``train_batch``, ``named_weights``,
 ``save``, ``load``, ``export_hf``) must be called on every rank of the group, with batches of the same
 number of rows (the worker group's data-parallel dispatch guarantees both).
