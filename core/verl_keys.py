@@ -361,7 +361,8 @@ REFERENCE_FOLLOWS_ACTOR = "rlplat's reference model runs with the actor's engine
 rename("actor_rollout_ref.model.path", "model.path")
 rename("actor_rollout_ref.model.tokenizer_path", "model.tokenizer_path")
 rename("actor_rollout_ref.model.enable_gradient_checkpointing", "actor.engine_config.enable_gradient_checkpointing")
-ignore("actor_rollout_ref.model.use_remove_padding", "verl's padding-free kernels are a speed optimisation; rlplat's engine runs padded micro-batches with the same log-probs")
+rename("actor_rollout_ref.model.use_remove_padding", "actor.engine_config.use_remove_padding",
+       "sequence packing in the fsdp2 engine (same log-probs, no compute on padding)")
 ignore("actor_rollout_ref.model.use_shm", "verl copies the model to /dev/shm to load it faster")
 ignore("actor_rollout_ref.model.use_liger", SPEED_ONLY)
 ignore("actor_rollout_ref.model.use_fused_kernels", SPEED_ONLY)
@@ -426,7 +427,7 @@ ignore("actor_rollout_ref.actor.sum_pi_squared_checkpointing", "verl reads it on
 ignore("actor_rollout_ref.actor.use_prefix_grouper", SPEED_ONLY)
 ignore("actor_rollout_ref.actor.use_torch_compile", SPEED_ONLY)
 ignore("actor_rollout_ref.actor.use_fused_kernels", SPEED_ONLY)
-ignore("actor_rollout_ref.actor.use_remove_padding", SPEED_ONLY)
+ignore("actor_rollout_ref.actor.use_remove_padding", "actor_rollout_ref.model.use_remove_padding sets rlplat's packing")
 ignore("actor_rollout_ref.actor.rollout_n", VERL_INTERNAL + " from rollout.n")
 off_only("actor_rollout_ref.actor.freeze_vision_tower", "off", TEXT_ONLY)
 rename("actor_rollout_ref.actor.grad_clip", "actor.optim.grad_clip", "verl's deprecated spelling of optim.clip_grad")
@@ -711,7 +712,9 @@ def _critic_tokenizer(item: Item, context: Context) -> Outcome:
     return refused(item, "rlplat's critic reads the policy's tokens, so it must share the policy's tokenizer")
 
 
-for _key in ("use_remove_padding", "use_shm", "use_liger", "use_fused_kernels", "fused_kernel_options.impl_backend"):
+rename("critic.model.use_remove_padding", "critic.engine_config.use_remove_padding",
+       "sequence packing in the fsdp2 engine (same values, no compute on padding)")
+for _key in ("use_shm", "use_liger", "use_fused_kernels", "fused_kernel_options.impl_backend"):
     ignore(f"critic.model.{_key}", SPEED_ONLY)
 for _key, _why in (("hf_config_path", "rlplat reads config.json from the critic's model path"),
                    ("custom_chat_template", "the critic reads the policy's tokens"),
@@ -1129,8 +1132,10 @@ def _keep_critic(item: Item, context: Context) -> Outcome:
 
 equal_only("trainer.critic_warmup", 0, "rlplat updates the actor from the first step, as 0 asks",
            "rlplat updates the actor from the first step; it has no critic warm-up")
-ignore("trainer.balance_batch", "rlplat does not reorder a batch to balance tokens over worker processes (a speed "
-       "matter); its mini-batches hold responses in rollout order, as verl's do with false")
+@special("trainer.balance_batch", ["trainer.balance_batch"], "rlplat's key, same meaning: rows ordered so every "
+         "data-parallel rank gets about the same tokens", verl_only=False)
+def _balance_batch(item: Item, context: Context) -> Outcome:
+    return unchanged(item)
 off_only("trainer.log_val_generations", "0", "rlplat logs no sample generations")
 off_only("trainer.rollout_data_dir", "unset", "rlplat does not dump rollouts")
 off_only("trainer.validation_data_dir", "unset", "rlplat does not dump validation generations")

@@ -253,9 +253,8 @@ def test_a_verl_command_line_selects_the_algorithm_its_estimator_implies_with_th
 @pytest.mark.parametrize("verl, why", [
     ("trainer.critic_warmup=0", "rlplat updates the actor from the first step, as 0 asks"),
     ("actor_rollout_ref.rollout.enforce_eager=True", "no memory pool, scheduler or CUDA graphs"),
-    ("actor_rollout_ref.model.use_remove_padding=True", "speed optimisation"),
+    ("actor_rollout_ref.actor.use_remove_padding=True", "sets rlplat's packing"),
     ("actor_rollout_ref.rollout.load_format=safetensors", "receives the actor's weights before its first generation"),
-    ("trainer.balance_batch=True", "does not reorder a batch"),
     ("actor_rollout_ref.model.lora_rank=0", "full fine-tuning"),
     ("actor_rollout_ref.rollout.val_kwargs.temperature=0", "validates greedily"),
     ("actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra]", "always hold the model"),
@@ -333,7 +332,7 @@ def test_a_nested_config_in_verls_layout_becomes_rlplats_by_the_same_rules():
         "rollout": {"response_length": 256, "n": 5, "top_k": 0},
         "model": {"path": "/models/policy"},
         "actor": {"optim": {"lr": 1e-6}, "ppo_mini_batch_size": 16, "loss": {"use_kl_loss": True},
-                  "engine_config": {"param_offload": False}},
+                  "engine_config": {"use_remove_padding": True, "param_offload": False}},
         "cluster": {"devices_per_node": 2, "use_gpu": False},
         "trainer": {"logger": ["console"], "save_freq": 0},
     }

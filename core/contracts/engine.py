@@ -121,6 +121,8 @@ class TrainingEngine(abc.ABC):
         Returns a new DataProto with ``log_probs`` [B, R] (log-probabilities of the response tokens
         under logits divided by ``temperature``, exactly as the rollout samples), ``entropy`` [B, R]
         when ``calculate_entropy``, and ``values`` [B, R] for a value model. Row order is preserved.
+        Only positions inside the response mask are defined; an engine that skips padding (packing)
+        returns 0 outside it.
         """
 
     @abc.abstractmethod
