@@ -150,6 +150,24 @@ class PlainUpdate:
         return {name: tensor.detach().clone() for name, tensor in self.model.named_parameters()}
 
 
+class CpuClock:
+    """``update`` as a contender's run that also records the process's CPU seconds of each call."""
+
+    def __init__(self, update):
+        self.update = update
+        self.seconds: list[float] = []
+
+    def __call__(self, argument=None):
+        start = time.process_time()
+        result = self.update(argument)
+        self.seconds.append(time.process_time() - start)
+        return result
+
+    def median_ms(self, last: int) -> float:
+        """Median of the last ``last`` calls (the race's timed ones come after its warm-up)."""
+        return statistics.median(self.seconds[-last:]) * 1e3
+
+
 class Sections:
     """Seconds spent inside named calls, summed over one pass."""
 
@@ -264,16 +282,20 @@ def main() -> None:
     drift_step = max((after_engine[name] - after_plain[name]).abs().max().item() for name in after_engine)
     moved = max((after_plain[name] - start_plain[name]).abs().max().item() for name in after_plain)
 
-    contenders = race([Contender("engine train_batch", engine), Contender("plain forward+backward+AdamW", plain)],
+    engine_cpu, plain_cpu = CpuClock(engine), CpuClock(plain)
+    contenders = race([Contender("engine train_batch", engine_cpu), Contender("plain forward+backward+AdamW", plain_cpu)],
                       args.repetitions, args.warmup)
     engine_ms, plain_ms = contenders[0].median_ms, contenders[1].median_ms
+    cpu_ms = [clock.median_ms(len(c.seconds)) for clock, c in zip((engine_cpu, plain_cpu), contenders)]
     valid = batch[3].float().mean().item()
     print_table(
         f"GRPO update on the demo batch ({PROMPTS * SAMPLES} rows, 7 + {NEW_TOKENS} tokens, {valid:.0%} of response "
         f"tokens valid), {len(contenders[0].seconds)} interleaved steps each",
-        ["contender", "median ms", "min ms", "x plain"],
-        [[c.name, f"{c.median_ms:.1f}", f"{c.min_ms:.1f}", f"{c.median_ms / plain_ms:.2f}"] for c in contenders],
-        [f"engine / plain: {engine_ms / plain_ms:.2f} (median ratio)",
+        ["contender", "median ms", "min ms", "x plain", "CPU ms", "CPU x plain"],
+        [[c.name, f"{c.median_ms:.1f}", f"{c.min_ms:.1f}", f"{c.median_ms / plain_ms:.2f}", f"{cpu:.1f}", f"{cpu / cpu_ms[1]:.2f}"]
+         for c, cpu in zip(contenders, cpu_ms)],
+        [f"engine / plain: {engine_ms / plain_ms:.2f} (median ratio of wall time), {cpu_ms[0] / cpu_ms[1]:.2f} of "
+         "CPU time (this process's, all threads: what others' work on the shared cores inflates least)",
          f"max |engine - plain| parameter difference: {drift_start:.1e} at the start, {drift_step:.1e} after one step "
          f"(the step moves parameters by up to {moved:.1e})",
          describe_environment({"engine options": " ".join(args.engine_option) or "the demo's"})],
