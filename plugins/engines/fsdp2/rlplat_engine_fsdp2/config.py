@@ -21,6 +21,7 @@ from rlplat.contracts.engine import EngineBuildConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "cosine")
+OPTIMIZER_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
 
 
 @dataclasses.dataclass
@@ -52,6 +53,13 @@ class FSDP2EngineConfig(EngineBuildConfig):
     """Dtype of the gradient reduce-scatter (``MixedPrecisionPolicy.reduce_dtype``)."""
     eps: float = 1e-8
     """AdamW epsilon."""
+    optimizer_implementation: str = "fused"
+    """AdamW's kernel (PyTorch's ``fused`` / ``foreach`` / for-loop): ``fused`` updates every parameter in
+    one kernel per dtype and device (on CPU about 6x faster than ``for-loop`` over FSDP2's DTensors and
+    3x over plain tensors), its float32 rounding differs from the others' by about one ulp per step;
+    ``foreach`` gives bit for bit what ``for-loop`` (PyTorch's default on CPU, and for DTensors) gives,
+    about 3x faster. The optimizer state and checkpoints are the same with each, so a run can resume
+    with another."""
     lr_warmup_steps: int = 0
     """Optimizer steps of linear warm-up from 0 (step ``s < warmup`` uses ``lr * s / warmup``, verl's rule)."""
     lr_scheduler_type: str = "constant"
@@ -91,6 +99,11 @@ class FSDP2EngineConfig(EngineBuildConfig):
     """GPU only: keep parameters in CPU memory between phases (moved in for each call, out after)."""
     optimizer_offload: bool = False
     """GPU only: keep optimizer state in CPU memory between optimizer steps."""
+    shard_one_rank: bool = False
+    """With one rank and float32 compute and reduction, FSDP2 would only copy (an all-gather and a
+    reduce-scatter over one rank per layer) and route every optimizer and clipping op through DTensor,
+    so the engine trains the plain module (about 10% of the demo's update on CPU). True wraps it in
+    ``fully_shard`` anyway. Checkpoints are the same DCP format either way and load at any world size."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters of a layer after its forward (re-gathered in backward)."""
     gradient_sync_every_micro_batch: bool = True
@@ -108,6 +121,8 @@ class FSDP2EngineConfig(EngineBuildConfig):
             problems.append(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
         if self.reduce_dtype not in DTYPES[1:]:
             problems.append(f"reduce_dtype {self.reduce_dtype!r} is not one of {list(DTYPES[1:])}")
+        if self.optimizer_implementation not in OPTIMIZER_IMPLEMENTATIONS:
+            problems.append(f"optimizer_implementation {self.optimizer_implementation!r} is not one of {list(OPTIMIZER_IMPLEMENTATIONS)}")
         if self.lr_scheduler_type not in LR_SCHEDULES:
             problems.append(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of {list(LR_SCHEDULES)}")
         if self.lr_scheduler_type == "cosine" and self.total_training_steps <= self.lr_warmup_steps:

@@ -3,7 +3,8 @@
 Sharding: ``fully_shard`` on every decoder layer and on the root, over one data-parallel mesh of the
 whole process group (gloo on CPU, NCCL on GPU). Master weights and AdamW state are float32 shards;
 forward and backward run in ``dtype`` (``MixedPrecisionPolicy``: bfloat16 with a float32 reduction on
-GPU, float32 on CPU unless asked).
+GPU, float32 on CPU unless asked). One rank computing and reducing in float32 has nothing to shard or
+cast, so it trains the plain module (``shard_one_rank``); everything else behaves the same.
 
 Gradients: the loss function returns each micro-batch's share of the mini-batch loss (normalised by
 the global token or sequence counts the engine puts in ``meta_info``), and the engine *sums* gradients
@@ -61,6 +62,7 @@ class FSDP2Engine(TrainingEngine):
         self.params_offloaded = False
         self.optimizer_offloaded = False
         self.remove_padding = False
+        self.sharded = True
         self.sharded_parameters: dict[str, torch.nn.Parameter] = {}
 
     # -- building ----------------------------------------------------------------------------------
@@ -84,17 +86,25 @@ class FSDP2Engine(TrainingEngine):
             )
         if config.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
-        policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype(), reduce_dtype=modeling.TORCH_DTYPES[config.reduce_dtype])
-        for layer in modeling.decoder_layers(model):
-            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
-        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+        reduce_dtype = modeling.TORCH_DTYPES[config.reduce_dtype]
+        self.sharded = self.world_size > 1 or config.shard_one_rank or (self.compute_dtype(), reduce_dtype) != (torch.float32, torch.float32)
+        if self.sharded:
+            mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+            policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype(), reduce_dtype=reduce_dtype)
+            for layer in modeling.decoder_layers(model):
+                fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+            fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+        else:
+            model.to(self.device)
         self.module = model
-        # The sharded parameters the optimizer updates; between a forward and its backward FSDP2 registers
-        # gathered copies on the module in their place, so shared_weights reads them from here.
+        # The parameters the optimizer updates (FSDP2's shards, or the plain module's own); between a forward
+        # and its backward FSDP2 registers gathered copies on the module in their place, so shared_weights
+        # reads them from here.
         self.sharded_parameters = dict(model.named_parameters())
+        implementation = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay
+            model.parameters(), lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay,
+            **implementation[config.optimizer_implementation],
         )
         schedule = WarmupSchedule(config.lr_scheduler_type, config.lr_warmup_steps, config.total_training_steps, config.min_lr_ratio)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
@@ -255,7 +265,7 @@ class FSDP2Engine(TrainingEngine):
         loss_total, loss_metrics = 0.0, []
         groups = self.plan_micro_batches(mini_batch, self.config.micro_batch_size_per_gpu)
         for index, rows in enumerate(groups):
-            if not self.config.gradient_sync_every_micro_batch:
+            if self.sharded and not self.config.gradient_sync_every_micro_batch:
                 self.module.set_requires_gradient_sync(index == len(groups) - 1)
             micro_batch = self.micro_batch(mini_batch, rows).with_meta_info(meta_info).to(self.device)
             outputs = self.run(micro_batch, temperature, calculate_entropy)
@@ -289,10 +299,7 @@ class FSDP2Engine(TrainingEngine):
     def clip_gradients(self) -> float:
         max_norm = self.config.grad_clip if self.config.grad_clip is not None else math.inf
         parameters = [p for p in self.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm=max_norm)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        return float(norm)
+        return float(full_tensor(torch.nn.utils.clip_grad_norm_(parameters, max_norm=max_norm)))
 
     def gather_metrics(self, metrics: list[dict[str, float]]) -> dict[str, float]:
         """Sum of every loss-function metric over the micro-batches of every rank (metrics are
@@ -320,8 +327,7 @@ class FSDP2Engine(TrainingEngine):
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
         for name, tensor in named:
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            full = full.detach()
+            full = full_tensor(tensor).detach()
             nbytes = full.numel() * full.element_size()
             if bucket and size + nbytes > bucket_bytes:
                 yield bucket
@@ -447,7 +453,13 @@ class FSDP2Engine(TrainingEngine):
             "world_size": self.world_size,
             "value_model": self.config.value_model,
             "remove_padding": self.remove_padding,
+            "sharded": self.sharded,
         }
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of ``tensor``: gathered from every rank when it is FSDP2's DTensor (a collective), else itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

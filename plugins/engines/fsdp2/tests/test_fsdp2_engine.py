@@ -9,11 +9,12 @@ import random
 import numpy as np
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from rlplat.controller.worker import without_padding_weight
 from rlplat.losses import aggregate_loss
 from rlplat_engine_fsdp2.config import FSDP2EngineConfig, read_engine_config
-from rlplat_engine_fsdp2.engine import FSDP2Engine
+from rlplat_engine_fsdp2.engine import FSDP2Engine, full_tensor
 from rlplat_engine_fsdp2.micro_batches import balanced_partition, fixed_size_partition, token_budget_partition
 from rlplat_engine_fsdp2.modeling import response_entropy, response_log_probs
 from rlplat_engine_fsdp2.schedule import WarmupSchedule
@@ -35,7 +36,7 @@ def built(config: dict, **overrides) -> FSDP2Engine:
 
 
 def full_gradients(engine: FSDP2Engine) -> dict[str, torch.Tensor]:
-    return {name: parameter.grad.full_tensor() for name, parameter in engine.module.named_parameters()}
+    return {name: full_tensor(parameter.grad) for name, parameter in engine.module.named_parameters()}
 
 
 # -- micro-batch plans --------------------------------------------------------------------------------
@@ -227,6 +228,53 @@ def test_a_non_finite_gradient_skips_the_step(tiny_config, batch_of):
     assert all(torch.equal(tensor, before[name]) for bucket in engine.named_weights() for name, tensor in bucket)
 
 
+# -- optimizer and sharding ---------------------------------------------------------------------------
+
+
+def stepped(config: dict, batch_of, steps: int, **overrides) -> dict[str, torch.Tensor]:
+    engine = built(config, **overrides)
+    for seed in range(steps):
+        engine.train_batch(batch_of(4, seed=seed), SumOfLogProbs())
+    return parameters_of(engine)
+
+
+def max_difference(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> float:
+    return max(float((left[name] - right[name]).abs().max()) for name in left)
+
+
+def test_foreach_adamw_updates_bit_for_bit_as_the_for_loop(tiny_config, batch_of):
+    for_loop = stepped(tiny_config, batch_of, 3, optimizer_implementation="for-loop")
+    foreach = stepped(tiny_config, batch_of, 3, optimizer_implementation="foreach")
+    assert all(torch.equal(foreach[name], for_loop[name]) for name in for_loop)
+    assert max_difference(for_loop, parameters_of(built(tiny_config))) >= 1e-3
+
+
+def test_fused_adamw_differs_from_the_for_loop_by_float32_rounding(tiny_config, batch_of):
+    # One step: the same formula rounded differently, a few ulps of a weight (one ulp is 6e-8 near 1)
+    # while the step moves weights by lr = 1e-3. Later steps see gradients of weights that differ by
+    # that much, and AdamW's m / sqrt(v) amplifies it where a gradient is near 0, as a different
+    # reduction order does (the tolerance of two ranks against one, 1e-5).
+    for_loop, fused = (stepped(tiny_config, batch_of, 1, optimizer_implementation=kind) for kind in ("for-loop", "fused"))
+    assert 0 < max_difference(fused, for_loop) <= 1e-7
+    for_loop, fused = (stepped(tiny_config, batch_of, 3, optimizer_implementation=kind) for kind in ("for-loop", "fused"))
+    assert max_difference(fused, for_loop) <= 1e-5
+
+
+def test_one_float32_rank_trains_the_plain_module_as_fully_shard_would(tiny_config, batch_of):
+    plain, sharded = built(tiny_config), built(tiny_config, shard_one_rank=True)
+    assert (plain.state()["sharded"], sharded.state()["sharded"]) == (False, True)
+    assert not any(isinstance(parameter, DTensor) for parameter in plain.module.parameters())
+    plain_metrics = [plain.train_batch(batch_of(4, seed=seed), SumOfLogProbs()) for seed in range(3)]
+    sharded_metrics = [sharded.train_batch(batch_of(4, seed=seed), SumOfLogProbs()) for seed in range(3)]
+    after_plain, after_sharded = parameters_of(plain), parameters_of(sharded)
+    assert all(torch.equal(after_plain[name], after_sharded[name]) for name in after_plain)
+    assert plain_metrics == sharded_metrics
+
+
+def test_mixed_precision_on_one_rank_keeps_fully_shard(tiny_config):
+    assert built(tiny_config, dtype="bfloat16").state()["sharded"]
+
+
 # -- checkpoints --------------------------------------------------------------------------------------
 
 
@@ -236,6 +284,36 @@ def test_load_restores_the_random_number_generators(tiny_config, tmp_path):
     drawn = (torch.rand(3), random.random(), np.random.rand())
     engine.load(str(tmp_path / "checkpoint"))
     assert torch.equal(torch.rand(3), drawn[0]) and random.random() == drawn[1] and np.random.rand() == drawn[2]
+
+
+@pytest.mark.parametrize("shard_one_rank", [False, True], ids=["plain module", "fully_shard"])
+@pytest.mark.parametrize("implementation", ["fused", "for-loop"])
+def test_save_load_then_the_next_steps_equal_not_stopping(tiny_config, batch_of, tmp_path, shard_one_rank, implementation):
+    options = dict(shard_one_rank=shard_one_rank, optimizer_implementation=implementation, lr_warmup_steps=2,
+                   lr_scheduler_type="cosine", total_training_steps=6)
+    uninterrupted, resumed = built(tiny_config, **options), built({**tiny_config, "seed": 99}, **options)
+    for seed in range(2):
+        uninterrupted.train_batch(batch_of(4, seed=seed), SumOfLogProbs())
+    uninterrupted.save(str(tmp_path / "checkpoint"))
+    resumed.load(str(tmp_path / "checkpoint"))
+    for seed in range(2, 4):
+        expected = uninterrupted.train_batch(batch_of(4, seed=seed), SumOfLogProbs())
+        assert resumed.train_batch(batch_of(4, seed=seed), SumOfLogProbs()) == expected
+    after_uninterrupted, after_resumed = parameters_of(uninterrupted), parameters_of(resumed)
+    assert all(torch.equal(after_resumed[name], after_uninterrupted[name]) for name in after_uninterrupted)
+    assert resumed.state() == uninterrupted.state()
+
+
+def test_a_checkpoint_resumes_with_another_optimizer_implementation(tiny_config, batch_of, tmp_path):
+    # The optimizer state is the same tensors whichever kernel wrote it; the next step differs from not
+    # stopping only by the kernels' float32 rounding.
+    writer, reader = built(tiny_config, optimizer_implementation="for-loop"), built(tiny_config, optimizer_implementation="fused")
+    writer.train_batch(batch_of(4), SumOfLogProbs())
+    writer.save(str(tmp_path / "checkpoint"))
+    reader.load(str(tmp_path / "checkpoint"))
+    writer.train_batch(batch_of(4, seed=1), SumOfLogProbs())
+    reader.train_batch(batch_of(4, seed=1), SumOfLogProbs())
+    assert max_difference(parameters_of(writer), parameters_of(reader)) <= 1e-7
 
 
 def test_a_checkpoint_whose_save_did_not_finish_is_refused(tiny_config, tmp_path):

@@ -16,7 +16,7 @@ import torch
 
 from rlplat import DataProto, Dispatch, LocalWorkerGroup, RayWorkerGroup, ResourcePool, Worker, WorkerSpec, register
 from rlplat.controller.worker import without_padding_weight
-from rlplat_engine_fsdp2.engine import FSDP2Engine
+from rlplat_engine_fsdp2.engine import FSDP2Engine, full_tensor
 
 pytestmark = pytest.mark.slow  # starts processes or clusters: left out of `make test-fast`
 
@@ -67,7 +67,7 @@ class EngineHost(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def gradients(self, name: str) -> dict:
-        return {key: parameter.grad.full_tensor() for key, parameter in self.engines[name].module.named_parameters()}
+        return {key: full_tensor(parameter.grad) for key, parameter in self.engines[name].module.named_parameters()}
 
     @register(Dispatch.ONE_TO_ALL)
     def shared_weight_names(self, name: str) -> list[str] | None:

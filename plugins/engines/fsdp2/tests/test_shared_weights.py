@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from rlplat_engine_fsdp2.engine import FSDP2Engine
 
@@ -26,8 +27,9 @@ def named_weights_of(engine: FSDP2Engine) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for bucket in engine.named_weights() for name, tensor in bucket}
 
 
-def test_shared_weights_are_the_storage_the_optimizer_updates(tiny_config, batch_of):
-    engine = built(tiny_config)
+@pytest.mark.parametrize("shard_one_rank", [False, True], ids=["plain module", "fully_shard"])
+def test_shared_weights_are_the_storage_the_optimizer_updates(tiny_config, batch_of, shard_one_rank):
+    engine = built(tiny_config, shard_one_rank=shard_one_rank)
     shared = engine.shared_weights()
     pointers = [tensor.data_ptr() for _, tensor in shared]
     before = {name: tensor.clone() for name, tensor in shared}
@@ -42,12 +44,14 @@ def test_shared_weights_are_the_storage_the_optimizer_updates(tiny_config, batch
     assert max(float((tensor - before[name]).abs().max()) for name, tensor in shared) > 1e-4
 
 
-def test_tied_embeddings_are_listed_once_and_the_output_layer_reads_that_storage(tiny_config):
-    engine = built(tiny_config)
+@pytest.mark.parametrize("shard_one_rank", [False, True], ids=["plain module", "fully_shard"])
+def test_tied_embeddings_are_listed_once_and_the_output_layer_reads_that_storage(tiny_config, shard_one_rank):
+    engine = built(tiny_config, shard_one_rank=shard_one_rank)
     shared = dict(engine.shared_weights())
     assert "model.embed_tokens.weight" in shared and "lm_head.weight" not in shared
     output_layer = engine.module.lm_head.weight
-    assert output_layer.to_local().data_ptr() == shared["model.embed_tokens.weight"].data_ptr()
+    local = output_layer.to_local() if isinstance(output_layer, DTensor) else output_layer
+    assert local.data_ptr() == shared["model.embed_tokens.weight"].data_ptr()
 
 
 def test_no_shared_weights_with_parameter_offload(tiny_config):
