@@ -4,7 +4,8 @@ log-probs, entropy and values of the response tokens.
 Log-probs and entropy are computed a chunk of tokens at a time from ``logits / temperature`` in
 float32, so a float32 ``[batch, response, vocab]`` tensor never exists at once. With gradients each
 chunk is recomputed in backward (``torch.utils.checkpoint``), so autograd does not keep every
-chunk's float32 copy either. The temperature is applied exactly as Hugging Face ``generate`` and
+chunk's float32 copy either, unless the whole float32 tensor is small (:data:`KEEP_FLOAT32_BYTES`:
+a tiny vocabulary), where recomputing would save nothing worth its time. The temperature is applied exactly as Hugging Face ``generate`` and
 vLLM sample: the logits are cast to float32, then divided.
 
 With ``remove_padding`` the rows run as one pack of their valid tokens (:mod:`rlplat_engine_fsdp2.packing`)
@@ -26,6 +27,11 @@ from rlplat_engine_fsdp2 import packing
 from rlplat_engine_fsdp2.config import FSDP2EngineConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: Log-probs and entropy of a micro-batch whose whole float32 ``[batch, response, vocab]`` tensor is at
+#: most this large are computed in one piece and kept for backward, not chunked and recomputed: 16 MiB
+#: is a few thousand tokens of a vocabulary of a thousand, and under 30 tokens of a 150k one.
+KEEP_FLOAT32_BYTES = 16 << 20
 
 
 def hf_config(config: FSDP2EngineConfig) -> Any:
@@ -115,15 +121,17 @@ def response_entropy(logits: torch.Tensor, temperature: float, chunk_tokens: int
 
 def over_chunks(function: Callable[..., torch.Tensor], logits: torch.Tensor, tokens: torch.Tensor | None, chunk_tokens: int) -> torch.Tensor:
     """``function`` over windows of positions holding about ``chunk_tokens`` tokens each, concatenated;
-    under autograd each window is recomputed in backward instead of kept."""
+    under autograd each window is recomputed in backward instead of kept. All in one window, kept, when
+    the float32 tensor is at most :data:`KEEP_FLOAT32_BYTES`."""
     rows, positions = logits.shape[:2]
-    width = max(1, chunk_tokens // max(rows, 1))
+    keep = logits.numel() * 4 <= KEEP_FLOAT32_BYTES
+    width = positions if keep else max(1, chunk_tokens // max(rows, 1))
     pieces = []
-    for start in range(0, positions, width):
+    for start in range(0, positions, max(width, 1)):
         arguments = [logits[:, start : start + width]]
         if tokens is not None:
             arguments.append(tokens[:, start : start + width])
-        if torch.is_grad_enabled() and logits.requires_grad:
+        if not keep and torch.is_grad_enabled() and logits.requires_grad:
             pieces.append(checkpoint(function, *arguments, use_reentrant=False))
         else:
             pieces.append(function(*arguments))

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from rlplat.controller.worker import without_padding_weight
 from rlplat.losses import aggregate_loss
 from rlplat_engine_fsdp2.config import FSDP2EngineConfig, read_engine_config
+from rlplat_engine_fsdp2 import modeling
 from rlplat_engine_fsdp2.engine import FSDP2Engine, full_tensor
 from rlplat_engine_fsdp2.micro_batches import balanced_partition, fixed_size_partition, token_budget_partition
 from rlplat_engine_fsdp2.modeling import response_entropy, response_log_probs
@@ -89,7 +90,9 @@ def test_train_batch_reports_the_lr_each_step_used(tiny_config, batch_of):
 
 
 @pytest.mark.parametrize("chunk_tokens", [1, 6, 1000])
-def test_chunked_log_probs_and_entropy_equal_the_whole_log_softmax(chunk_tokens):
+@pytest.mark.parametrize("keep_bytes", [0, modeling.KEEP_FLOAT32_BYTES], ids=["chunked", "kept"])
+def test_chunked_log_probs_and_entropy_equal_the_whole_log_softmax(chunk_tokens, keep_bytes, monkeypatch):
+    monkeypatch.setattr(modeling, "KEEP_FLOAT32_BYTES", keep_bytes)
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 5, 11, generator=generator, dtype=torch.float64).float().requires_grad_(True)
     tokens = torch.randint(0, 11, (3, 5), generator=generator)
@@ -103,6 +106,22 @@ def test_chunked_log_probs_and_entropy_equal_the_whole_log_softmax(chunk_tokens)
     (expected_gradient,) = torch.autograd.grad(expected.sum(), logits)
     (chunked_gradient,) = torch.autograd.grad(chunked.sum(), logits)
     torch.testing.assert_close(chunked_gradient, expected_gradient, atol=1e-6, rtol=0)
+
+
+def test_a_small_float32_tensor_is_kept_for_backward_and_a_large_one_recomputed_by_windows(monkeypatch):
+    calls = []
+
+    def log_probs(chunk, tokens):
+        calls.append(chunk.shape[1])
+        return chunk.float().gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+    logits = torch.randn(2, 4, 3, requires_grad=True)  # 96 float32 bytes
+    tokens = torch.zeros(2, 4, dtype=torch.long)
+    for keep_bytes, expected_calls in ((96, [4]), (95, [2, 2, 2, 2])):  # forward windows of 2 positions, then again in backward
+        monkeypatch.setattr(modeling, "KEEP_FLOAT32_BYTES", keep_bytes)
+        calls.clear()
+        modeling.over_chunks(log_probs, logits, tokens, chunk_tokens=4).sum().backward()
+        assert calls == expected_calls
 
 
 def test_entropy_is_computed_for_the_loss_function_only_when_it_reads_it(tiny_config, batch_of):
