@@ -59,4 +59,30 @@ def test_the_demo_settings_validate_and_the_users_overrides_win():
 
     config = load_config(overrides=demo_overrides() + ["trainer.total_training_steps=3"], algo="grpo")
     assert config.trainer.total_training_steps == 3 and config.rollout.n == 8
-    assert config.model.path.endswith("model") and config.cluster.devices_per_node == 2
+    assert config.model.path.endswith("model") and config.cluster.backend == "local"
+
+
+@pytest.mark.slow
+def test_the_demo_on_two_ray_workers_trains_with_the_on_policy_update_and_copied_weights(tmp_path):
+    """The demo's recipe in the layout it had before it moved to one process: 2 fsdp2 workers on Ray."""
+    from rlplat.config import load_config
+    from rlplat.demo import overrides as demo_overrides
+    from rlplat.tracking import read_metrics
+    from rlplat.trainer import Trainer
+
+    run_dir = tmp_path / "ray"
+    config = load_config(overrides=demo_overrides() + [
+        "cluster.backend=ray", "cluster.devices_per_node=2", "trainer.total_training_steps=3", "trainer.test_freq=3",
+        "trainer.save_freq=0", f"trainer.output_dir={run_dir}", "trainer.logger=[jsonl]", "trainer.resume=disable"], algo="grpo")
+    trainer = Trainer(config)
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    records = [r for r in read_metrics(run_dir) if r["step"] > 0]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert "timing_s/old_log_prob" not in record and record["rollout/log_prob_diff_max"] < 1e-4
+        assert record["sync/shared"] == 0.0 and record["sync/bytes"] > 2e6  # two ranks hold shards: weights are copied
+        assert record["actor/grad_norm"] > 0
+    assert 0.0 <= records[-1]["val/arith/acc/mean"] <= 1.0

@@ -57,7 +57,7 @@ def overrides() -> list[str]:
         "actor.optim.lr=1e-4", "actor.ppo_mini_batch_size=32", "actor.micro_batch_size_per_gpu=256",
         "actor.optim.weight_decay=0.0", "actor.loss.use_kl_loss=false", "actor.loss.loss_agg_mode=token-mean",
         "trainer.total_training_steps=150", "trainer.test_freq=10", "trainer.save_freq=50",
-        "trainer.output_dir=runs/demo", "cluster.devices_per_node=2",
+        "trainer.output_dir=runs/demo", "cluster.backend=local",
     ]
 
 
