@@ -57,7 +57,8 @@ bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python bench/hf_rollout.py
 	$(BENCH_VENV)/bin/python bench/fsdp2_scaling.py
 	$(BENCH_VENV)/bin/python bench/trl_vs_rlplat.py
-	$(BENCH_VENV)/bin/python bench/time_to_accuracy.py
+	$(BENCH_VENV)/bin/python bench/update_step.py
+	$(BENCH_VENV)/bin/python bench/time_to_accuracy.py --budget 260
 	$(BENCH_VENV)/bin/python bench/packing.py
 
 # verl 0.9.1's own DataProto tests (tests/test_protocol_on_cpu.py, from its wheel) run against rlplat's
