@@ -193,6 +193,8 @@ class Trainer:
         if separate_old_log_prob:
             with timed(timing, "old_log_prob"):
                 batch = batch.union(self.actor.compute_log_prob(batch))
+            mask = batch.batch["response_mask"].to(batch.batch["entropys"].dtype)
+            metrics["actor/entropy"] = float((batch.batch["entropys"] * mask).sum() / mask.sum().clamp(min=1))
         if self.use_reference:
             with timed(timing, "ref"):
                 batch = batch.union(self.actor.compute_ref_log_prob(batch))

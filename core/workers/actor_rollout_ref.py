@@ -52,9 +52,15 @@ class OldLogProbsFromForward:
         self.old_log_probs: torch.Tensor | None = None
         self.seen = torch.zeros(rows, dtype=torch.bool)
         self.rows = rows
+        self.entropy_sum = self.entropy_tokens = 0.0
 
     def __call__(self, outputs: Any, micro_batch: DataProto) -> Any:
         log_probs = outputs["log_probs"].detach()
+        if "entropy" in outputs:  # the entropy the separate pass reports (verl's actor/entropy), first forwards only
+            mask = micro_batch.batch["response_mask"].to(log_probs.dtype)
+            first = (~self.seen[micro_batch.batch[ROW_INDEX].cpu()]).to(mask.device, mask.dtype)[:, None]
+            self.entropy_sum += float((outputs["entropy"].detach() * mask * first).sum())
+            self.entropy_tokens += float((mask * first).sum())
         micro_batch.batch["old_log_probs"] = log_probs
         rows = micro_batch.batch[ROW_INDEX].cpu()
         if self.old_log_probs is None:
@@ -188,12 +194,14 @@ class ActorRolloutRefWorker(Worker):
             tensors = batch.batch.clone(recurse=False)
             tensors.set(ROW_INDEX, torch.arange(len(batch)))
             batch, loss_fn = DataProto(tensors, batch.non_tensor_batch, batch.meta_info), from_forward
-            meta.update(ppo_mini_batch_size=None, ppo_epochs=1)  # one optimizer step: every forward precedes it
+            meta.update(ppo_mini_batch_size=None, ppo_epochs=1, calculate_entropy=True)  # one optimizer step
         metrics = actor.train_batch(batch.with_meta_info(meta), loss_fn)
         metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()}
         metrics["timing_s/update_actor_worker"] = time.perf_counter() - started
         if from_forward is None:
             return DataProto(meta_info={"metrics": metrics})
+        if from_forward.entropy_tokens and "actor/entropy" not in metrics:
+            metrics["actor/entropy"] = from_forward.entropy_sum / from_forward.entropy_tokens
         return DataProto.from_dict({"old_log_probs": from_forward.result()}, meta_info={"metrics": metrics})
 
     # -- weights -----------------------------------------------------------------------------------
