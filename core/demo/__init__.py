@@ -54,7 +54,7 @@ def overrides() -> list[str]:
         f"data.val_files=[{val_file()}]",
         "data.train_batch_size=32", "data.max_prompt_length=16",
         "rollout.n=8", "rollout.response_length=4", "rollout.temperature=1.0",
-        "actor.optim.lr=1e-4", "actor.ppo_mini_batch_size=32", "actor.micro_batch_size_per_gpu=256",
+        "actor.optim.lr=1.5e-4", "actor.ppo_mini_batch_size=32", "actor.micro_batch_size_per_gpu=256",
         "actor.optim.weight_decay=0.0", "actor.loss.use_kl_loss=false", "actor.loss.loss_agg_mode=token-mean",
         "actor.optim.lr_scheduler_type=cosine", "actor.optim.min_lr_ratio=0.0",
         "trainer.total_training_steps=850", "trainer.test_freq=25", "trainer.save_freq=425",
