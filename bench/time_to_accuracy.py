@@ -1,7 +1,7 @@
 """Time to accuracy on the built-in demo: rlplat's demo run vs the plain PyTorch loop (``bench/plain_grpo.py``).
 
 Both start from the shipped model (``rlplat.demo.model_dir()``) with the demo's recipe (32 prompts x 8
-samples, 4 new tokens, lr 1e-4, ...), the same seed (``trainer.seed`` and ``data.seed`` for rlplat; the
+samples, 4 new tokens, the demo's learning rate, ...), the same seed (``trainer.seed`` and ``data.seed`` for rlplat; the
 plain loop's data order is rlplat's loader's, ``default_rng((seed, epoch))``), and greedy validation on the
 whole ``val.parquet`` before the first step and every ``--val-every`` steps. Each runs in a fresh child
 process of this script, one at a time:
@@ -144,11 +144,19 @@ def run_plain(args: argparse.Namespace, seed: int) -> dict:
     return {"val": [], "step_s": [], "reason": f"plain loop exited with {done.returncode}", "log_tail": tail}
 
 
+def demo_lr() -> float:
+    """The demo preset's peak learning rate (rlplat's cosine over the uncapped run is constant to 1e-3
+    within the steps that matter; the plain loop runs it constant)."""
+    from rlplat.demo import overrides
+
+    return float(next(item.split("=", 1)[1] for item in overrides() if item.startswith("actor.optim.lr=")))
+
+
 def plain_child(args: argparse.Namespace) -> None:
     import plain_grpo  # bench/plain_grpo.py, beside this script
 
     result = plain_grpo.run(10**6, seed=args.seed, threads=args.threads, val_every=args.val_every,
-                            time_budget=args.budget, stop_at=args.target)
+                            time_budget=args.budget, stop_at=args.target, lr=demo_lr())
     reached = result["val"] and result["val"][-1][2] >= args.target
     print(RESULT_TAG + json.dumps({"val": result["val"], "step_s": result["step_s"],
                                    "reason": "target reached" if reached else "budget spent"}), flush=True)
