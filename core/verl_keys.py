@@ -421,7 +421,7 @@ for _loss_key in ("loss_mode", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "
 off_only("actor_rollout_ref.actor.policy_loss.dro_beta", "unset", "rlplat has no DRO policy loss")
 for _key in ("tau_pos", "tau_neg"):
     ignore(f"actor_rollout_ref.actor.{_key}", "verl reads it only in its sapo policy loss, which rlplat does not have")
-ignore("actor_rollout_ref.actor.calculate_entropy", "rlplat reports actor/entropy every step, from the old-log-prob pass or the update's first forward")
+ignore("actor_rollout_ref.actor.calculate_entropy", "rlplat reports actor/entropy from the old-log-prob pass when it runs, and from the loss when it has an entropy term")
 off_only("actor_rollout_ref.actor.calculate_sum_pi_squared", "off", "rlplat does not compute sum(pi^2)")
 ignore("actor_rollout_ref.actor.sum_pi_squared_checkpointing", "verl reads it only with calculate_sum_pi_squared")
 ignore("actor_rollout_ref.actor.use_prefix_grouper", SPEED_ONLY)

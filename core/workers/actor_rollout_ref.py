@@ -56,7 +56,7 @@ class OldLogProbsFromForward:
 
     def __call__(self, outputs: Any, micro_batch: DataProto) -> Any:
         log_probs = outputs["log_probs"].detach()
-        if "entropy" in outputs:  # the entropy the separate pass reports (verl's actor/entropy), first forwards only
+        if self.needs_entropy:  # computed for the loss anyway: report it as the separate pass would (actor/entropy)
             mask = micro_batch.batch["response_mask"].to(log_probs.dtype)
             first = (~self.seen[micro_batch.batch[ROW_INDEX].cpu()]).to(mask.device, mask.dtype)[:, None]
             self.entropy_sum += float((outputs["entropy"].detach() * mask * first).sum())
@@ -194,7 +194,7 @@ class ActorRolloutRefWorker(Worker):
             tensors = batch.batch.clone(recurse=False)
             tensors.set(ROW_INDEX, torch.arange(len(batch)))
             batch, loss_fn = DataProto(tensors, batch.non_tensor_batch, batch.meta_info), from_forward
-            meta.update(ppo_mini_batch_size=None, ppo_epochs=1, calculate_entropy=True)  # one optimizer step
+            meta.update(ppo_mini_batch_size=None, ppo_epochs=1)  # one optimizer step: every forward precedes it
         metrics = actor.train_batch(batch.with_meta_info(meta), loss_fn)
         metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()}
         metrics["timing_s/update_actor_worker"] = time.perf_counter() - started
