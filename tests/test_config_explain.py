@@ -23,7 +23,7 @@ def test_every_key_has_a_description(keys):
 
 def test_a_core_key_shows_its_type_default_value_and_owner(keys):
     lr = keys["actor.optim.lr"]
-    assert (lr.type, lr.default, lr.value, lr.owner) == ("float", 1e-6, 1e-4, "core (rlplat)")
+    assert (lr.type, lr.default, lr.value, lr.owner) == ("float", 1e-6, 1.5e-4, "core (rlplat)")
     assert "Peak learning rate" in lr.doc
 
 
@@ -44,7 +44,7 @@ def test_keys_core_fills_in_or_the_engine_sets_per_micro_batch_are_not_offered(k
 
 def test_render_selects_a_node_by_its_prefix(keys):
     text = render(list(keys.values()), "actor.optim")
-    assert text.startswith("actor.optim.lr  (float; default 1e-06; here 0.0001)  [core (rlplat)]")
+    assert text.startswith("actor.optim.lr  (float; default 1e-06; here 0.00015)  [core (rlplat)]")
     assert "critic.optim" not in text and "actor.ppo_epochs" not in text
 
 
