@@ -20,6 +20,8 @@ COMMANDS = {
     "config": ("rlplat.cli.config:app", "Inspect the resolved run config and what its keys mean."),
     "plugins": ("rlplat.cli.plugins:app", "List the installed plugins and what they register."),
     "plot": ("rlplat.cli.plot:plot", "Write a run's metrics as PNG charts."),
+    "check-template": ("rlplat.cli.check_template:check_template",
+                       "Check that a chat template only appends across turns (multi-turn training needs it)."),
 }
 
 ROLES = {
