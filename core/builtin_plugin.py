@@ -54,3 +54,38 @@ def register_reward_scorers(register):
 def register_commands(register):
     for name, (target, description) in COMMANDS.items():
         register(name, target, description=description)
+
+
+AGENT_LOOPS = {
+    "single_turn": ("SingleTurnLoop", "AgentLoopConfig", "one model turn after the prompt (the distribution of generate)"),
+    "tool": ("ToolLoop", "ToolLoopConfig", "model turns with tool calls run concurrently and their results appended"),
+    "env": ("EnvLoop", "EnvLoopConfig", "model turns against a gym-style environment (agent.environment)"),
+}
+
+
+@hookimpl
+def register_agent_loops(register):
+    for name, (loop, schema, description) in AGENT_LOOPS.items():
+        module = "rlplat.contracts.agent" if schema == "AgentLoopConfig" else "rlplat.agent.loops"
+        register(name, f"rlplat.agent.loops:{loop}", description=description, config_schema=f"{module}:{schema}")
+
+
+@hookimpl
+def register_tools(register):
+    register("calculator", "rlplat.agent.tools:CalculatorTool", config_schema="rlplat.contracts.agent:ToolConfig",
+             description="arithmetic on an expression, by parsing (never eval)")
+    register("python", "rlplat.agent.tools:PythonTool", config_schema="rlplat.agent.tools:PythonToolConfig",
+             description="runs Python code in a sandboxed child process (limits, timeout, no survivors)")
+
+
+@hookimpl
+def register_tool_parsers(register):
+    register("hermes", "rlplat.agent.parsers:HermesParser",
+             description="<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Qwen2.5-style templates)")
+
+
+@hookimpl
+def register_environments(register):
+    register("retry", "rlplat.agent.environments:RetryEnvironment",
+             config_schema="rlplat.agent.environments:RetryConfig",
+             description="the row's scorer judges each answer; a wrong one gets 'wrong, try again'")

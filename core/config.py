@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from rlplat.config_node import ConfigError, did_you_mean, read_config_node, resolve_schema
+from rlplat.agent.config import AgentConfig
 from rlplat.data import DataConfig
 
 __all__ = ["ConfigError", "RLConfig", "load_config", "validate_config", "plugin_nodes", "engine_node",
@@ -232,6 +233,8 @@ class RLConfig:
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
+    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
+    """Multi-turn rollouts through agent loops, tools and environments (see :mod:`rlplat.agent`)."""
     roles: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """Placement of worker roles (kind ``role``): ``roles.critic.placement=separate``,
     ``roles.rollout.placement=separate roles.rollout.devices_per_node=2``, and a plugin role's own keys
@@ -495,7 +498,77 @@ def plugin_nodes(config: DictConfig, algorithm: Any, total_steps: int) -> list[P
                               f"{did_you_mean(name, registry.names('role'), 'roles.')}")
         schema, owner = entry_schema("role", name, f"roles.{name}")
         nodes.append(PluginNode(f"roles.{name}", owner, schema or RoleConfig, node or {}))
+    nodes += agent_nodes(config)
     return nodes
+
+
+def agent_nodes(config: DictConfig) -> list[PluginNode]:
+    """The plugin-owned nodes under ``agent``: each loop's ``agent.loops.<name>`` and the environment's
+    ``agent.environment_config``."""
+    from rlplat.contracts.agent import AgentLoopConfig
+
+    agent = config.agent
+    nodes = []
+    for name, node in OmegaConf.to_container(agent.loops, resolve=True).items():
+        schema, owner = entry_schema("agent_loop", name, f"agent.loops.{name}")
+        nodes.append(PluginNode(f"agent.loops.{name}", owner, schema or AgentLoopConfig, node or {}))
+    if agent.environment is not None:
+        schema, owner = entry_schema("environment", agent.environment, "agent.environment")
+        nodes.append(PluginNode("agent.environment_config", owner, schema,
+                                OmegaConf.to_container(agent.environment_config, resolve=True)))
+    elif agent.environment_config:
+        raise ConfigError("agent.environment_config is set but agent.environment is not: name the environment.")
+    return nodes
+
+
+def data_agent_names(files: Sequence[str]) -> set[str]:
+    """The ``agent_name`` values (nulls left out) of the parquet files that have the column."""
+    import pyarrow.parquet as pq
+
+    names: set[str] = set()
+    for path in files:
+        if "agent_name" in pq.read_schema(path).names:
+            names.update(value for value in pq.read_table(path, columns=["agent_name"]).column(0).to_pylist() if value)
+    return names
+
+
+def check_agent(config: DictConfig, data: DataConfig) -> None:
+    """The ``agent`` node against the registries, the tools file and the data's ``agent_name`` values."""
+    from rlplat.agent.config import VERL_LOOP_NAMES
+
+    agent = read_config_node(config.agent, AgentConfig, "agent")
+    entry_schema("tool_parser", agent.tool_parser, "agent.tool_parser")
+    used = {agent.loop} if agent.loop else set()
+    for key in ("train_files", "val_files"):
+        for name in data_agent_names(getattr(data, key)):
+            used.add(name)
+            entry_schema("agent_loop", VERL_LOOP_NAMES.get(name, name), f"the agent_name {name!r} in data.{key}")
+    if agent.loop:
+        entry_schema("agent_loop", agent.loop, "agent.loop")
+    loops = {VERL_LOOP_NAMES.get(name, name) for name in used}
+    if "env" in loops and agent.environment is None:
+        raise ConfigError("the env agent loop needs an environment: set agent.environment (e.g. retry).")
+    if "tool" in loops and agent.tools_config is None:
+        raise ConfigError("the tool agent loop offers the tools of agent.tools_config, which is not set: give a tools file.")
+    if agent.tools_config is not None:
+        from rlplat.agent.tools import read_tools_file
+
+        read_tools_file(agent.tools_config)
+    if loops - {"single_turn"}:
+        check_chat_template(config)
+
+
+def check_chat_template(config: DictConfig) -> None:
+    """Multi-turn loops append messages through the chat template: the tokenizer must have one."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    except Exception as error:
+        raise ConfigError(f"model.path: the tokenizer in {config.model.path} cannot be loaded for the agent loops: {error}") from None
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError(f"agent loops with several turns render messages with the tokenizer's chat template, and the "
+                          f"tokenizer in {config.model.path} has none (only the single_turn loop works without one).")
 
 
 # -- validation -------------------------------------------------------------------------------------------
@@ -527,6 +600,7 @@ def validate_config(config: DictConfig) -> None:
         node.check()
     check_scorer(config)
     check_roles(config, algorithm, registry)
+    check_agent(config, data)
 
     rollout_entry = registry.entry("rollout", config.rollout.name)
     if rollout_entry.metadata.get("needs_gpu") and not config.cluster.use_gpu:

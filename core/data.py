@@ -7,7 +7,10 @@
   (a plain string is accepted when ``data.apply_chat_template`` is false);
 * ``reward_model`` (struct): ``ground_truth`` (any type, not null) and whatever else the scorer reads
   (``style``, ...);
-* ``extra_info`` (struct, optional): passed to the scorer as is; a missing column or a null gives ``{}``.
+* ``extra_info`` (struct, optional): passed to the scorer as is; a missing column or a null gives ``{}``;
+  multi-turn rows carry ``tools_kwargs`` (per-tool arguments) and optionally ``tools`` here (verl's);
+* ``agent_name`` (string, optional): the agent loop of the row (``tool``, ``env``, verl's
+  ``tool_agent``, ...; see :mod:`rlplat.agent.manager`); null: ``agent.loop``.
 
 Other columns are ignored. :func:`write_parquet` writes such files.
 
@@ -182,6 +185,9 @@ class RLDataset:
         self.data_sources: list[str] = []
         self.reward_models: list[dict] = []
         self.extra_infos: list[dict] = []
+        self.agent_names: list[str | None] = []
+        self.has_agent_names = False
+        """Whether a file has the ``agent_name`` column (rows then carry it, null where unset)."""
         self.origins: list[tuple[int, int]] = []
         """(file number, row within that file) of each kept row."""
         token_lists: list[list[int]] = []
@@ -231,7 +237,8 @@ class RLDataset:
                     f"Each row needs {self.prompt_key!r} (chat messages), 'data_source' and "
                     f"'reward_model' with 'ground_truth'; 'extra_info' is optional"
                 )
-        columns = [self.prompt_key, *REQUIRED_COLUMNS] + (["extra_info"] if "extra_info" in names else [])
+        optional = [column for column in ("extra_info", "agent_name") if column in names]
+        columns = [self.prompt_key, *REQUIRED_COLUMNS] + optional
         try:
             table = pq.read_table(path, columns=columns)
         except (pa.ArrowException, OSError) as error:
@@ -240,10 +247,15 @@ class RLDataset:
         data_sources = table.column("data_source").to_pylist()
         reward_models = table.column("reward_model").to_pylist()
         extra_infos = table.column("extra_info").to_pylist() if "extra_info" in names else [None] * table.num_rows
+        agent_names = table.column("agent_name").to_pylist() if "agent_name" in names else [None] * table.num_rows
+        self.has_agent_names |= "agent_name" in names
         texts = []
         for row in range(table.num_rows):
             texts.append(self._prompt_text(prompts[row], f"{where}, row {row}, column {self.prompt_key!r}"))
             check_row(data_sources[row], reward_models[row], extra_infos[row], f"{where}, row {row}")
+            if agent_names[row] is not None and not isinstance(agent_names[row], str):
+                raise DataError(f"{where}, row {row}, column 'agent_name': expected a string (an agent loop's name) or "
+                                f"null, got {agent_names[row]!r:.60}")
             if isinstance(prompts[row], list):
                 # Parquet gives every message the union of the keys of all messages in the column, null
                 # where one was not written; templates test `'tool_calls' in message`, so drop those.
@@ -270,6 +282,7 @@ class RLDataset:
             self.data_sources.append(data_sources[row])
             self.reward_models.append(reward_models[row])
             self.extra_infos.append({} if extra_infos[row] is None else extra_infos[row])
+            self.agent_names.append(agent_names[row])
             self.origins.append((file_number, row))
         return dropped
 
@@ -316,7 +329,7 @@ class RLDataset:
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} out of range for a dataset of {len(self)} prompts")
         index = int(index)
-        return {
+        row = {
             "input_ids": self.token_ids[self.offsets[index]: self.offsets[index + 1]].tolist(),
             "raw_prompt": copy.deepcopy(self.raw_prompts[index]),
             "data_source": self.data_sources[index],
@@ -324,6 +337,9 @@ class RLDataset:
             "extra_info": copy.deepcopy(self.extra_infos[index]),
             "index": index,
         }
+        if self.has_agent_names:
+            row["agent_name"] = self.agent_names[index]
+        return row
 
     def origin(self, index: int) -> tuple[str, int]:
         """``(file, row within that file)`` of the prompt at ``index``."""
@@ -377,7 +393,8 @@ def collate(rows: Sequence[Mapping[str, Any]], pad_token_id: int, uid_prefix: st
     Tensors (int64, ``[B, W]``): ``input_ids`` (``pad_token_id`` on the left), ``attention_mask`` (1 on
     real tokens), ``position_ids`` (``clamp(cumsum(attention_mask) - 1, 0)``: 0 on the padding and the
     first real token, counting up from there). Non-tensors: ``raw_prompt``, ``data_source``,
-    ``reward_model``, ``extra_info``, ``index`` and ``uid = f"{uid_prefix}i{index}"``. The uid depends
+    ``reward_model``, ``extra_info``, ``agent_name`` (when the rows have it), ``index`` and
+    ``uid = f"{uid_prefix}i{index}"``. The uid depends
     only on the row and the prefix, never on a counter or a random draw, so a resumed run gives the
     same uids; the training loader's prefix is ``e{epoch}-`` (unique over the whole run), the validation
     loader's ``val-``. A batch that holds one dataset index twice raises ``ValueError``: its two rows
@@ -398,7 +415,8 @@ def collate(rows: Sequence[Mapping[str, Any]], pad_token_id: int, uid_prefix: st
         input_ids[number, width - length:] = torch.as_tensor(row["input_ids"], dtype=torch.long)
         attention_mask[number, width - length:] = 1
     position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
-    non_tensors = {key: [row[key] for row in rows] for key in ("raw_prompt", "data_source", "reward_model", "extra_info")}
+    keys = ("raw_prompt", "data_source", "reward_model", "extra_info") + (("agent_name",) if "agent_name" in rows[0] else ())
+    non_tensors = {key: [row.get(key) for row in rows] for key in keys}
     non_tensors["index"] = np.asarray(indices, dtype=np.int64)
     non_tensors["uid"] = [f"{uid_prefix}i{index}" for index in indices]
     return DataProto.from_dict(

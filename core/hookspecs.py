@@ -141,3 +141,42 @@ def register_roles(register):
     (a subclass of :class:`rlplat.contracts.role.RoleConfig`) types the role's ``roles.<name>`` node.
     rlplat registers its own roles (``actor``, ``rollout``, ``critic``) through this hook.
     """
+
+
+@hookspec
+def register_agent_loops(register):
+    """Register agent loops (kind ``agent_loop``): what drives one multi-turn conversation.
+
+    The factory takes the loop's config node (``agent.loops.<name>``, read with ``config_schema``, a
+    subclass of :class:`rlplat.contracts.agent.AgentLoopConfig`) and returns an
+    :class:`rlplat.contracts.agent.AgentLoop`. A dataset row picks its loop in its ``agent_name``
+    column; ``agent.loop`` is the default. rlplat registers ``single_turn``, ``tool`` and ``env``.
+    """
+
+
+@hookspec
+def register_tools(register):
+    """Register tools (kind ``tool``) an agent loop offers the model.
+
+    The factory is called as ``factory(config, schema=...)`` with the tool's node of the tools file
+    (``config_schema``, a subclass of :class:`rlplat.contracts.agent.ToolConfig`) and returns an
+    :class:`rlplat.contracts.agent.Tool`. rlplat registers ``calculator`` and ``python``.
+    """
+
+
+@hookspec
+def register_tool_parsers(register):
+    """Register tool-call parsers (kind ``tool_parser``): how tool calls are written in a model's
+    chat format. The factory takes the parser's config and returns an
+    :class:`rlplat.contracts.agent.ToolCallParser`; ``agent.tool_parser`` picks one. rlplat registers
+    ``hermes`` (``<tool_call>{json}</tool_call>``, Qwen2.5-style templates).
+    """
+
+
+@hookspec
+def register_environments(register):
+    """Register environments (kind ``environment``) for the ``env`` agent loop: gym-style multi-turn
+    tasks without tools. The factory takes ``agent.environment_config`` (read with ``config_schema``)
+    and returns a new :class:`rlplat.contracts.agent.Environment` per conversation. rlplat registers
+    ``retry`` (the row's scorer judges each answer; a wrong one gets "wrong, try again").
+    """

@@ -41,6 +41,10 @@ HOOK_OF_KIND: dict[str, str] = {
     "dispatch_mode": "register_dispatch_modes",
     "command": "register_commands",
     "role": "register_roles",
+    "agent_loop": "register_agent_loops",
+    "tool": "register_tools",
+    "tool_parser": "register_tool_parsers",
+    "environment": "register_environments",
 }
 KINDS: tuple[str, ...] = tuple(HOOK_OF_KIND)
 

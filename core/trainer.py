@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rlplat.agent.manager import agent_metrics
 from rlplat.checkpoint import CheckpointManager, capture_rng_state, graceful_interrupt, restore_rng_state
 from rlplat.config import (algorithm_schema, old_log_prob_pass_reasons, sampling_node, total_training_steps,
                            validate_config)
@@ -218,6 +219,7 @@ class Trainer:
             metrics.update(self.sync_weights())
         self.stage("updated", batch)
         metrics.update(batch_metrics(batch))
+        metrics.update(agent_metrics(batch))
         metrics.update(batch.meta_info.get("reward_metrics", {}))
         timing["timing_s/step"] = time.perf_counter() - started
         tokens = float(batch.batch["attention_mask"].sum())
@@ -265,7 +267,7 @@ class Trainer:
             batch = self.algorithm.after_generate(batch, self.generate, SamplingParams(**{**self.sampling(), "seed": seed}))
             batch = self.stage("generated", batch)
             with timed(timing, "reward"):
-                scored = self.reward(batch)
+                scored = self.score(batch)
             batch = batch.union(scored.select(batch_keys=["token_level_scores"], meta_info_keys=[]))
             for key, values in scored.non_tensor_batch.items():
                 if key not in batch.non_tensor_batch:
@@ -278,6 +280,30 @@ class Trainer:
             if full is not None:
                 return full
             attempt += 1
+
+    def score(self, batch: DataProto) -> DataProto:
+        """The reward manager's scores; a row whose agent loop returned a reward of its own (an
+        environment's, non-tensor ``agent_reward``) gets that instead, at its last sampled token."""
+        scored = self.reward(batch)
+        if "agent_reward" not in batch.non_tensor_batch:
+            return scored
+        own = np.asarray(batch.non_tensor_batch["agent_reward"], dtype=np.float64)
+        rows = np.flatnonzero(~np.isnan(own))
+        if len(rows) == 0:
+            return scored
+        scores = scored.batch["token_level_scores"].clone()
+        mask = batch.batch["response_mask"]
+        positions = torch.arange(mask.shape[1]).expand_as(mask)
+        last = torch.where(mask.bool(), positions, torch.full_like(positions, -1)).max(dim=1).values
+        for row in rows.tolist():
+            scores[row] = 0.0
+            if last[row] >= 0:
+                scores[row, last[row]] = float(own[row])
+        scored.batch["token_level_scores"] = scores
+        accuracy = np.asarray(scored.non_tensor_batch.get("acc", np.zeros(len(batch))), dtype=object).copy()
+        accuracy[rows] = own[rows] > 0
+        scored.non_tensor_batch["acc"] = accuracy
+        return scored
 
     def compute_advantage(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         tensors = batch.batch
@@ -303,7 +329,9 @@ class Trainer:
                                 max_new_tokens=self.config.rollout.response_length, seed=self.config.trainer.seed)
         for prompts in self.val_loader:
             batch = self.generate(prompts, greedy)
-            scored = self.reward(batch)
+            scored = self.score(batch)
+            for name, value in agent_metrics(batch, "val/").items():
+                scores.setdefault(name, []).append(value)
             sequence = scored.batch["token_level_scores"].sum(-1).tolist()
             accuracy = scored.non_tensor_batch.get("acc")
             for row, source in enumerate(batch.non_tensor_batch["data_source"]):

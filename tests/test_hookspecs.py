@@ -12,6 +12,8 @@ from rlplat.plugins import HOOK_OF_KIND, KINDS
 DESIGN_KINDS = (
     "engine", "rollout", "reward_manager", "reward_scorer", "advantage_estimator",
     "policy_loss", "algorithm", "dispatch_mode", "command", "role",
+    # multi-turn rollouts (issue: agent loops with tools)
+    "agent_loop", "tool", "tool_parser", "environment",
 )
 
 

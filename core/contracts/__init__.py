@@ -10,6 +10,9 @@ Names are resolved lazily, so ``from rlplat.contracts import TrainingEngine`` im
 * :mod:`~rlplat.contracts.algorithm`: ``Algorithm``, ``AlgorithmConfig``, ``KLControlConfig``,
   ``AdvantageEstimator``, ``PolicyLoss``
 * :mod:`~rlplat.contracts.role`: ``Role``, ``RoleConfig``, ``RunContext``, ``STAGES``
+* :mod:`~rlplat.contracts.agent`: ``AgentLoop``, ``AgentLoopConfig``, ``AgentContext``, ``Trajectory``,
+  ``TrajectoryBuilder``, ``TokenClient``, ``Tool``, ``ToolConfig``, ``ToolResult``, ``ToolCall``,
+  ``ToolCallParser``, ``ParsedTurn``, ``Environment``, ``EnvStep``
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ _LAZY_NAMES: dict[str, str] = {
     **dict.fromkeys(("Algorithm", "AlgorithmConfig", "KLControlConfig", "AdvantageEstimator", "PolicyLoss"),
                     "rlplat.contracts.algorithm"),
     **dict.fromkeys(("Role", "RoleConfig", "RunContext", "STAGES"), "rlplat.contracts.role"),
+    **dict.fromkeys(("AgentLoop", "AgentLoopConfig", "AgentContext", "Trajectory", "TrajectoryBuilder", "TokenClient",
+                     "Tool", "ToolConfig", "ToolResult", "ToolCall", "ToolCallParser", "ParsedTurn", "Environment",
+                     "EnvStep"), "rlplat.contracts.agent"),
 }
 
 __all__ = sorted(_LAZY_NAMES)

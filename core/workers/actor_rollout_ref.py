@@ -90,6 +90,7 @@ class ActorRolloutRefWorker(Worker):
         self.actor = self.rollout = self.reference = None
         self.actor_loss = None
         self.rollout_asleep = False
+        self.agents = None  # the agent-loop manager, built at the first batch that needs it
 
     def has(self, role: str) -> bool:
         return role in self.config.roles
@@ -141,13 +142,45 @@ class ActorRolloutRefWorker(Worker):
         started = time.perf_counter()
         if self.rollout_asleep and self.actor is not None:
             self.sync_weights()  # two generations in a row (validation, then a step): wake with the actor's weights
-        output = rollout.generate(prompts, sampling)
+        if self.uses_agent_loops(prompts):
+            output = self.agent_manager().generate(prompts, sampling, sampling.max_new_tokens)
+        else:
+            output = rollout.generate(prompts, sampling)
         if self.config.free_rollout_between_phases:
             rollout.sleep()
             self.rollout_asleep = True
         # the sampling keys were settings of this call: outputs of different calls must concat cleanly
         meta = {key: value for key, value in output.meta_info.items() if key not in SAMPLING_KEYS}
         return output.with_meta_info({**meta, "metrics": {"timing_s/generate_worker": time.perf_counter() - started}})
+
+    def uses_agent_loops(self, prompts: DataProto) -> bool:
+        """Whether this batch goes through agent loops: ``agent.loop`` is set or the rows name theirs."""
+        return bool(self.config.agent.get("loop")) or "agent_name" in prompts.non_tensor_batch
+
+    def agent_manager(self):
+        """The agent-loop manager over this worker's rollout (one replica), its tools built once."""
+        if self.agents is None:
+            from transformers import AutoTokenizer
+
+            from rlplat.agent.config import AgentConfig
+            from rlplat.agent.manager import AgentLoopManager, EngineClient
+            from rlplat.agent.tools import read_tools_file
+            from rlplat.config_node import read_config_node
+            from rlplat.data import pad_token_id_of
+
+            config = read_config_node(dict(self.config.agent), AgentConfig, "agent")
+            if self.config.tokenizer_path is None:
+                raise RuntimeError("agent loops need the tokenizer: the worker config has no tokenizer_path (model.path)")
+            tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_path)
+            tools = {}
+            if config.tools_config is not None:
+                for spec in read_tools_file(config.tools_config):
+                    tool = spec.build()
+                    tools[tool.name] = tool
+            self.agents = AgentLoopManager(
+                [EngineClient(self.rollout)], tokenizer, config, pad_token_id=pad_token_id_of(tokenizer),
+                max_prompt_length=self.config.agent_prompt_length, template_kwargs=self.config.template_kwargs, tools=tools)
+        return self.agents
 
     # -- log-probs ---------------------------------------------------------------------------------
 

@@ -49,6 +49,19 @@ class ActorRolloutRefConfig:
     free_rollout_between_phases: bool = False
     """Put the rollout to sleep after generating and wake it for the next weight sync (frees memory)."""
 
+    agent: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The ``agent`` node (:class:`rlplat.agent.config.AgentConfig`): a batch goes through agent loops
+    when it sets ``loop`` or the prompts carry an ``agent_name`` column."""
+
+    tokenizer_path: str | None = None
+    """Where the tokenizer (and its chat template) is: ``model.path``; agent loops need it."""
+
+    agent_prompt_length: int = 512
+    """Prompt width of agent batches (``agent.max_prompt_length`` or ``data.max_prompt_length``)."""
+
+    template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """``data.apply_chat_template_kwargs``: what agent loops render the template with."""
+
     def __post_init__(self) -> None:
         unknown = sorted(set(self.roles) - {"actor", "rollout", "ref"})
         if unknown or not self.roles:

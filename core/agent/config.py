@@ -1,0 +1,46 @@
+"""The ``agent`` node of the run config (light: the driver reads it without torch)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional
+
+VERL_LOOP_NAMES = {"single_turn_agent": "single_turn", "tool_agent": "tool"}
+"""verl's ``agent_name`` values, read as rlplat's loop names."""
+
+
+@dataclasses.dataclass
+class AgentConfig:
+    """The ``agent`` node: multi-turn rollouts through agent loops. With no ``agent.loop`` and no
+    ``agent_name`` column in the data, generation is the rollout's batched ``generate``."""
+
+    loop: Optional[str] = None
+    """Agent loop (kind ``agent_loop``: ``single_turn``, ``tool``, ``env``, a plugin's) for rows without an
+    ``agent_name``. None: rows must name theirs, or the run generates without agent loops."""
+    loops: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Each loop's own node: ``agent.loops.tool.max_turns=4``, checked against the loop's schema."""
+    tools_config: Optional[str] = None
+    """YAML file of the tools offered (see :mod:`rlplat.agent.tools`)."""
+    tool_parser: str = "hermes"
+    """How the model writes tool calls (kind ``tool_parser``)."""
+    environment: Optional[str] = None
+    """Environment of the ``env`` loop (kind ``environment``: ``retry``, a plugin's)."""
+    environment_config: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The environment's own node."""
+    max_concurrency: int = 256
+    """Conversations in flight at once per worker."""
+    max_prompt_length: Optional[int] = None
+    """Width of the prompts of agent batches (a prompt rendered with its tools is longer than the data
+    loader's). None: ``data.max_prompt_length``. A longer prompt is an error naming the row."""
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1 or null, got {self.max_prompt_length}")
+
+
+
+    def enabled(self, has_agent_names: bool = False) -> bool:
+        """Whether generation goes through agent loops: a default loop is set, or the rows name theirs."""
+        return self.loop is not None or has_agent_names
