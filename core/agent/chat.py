@@ -468,19 +468,19 @@ def synthetic_conversations(reasoning: bool = False) -> tuple[Conversation, ...]
     conversations = [
         Conversation("single turn", (_user("What is 2 + 2?"), _assistant("2 + 2 = 4."))),
         Conversation("system message", (system, _user("What is 2 + 2?"), _assistant("4."))),
-        Conversation("follow-up user turns", (
+        Conversation("follow-ups", (
             _user("Name a prime number."), _assistant("7."), _user("A larger one?"), _assistant("11."),
             _user("Wrong, try again with one above 20."), _assistant("23."),
         )),
-        Conversation("system message and follow-up", (
+        Conversation("system + follow-up", (
             system, _user("Name a colour."), _assistant("Blue."), _user("Another one?"), _assistant("Green."),
         )),
-        Conversation("tools offered, not called", (_user("Hi there."), _assistant("Hello!")), SYNTHETIC_TOOLS),
+        Conversation("tools offered, unused", (_user("Hi there."), _assistant("Hello!")), SYNTHETIC_TOOLS),
         Conversation("tool call", (
             _user("What is the weather in Paris?"), _assistant("", weather_paris),
             _tool("get_weather", "Sunny, 21 C."), _assistant("It is sunny and 21 C in Paris."),
         ), SYNTHETIC_TOOLS),
-        Conversation("tool call after content, system message", (
+        Conversation("tool call after text + system", (
             system, _user("What is 12 * 7?"), _assistant("Let me compute that.", product),
             _tool("calculator", "84"), _assistant("12 * 7 = 84."),
         ), SYNTHETIC_TOOLS),
@@ -494,7 +494,7 @@ def synthetic_conversations(reasoning: bool = False) -> tuple[Conversation, ...]
             _assistant("Now the weather.", weather_rome), _tool("get_weather", "Cloudy, 18 C."),
             _assistant("84, and it is cloudy and 18 C in Rome."),
         ), SYNTHETIC_TOOLS),
-        Conversation("tool calls and follow-up user turn", (
+        Conversation("tool calls + follow-up", (
             system, _user("What is 12 * 7?"), _assistant("", product), _tool("calculator", "84"),
             _assistant("84."), _user("And the weather in Paris and Rome?"),
             _assistant("", weather_paris, weather_rome), _tool("get_weather", "Sunny, 21 C."),
@@ -506,15 +506,15 @@ def synthetic_conversations(reasoning: bool = False) -> tuple[Conversation, ...]
     ]
     if reasoning:
         conversations += [
-            Conversation("reasoning, follow-up user turn", (
+            Conversation("reasoning + follow-up", (
                 _user("What is 3 * 4?"), _assistant("<think>\nThree fours are twelve.\n</think>\n\n12."),
                 _user("And 3 * 5?"), _assistant("<think>\nThree fives are fifteen.\n</think>\n\n15."),
             )),
-            Conversation("reasoning and tool calls", (
+            Conversation("reasoning + tool calls", (
                 _user("What is 12 * 7?"), _assistant("<think>\nI should use the calculator.\n</think>\n\n", product),
                 _tool("calculator", "84"), _assistant("<think>\nThe tool says 84.\n</think>\n\n12 * 7 = 84."),
             ), SYNTHETIC_TOOLS),
-            Conversation("reasoning, tool calls and follow-up user turn", (
+            Conversation("reasoning + tools + follow-up", (
                 _user("What is the weather in Paris?"),
                 _assistant("<think>\nI need the weather tool.\n</think>\n\n", weather_paris),
                 _tool("get_weather", "Sunny, 21 C."), _assistant("<think>\nSunny it is.\n</think>\n\nSunny, 21 C."),
