@@ -48,6 +48,13 @@ def ended_turn(context: AgentContext, output: Any) -> bool:
     return output.finish_reason == "stop" and bool(output.token_ids) and output.token_ids[-1] in context.stop_token_ids
 
 
+def next_turn_ids(context: AgentContext, output: Any, messages: list[dict], tools: Any = None) -> list[int]:
+    """The tokens between a model turn and the next: the template's end of turn when the model stopped
+    on another stop token (the tokenizer's EOS), then the delta of ``messages``."""
+    closing = list(context.renderer.closing_ids(output.token_ids))
+    return closing + context.renderer.delta_ids(messages, tools=tools)
+
+
 # -- single turn ---------------------------------------------------------------------------------------
 
 class SingleTurnLoop(AgentLoop):
@@ -163,7 +170,7 @@ class ToolLoop(AgentLoop):
                 tool_messages = [{"role": "tool", "name": name, "content": truncate(result.text, config.max_tool_response_length,
                                                                                    config.truncate_side)}
                                  for name, result in results]
-                delta = context.renderer.delta_ids(tool_messages, tools=schemas or None)
+                delta = next_turn_ids(context, output, tool_messages, schemas or None)
                 if not builder.add_context(delta):
                     finish = "length"
                     break
@@ -271,7 +278,7 @@ class EnvLoop(AgentLoop):
                     break
                 if turn == config.max_turns - 1 or step.observation is None:
                     break
-                delta = context.renderer.delta_ids([{"role": step.role, "content": step.observation}])
+                delta = next_turn_ids(context, output, [{"role": step.role, "content": step.observation}])
                 if not builder.add_context(delta):
                     finish = "length"
                     break

@@ -100,11 +100,9 @@ class AgentLoopManager:
             factory = registry.get("environment", config.environment)
             node = dict(config.environment_config)
             self.environment = lambda: factory(node)
-        stops = set(self.renderer.end_of_turn_ids())
         eos = tokenizer.eos_token_id
-        if eos is not None:
-            stops.add(int(eos))
-        self.stop_token_ids = tuple(sorted(stops))
+        self.stop_token_ids = (tuple(self.renderer.stop_token_ids) if self.renderer.has_chat_template
+                               else ((int(eos),) if eos is not None else ()))
 
     def loop(self, name: str) -> AgentLoop:
         name = VERL_LOOP_NAMES.get(name, name)
@@ -244,9 +242,9 @@ def agent_metrics(batch: DataProto, prefix: str = "") -> dict[str, float]:
     if calls is not None:
         total = float(np.nansum(calls))
         metrics[f"{prefix}agent/tool_call_rate"] = float(np.mean(calls > 0))
-        for name in ("tool_errors", "tool_timeouts"):
+        for name, rate in (("tool_errors", "tool_error_rate"), ("tool_timeouts", "tool_timeout_rate")):
             if name in columns:
-                metrics[f"{prefix}agent/{name[5:]}_rate"] = float(np.nansum(columns[name]) / total) if total else 0.0
+                metrics[f"{prefix}agent/{rate}"] = float(np.nansum(columns[name]) / total) if total else 0.0
         if "tool_latency_s" in columns:
             metrics[f"{prefix}agent/tool_latency_s/per_call"] = float(np.nansum(columns["tool_latency_s"]) / total) if total else 0.0
     if "agent_finish" in batch.non_tensor_batch:

@@ -25,6 +25,13 @@ from rlplat.lazy_names import lazy_names
 
 _LAZY_NAMES = {
     "RewardScorerConformance": "rlplat.testing.scorers",
+    "AgentLoopConformance": "rlplat.testing.agents",
+    "ToolConformance": "rlplat.testing.agents",
+    "ToolCase": "rlplat.testing.agents",
+    "ToolCallParserConformance": "rlplat.testing.agents",
+    "EnvironmentConformance": "rlplat.testing.agents",
+    "EnvironmentCase": "rlplat.testing.agents",
+    "ScriptedClient": "rlplat.testing.agents",
     "ScorerCase": "rlplat.testing.scorers",
     "AdvantageEstimatorConformance": "rlplat.testing.estimators",
     "PolicyLossConformance": "rlplat.testing.losses",
