@@ -200,3 +200,181 @@ def test_isolated_registry_starts_empty_and_temporary_plugins_are_removed(isolat
     assert all(isolated_registry.names(kind) == [] for kind in ("engine", "reward_scorer", "algorithm"))
     register_temporary_plugin(Plugin(), name="kit-temporary")
     assert "kit_temporary_scorer" in registry.names("reward_scorer")
+
+
+PARSER_SUITE = """
+    import json, re
+    import pytest
+    from rlplat.contracts.agent import ParsedTurn, ToolCall, ToolCallParser
+    from rlplat.testing import ToolCallParserConformance
+
+    class Good(ToolCallParser):
+        CALL = re.compile(r"<<(.*?)>>", re.DOTALL)
+
+        def parse(self, text):
+            calls, errors = [], []
+            for body in self.CALL.findall(text):
+                try:
+                    value = json.loads(body)
+                    calls.append(ToolCall(value["name"], value.get("arguments", {})))
+                except (ValueError, KeyError, TypeError) as error:
+                    errors.append(str(error))
+            return ParsedTurn(self.CALL.sub("", text).strip(), tuple(calls), tuple(errors))
+
+        def format(self, calls, content=""):
+            return content + "".join("<<" + json.dumps({"name": c.name, "arguments": c.arguments}) + ">>" for c in calls)
+
+    class Broken(Good):
+        def parse(self, text):
+            bodies = self.CALL.findall(text)
+            return ParsedTurn("", tuple(ToolCall(json.loads(b)["name"], {}) for b in bodies))
+
+    class TestParser(ToolCallParserConformance):
+        @pytest.fixture
+        def parser(self):
+            return IMPLEMENTATION()
+"""
+
+TOOL_SUITE = """
+    import pytest
+    from rlplat.contracts.agent import Tool, ToolResult
+    from rlplat.testing import ToolCase, ToolConformance
+
+    class Good(Tool):
+        @classmethod
+        def default_schema(cls):
+            return {"type": "function", "function": {"name": "upper", "parameters": {"type": "object"}}}
+
+        async def call(self, arguments, state):
+            text = arguments.get("text")
+            if not isinstance(text, str):
+                return ToolResult("error: upper needs 'text'", error=True)
+            return ToolResult(text.upper())
+
+    class Broken(Good):
+        async def call(self, arguments, state):
+            return ToolResult(arguments["text"].upper())
+
+    class TestTool(ToolConformance):
+        @pytest.fixture
+        def tool(self):
+            return IMPLEMENTATION()
+
+        @pytest.fixture
+        def tool_cases(self):
+            return [ToolCase({"text": "ab"}, "AB"), ToolCase({"text": 3}, "error", error=True)]
+"""
+
+ENVIRONMENT_SUITE = """
+    import pytest
+    from rlplat.contracts.agent import EnvStep, Environment
+    from rlplat.testing import EnvironmentCase, EnvironmentConformance
+
+    class Good(Environment):
+        async def reset(self, row):
+            self.answer = row["answer"]
+
+        async def step(self, response):
+            if response.strip() == self.answer:
+                return EnvStep(None, reward=1.0, done=True)
+            return EnvStep("no", reward=0.0)
+
+    class Broken(Environment):
+        async def reset(self, row):
+            self.row = row
+
+        async def step(self, response):
+            self.row["tries"] = self.row.get("tries", 0) + 1
+            return EnvStep("", reward=float(response == self.row["answer"]), done=False)
+
+    class TestEnvironment(EnvironmentConformance):
+        @pytest.fixture
+        def make_environment(self):
+            return IMPLEMENTATION
+
+        @pytest.fixture
+        def environment_cases(self):
+            return [EnvironmentCase({"answer": "4"}, "4", "5")]
+"""
+
+AGENT_LOOP_SUITE = """
+    import dataclasses
+    import pytest
+    from rlplat.agent.chat import ChatRenderer
+    from rlplat.contracts.agent import AgentContext, AgentLoop, TrajectoryBuilder
+    from rlplat.contracts.rollout import SamplingParams
+    from rlplat.testing import AgentLoopConformance, ScriptedClient
+    from rlplat.testing.chat_tokenizers import CHATML_TOOLS, chat_tokenizer
+
+    class Good(AgentLoop):
+        async def run(self, row, client, context):
+            builder = TrajectoryBuilder(context.prompt_ids, context.response_length)
+            for turn in range(2):
+                if builder.remaining <= 0:
+                    break
+                output = await client.generate(builder.ids, dataclasses.replace(context.sampling, max_new_tokens=builder.remaining))
+                builder.add_model(output)
+                if not builder.add_context(context.renderer.delta_ids([{"role": "user", "content": "again"}])):
+                    return builder.build(turn + 1, "length")
+            return builder.build(2, "stop")
+
+    class Broken(AgentLoop):
+        async def run(self, row, client, context):
+            builder = TrajectoryBuilder(context.prompt_ids, context.response_length)
+            output = await client.generate(builder.ids, dataclasses.replace(context.sampling, max_new_tokens=context.response_length))
+            builder.add_model(output)
+            text = context.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+            builder.response_ids = context.tokenizer.encode(" " + text, add_special_tokens=False)[:context.response_length]
+            builder.response_mask = [1] * len(builder.response_ids)
+            builder.rollout_log_probs = [-0.25] * len(builder.response_ids)
+            return builder.build(1, "stop")
+
+    TOKENIZER = chat_tokenizer(CHATML_TOOLS)
+    RENDERER = ChatRenderer(TOKENIZER)
+
+    class TestLoop(AgentLoopConformance):
+        @pytest.fixture
+        def agent_loop(self):
+            return IMPLEMENTATION()
+
+        @pytest.fixture
+        def agent_rows(self):
+            return [{"raw_prompt": [{"role": "user", "content": "hi"}]}]
+
+        @pytest.fixture
+        def agent_context(self):
+            prompt = RENDERER.prompt_ids([{"role": "user", "content": "hi"}])
+            return AgentContext(TOKENIZER, RENDERER, SamplingParams(), 64, prompt)
+
+        @pytest.fixture
+        def make_client(self):
+            return lambda: ScriptedClient(TOKENIZER, ["hello there"], TOKENIZER.convert_tokens_to_ids("<|im_end|>"))
+"""
+
+
+def test_tool_call_parser_suite(pytester):
+    run_suite(pytester, PARSER_SUITE, "Good").assert_outcomes(passed=16)
+    broken = run_suite(pytester, PARSER_SUITE, "Broken")
+    broken.stdout.fnmatch_lines(["*test_format_then_parse_gives_the_calls_back*", "*test_text_without_calls_is_content*"])
+    assert broken.ret != 0
+
+
+def test_tool_suite(pytester):
+    run_suite(pytester, TOOL_SUITE, "Good").assert_outcomes(passed=6)
+    broken = run_suite(pytester, TOOL_SUITE, "Broken")
+    broken.stdout.fnmatch_lines(["*test_bad_arguments_are_an_error_result_not_an_exception*"])
+    assert broken.ret != 0
+
+
+def test_environment_suite(pytester):
+    run_suite(pytester, ENVIRONMENT_SUITE, "Good").assert_outcomes(passed=4)
+    broken = run_suite(pytester, ENVIRONMENT_SUITE, "Broken")
+    broken.stdout.fnmatch_lines(["*test_solving_answer_ends_with_more_reward_than_failing*", "*test_does_not_modify_the_row*"])
+    assert broken.ret != 0
+
+
+def test_agent_loop_suite(pytester):
+    run_suite(pytester, AGENT_LOOP_SUITE, "Good").assert_outcomes(passed=5)
+    broken = run_suite(pytester, AGENT_LOOP_SUITE, "Broken")
+    broken.stdout.fnmatch_lines(["*test_trajectories_hold_exactly_the_sampled_tokens*"])
+    assert broken.ret != 0
