@@ -1,0 +1,754 @@
+"""Running untrusted Python code for the built-in ``python`` tool: :func:`run_python` and
+:func:`run_python_async` return a :class:`SandboxResult` whatever the code does.
+
+How a run is contained
+======================
+
+The caller makes a fresh temporary directory ``T`` (``main.py`` holds the code, ``stdin`` its input,
+``work/`` the empty working directory) and starts a **supervisor**: this file, run by the caller's
+interpreter as ``python -I -S sandbox.py`` in a new session, reading its instructions on stdin and
+writing its report on stdout. The supervisor
+
+1. marks itself a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``), so every process the code
+   starts stays its descendant even after ``setsid()`` or a double fork, and asks for SIGKILL when the
+   caller dies (``PR_SET_PDEATHSIG``);
+2. when the kernel allows it, enters a new **PID namespace** (``unshare(CLONE_NEWPID)``, with
+   ``CLONE_NEWUSER`` when not root) and forks its init: a small process that starts the code, reaps
+   orphans and, once the code has exited, kills everything else in the namespace. When a namespace's
+   init dies the kernel kills every process in it, so nothing started there can outlive the run, and the
+   code cannot see, so cannot signal, any process outside it;
+3. starts the code as ``python -I -u -B main.py`` in ``work/``, in a session of its own, with a scrubbed
+   environment (``PATH``, ``HOME`` and ``TMPDIR`` = ``work/``, ``LANG``/``LC_ALL`` = ``C.UTF-8``,
+   ``PYTHONDONTWRITEBYTECODE``, ``PYTHONUNBUFFERED``, one thread for BLAS/OpenMP; nothing from the
+   caller), stdin from the given text, and the limits of :class:`SandboxLimits` (``RLIMIT_CPU``,
+   ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_CORE`` = 0). When the caller is root the
+   code runs as ``nobody`` (uid and gid 65534, no supplementary groups), so it cannot signal root's
+   processes: the trainer's, the supervisor, the namespace's init;
+4. reads the code's stdout and stderr, keeping ``output_bytes`` of each; a stream past that stops the
+   run. At the wall timeout it stops the run too;
+5. at the end (exit, timeout, too much output) kills what is left: the namespace's init (which takes the
+   namespace with it), then, repeatedly until none remains, every process whose parent chain leads to the
+   supervisor (found in ``/proc``), reaping them as it goes.
+
+The caller waits for the supervisor's answer at most ``wall_seconds`` + :data:`SUPERVISOR_GRACE_SECONDS`;
+past that, or when the call is cancelled, it kills the supervisor's descendants and the supervisor the
+same way. It then removes ``T``.
+
+What remains shared
+===================
+
+* ``max_processes`` is Linux's ``RLIMIT_NPROC``: it counts every process and thread of the user, so all
+  runs at once as ``nobody`` share it: one run's fork bomb can make another run's ``fork`` fail while it
+  lasts (at most its wall timeout). ``memory_bytes`` bounds each process's address space, not the sum
+  over a run's processes.
+* Without a PID namespace (``pid_namespace=False``, or a kernel or container that refuses one) the
+  subreaper and the ``/proc`` sweep still kill every descendant, but the code sees every process on the
+  machine; as ``nobody`` it may signal other runs' code (e.g. ``kill(-1, SIGKILL)``).
+* When the caller is not root the code runs as the caller's user: it can read and write what the caller
+  can. In a PID namespace it still cannot signal the caller's processes; without one it can, and a
+  process that kills the supervisor can escape the sweep.
+* The file system is the machine's: ``RLIMIT_FSIZE`` bounds each file, not their number; files the code
+  writes outside ``work/`` (``/tmp``, ``/dev/shm``) stay. The network is not cut.
+"""
+
+from __future__ import annotations
+
+# Only what the supervisor needs is imported here: it runs this file as a script and stops before the
+# public part below (see the end of the supervisor's section).
+import ctypes
+import marshal
+import math
+import os
+import resource
+import select
+import signal
+import sys
+import time
+
+SUPERVISOR_GRACE_SECONDS = 5.0
+"""How long past the wall timeout the caller waits for the supervisor before killing it."""
+
+SANDBOX_UID = 65534
+"""The user (``nobody``) and group (``nogroup``) the code runs as when the caller is root."""
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWPID = 0x20000000
+_READ_CHUNK = 65536
+_ENVIRONMENT = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONUNBUFFERED": "1",
+    # Numerical libraries start a thread per core otherwise, each counted by RLIMIT_NPROC.
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Processes: finding and killing a tree. Used by the caller (backstop) and by the supervisor.
+
+
+def _parents() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state letter) for every process in /proc."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as file:
+                fields = file.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        table[int(name)] = (int(fields[1]), fields[0].decode())
+    return table
+
+
+def _descendants(root: int, *, zombies: bool) -> list[int]:
+    """Processes whose parent chain leads to ``root``, parents before children; zombies only when asked."""
+    children: dict[int, list[int]] = {}
+    states = {}
+    for pid, (parent, state) in _parents().items():
+        children.setdefault(parent, []).append(pid)
+        states[pid] = state
+    found, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        for child in children.get(pid, ()):
+            found.append(child)
+            frontier.append(child)
+    return [pid for pid in found if zombies or states.get(pid) not in ("Z", "X")]
+
+
+def _signal_pid(pid: int, number: int) -> None:
+    try:
+        os.kill(pid, number)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _reap_any() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _kill_tree(root: int, *, include_root: bool, reap: bool, patience: float = 10.0) -> None:
+    """SIGKILL every descendant of ``root`` until none remains (then ``root`` itself when asked).
+
+    Processes are stopped first so that a fork bomb cannot outrun the sweep. With ``reap`` (the
+    supervisor, their subreaper) the sweep goes on until the zombies are collected too."""
+    deadline = time.monotonic() + patience
+    while True:
+        if reap:
+            _reap_any()
+        remaining = _descendants(root, zombies=reap)
+        if not remaining:
+            break
+        for pid in remaining:
+            _signal_pid(pid, signal.SIGSTOP)
+        for pid in remaining:
+            _signal_pid(pid, signal.SIGKILL)
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.001)
+    if include_root:
+        _signal_pid(root, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The supervisor: runs as ``python -I -S sandbox.py`` with its instructions on stdin.
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _prctl(option: int, value: int) -> None:
+    if _libc().prctl(option, value, 0, 0, 0) != 0:
+        number = ctypes.get_errno()
+        raise OSError(number, f"prctl({option}, {value}): {os.strerror(number)}")
+
+
+def _enter_pid_namespace() -> str | None:
+    """Make this process's next child the init of a new PID namespace; None on success, else why not."""
+    uid, gid = os.geteuid(), os.getegid()
+    flags = _CLONE_NEWPID if uid == 0 else _CLONE_NEWPID | _CLONE_NEWUSER
+    if _libc().unshare(flags) != 0:
+        return f"unshare(CLONE_NEWPID{'' if uid == 0 else ' | CLONE_NEWUSER'}): {os.strerror(ctypes.get_errno())}"
+    if uid != 0:
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as file:
+                file.write(text)
+    return None
+
+
+class _Capture:
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.data = bytearray()
+        self.overflowed = False
+
+    def add(self, chunk: bytes) -> bool:
+        """Keep what fits; True when the stream has gone past the limit."""
+        room = self.limit - len(self.data)
+        self.data += chunk[: max(room, 0)]
+        self.overflowed = self.overflowed or len(chunk) > room
+        return self.overflowed
+
+
+def _exec_code(plan: dict[str, object], stdin_fd: int, stdout_fd: int, stderr_fd: int, status_fd: int) -> None:
+    """In the forked child: become the code's process and exec the interpreter; never returns."""
+    try:
+        limits = plan["limits"]
+        directory = plan["directory"]
+        work = os.path.join(directory, "work")
+        os.dup2(stdin_fd, 0)
+        os.dup2(stdout_fd, 1)
+        os.dup2(stderr_fd, 2)
+        os.setsid()
+        os.chdir(work)
+        os.umask(0o022)
+        for number in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM):
+            signal.signal(number, signal.SIG_DFL)
+        cpu = math.ceil(limits["cpu_seconds"])
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (limits["memory_bytes"],) * 2)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_size_bytes"],) * 2)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if plan["identity"] is not None:
+            uid, gid = plan["identity"]
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+        # After the change of user (which clears the parent-death signal) and so after the kernel's check
+        # of RLIMIT_NPROC at setuid: other runs' processes cannot make this exec fail.
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"],) * 2)
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        environment = dict(_ENVIRONMENT, HOME=work, TMPDIR=work)
+        python = plan["python"]
+        os.execve(python, [python, "-I", "-u", "-B", os.path.join(directory, "main.py")], environment)
+    except BaseException as exc:
+        try:
+            os.write(status_fd, f"E could not start the code: {type(exc).__name__}: {exc}".encode())
+        finally:
+            os._exit(127)
+
+
+def _namespace_init(plan: dict[str, object], stdin_fd: int, stdout_fd: int, stderr_fd: int, status_fd: int) -> None:
+    """PID 1 of the run's namespace: start the code, reap orphans until the code exits, kill the rest,
+    report the code's status on ``status_fd``; never returns."""
+    try:
+        os.setsid()
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        code_pid = os.fork()
+        if code_pid == 0:
+            _exec_code(plan, stdin_fd, stdout_fd, stderr_fd, status_fd)
+        for fd in (stdin_fd, stdout_fd, stderr_fd):
+            os.close(fd)
+        while True:
+            pid, status, usage = os.wait4(-1, 0)
+            if pid == code_pid:
+                break
+        _signal_pid(-1, signal.SIGKILL)  # every process of the namespace but this one
+        while True:
+            try:
+                os.wait4(-1, 0)
+            except ChildProcessError:
+                break
+        exit_code = os.waitstatus_to_exitcode(status)
+        cpu = usage.ru_utime + usage.ru_stime
+        os.write(status_fd, f"X {exit_code} {cpu}".encode())
+    except BaseException as exc:
+        os.write(status_fd, f"E the sandbox's namespace init failed: {type(exc).__name__}: {exc}".encode())
+    finally:
+        os._exit(0)
+
+
+def _supervise(plan: dict[str, object]) -> dict[str, object]:
+    limits = plan["limits"]
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != plan["caller_pid"]:
+        return {"setup_error": "the caller exited before the sandbox started"}
+    in_namespace = False
+    if plan["pid_namespace"] is not False:
+        refusal = _enter_pid_namespace()
+        if refusal is None:
+            in_namespace = True
+        elif plan["pid_namespace"]:
+            return {"setup_error": f"a PID namespace was required but the kernel refused it: {refusal}"}
+    stdin_fd = os.open(os.path.join(plan["directory"], "stdin"), os.O_RDONLY | os.O_CLOEXEC)
+    stdout_read, stdout_write = os.pipe()
+    stderr_read, stderr_write = os.pipe()
+    status_read, status_write = os.pipe()
+    start = time.monotonic()
+    child = os.fork()
+    if child == 0:
+        for fd in (stdout_read, stderr_read, status_read):
+            os.close(fd)
+        run = _namespace_init if in_namespace else _exec_code
+        run(plan, stdin_fd, stdout_write, stderr_write, status_write)
+    for fd in (stdin_fd, stdout_write, stderr_write, status_write):
+        os.close(fd)
+
+    captures = {stdout_read: _Capture(limits["output_bytes"]), stderr_read: _Capture(limits["output_bytes"])}
+    names = {stdout_read: "stdout", stderr_read: "stderr"}
+    status = bytearray()
+    open_fds = {stdout_read, stderr_read, status_read}
+    try:
+        child_fd: int | None = os.pidfd_open(child)
+    except (AttributeError, OSError):
+        child_fd = None
+    deadline = start + limits["wall_seconds"]
+    stopped = truncated_stream = None
+    wait_status = None
+
+    def read(fd: int) -> None:
+        nonlocal stopped, truncated_stream
+        chunk = os.read(fd, _READ_CHUNK)
+        if not chunk:
+            open_fds.discard(fd)
+            os.close(fd)
+        elif fd == status_read:
+            status.extend(chunk[:4096])
+        elif captures[fd].add(chunk) and stopped is None:
+            stopped, truncated_stream = "output", names[fd]
+
+    while stopped is None and wait_status is None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            stopped = "timeout"
+            break
+        watched = list(open_fds) + ([child_fd] if child_fd is not None else [])
+        ready, _, _ = select.select(watched, [], [], remaining if child_fd is not None else min(remaining, 0.02))
+        for fd in ready:
+            if fd != child_fd:
+                read(fd)
+        if child_fd is None or child_fd in ready:
+            pid, raw_status, usage = os.wait4(child, os.WNOHANG)
+            if pid == child:
+                wait_status = (raw_status, usage)
+    if wait_status is None:
+        _signal_pid(child, signal.SIGKILL)
+        _, raw_status, usage = os.wait4(child, 0)
+        wait_status = (raw_status, usage)
+    _kill_tree(os.getpid(), include_root=False, reap=True)
+    drain_deadline = time.monotonic() + 5.0
+    while open_fds and time.monotonic() < drain_deadline:
+        ready, _, _ = select.select(list(open_fds), [], [], max(drain_deadline - time.monotonic(), 0))
+        for fd in ready:
+            read(fd)
+    if child_fd is not None:
+        os.close(child_fd)
+
+    text = status.decode(errors="replace")
+    if text.startswith("E "):
+        return {"setup_error": text[2:]}
+    exit_code = signal_number = None
+    cpu_seconds = 0.0
+    if stopped is not None:
+        signal_number = int(signal.SIGKILL)
+    elif in_namespace:
+        if not text.startswith("X "):
+            return {"setup_error": f"the sandbox's namespace init ended without a report ({wait_status[0]:#x})"}
+        _, exit_text, cpu_text = text.split()
+        exit_code, cpu_seconds = int(exit_text), float(cpu_text)
+    else:
+        exit_code = os.waitstatus_to_exitcode(wait_status[0])
+        cpu_seconds = wait_status[1].ru_utime + wait_status[1].ru_stime
+    if exit_code is not None and exit_code < 0:
+        exit_code, signal_number = None, -exit_code
+    return {
+        "stdout": bytes(captures[stdout_read].data).decode(errors="replace"),
+        "stderr": bytes(captures[stderr_read].data).decode(errors="replace"),
+        "exit_code": exit_code,
+        "signal": signal_number,
+        "cpu_seconds": cpu_seconds,
+        "stopped": stopped,
+        "truncated_stream": truncated_stream,
+        "pid_namespace": in_namespace,
+    }
+
+
+def _supervisor_main() -> None:
+    # marshal, not json: built in, so it costs the supervisor no import; both ends are this file run by
+    # the same interpreter, and the data is never anyone else's.
+    plan = marshal.loads(sys.stdin.buffer.read())
+    try:
+        report = _supervise(plan)
+    except BaseException as exc:
+        _kill_tree(os.getpid(), include_root=False, reap=True)
+        report = {"setup_error": f"sandbox supervisor failed: {type(exc).__name__}: {exc}"}
+    sys.stdout.buffer.write(marshal.dumps(report))
+    sys.stdout.flush()
+
+
+# The supervisor's entry point: it needs nothing below, so it stops here, before importing dataclasses
+# (about half of its start-up time).
+if __name__ == "__main__":
+    _supervisor_main()
+    sys.exit(0)
+
+import dataclasses  # noqa: E402
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself could not run (no usable interpreter, no PID namespace when one was required,
+    a supervisor failure); never raised for what the code does."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+    """What one run may use. Every number must be positive."""
+
+    cpu_seconds: float = 5
+    """CPU time of each process of the run (``RLIMIT_CPU``, rounded up to whole seconds): SIGXCPU at the
+    limit, SIGKILL a second later."""
+    wall_seconds: float = 10
+    """Wall-clock time from the code's start; then every process of the run is killed."""
+    memory_bytes: int = 512 * 1024**2
+    """Address space of each process (``RLIMIT_AS``); Python raises MemoryError past it."""
+    max_processes: int = 32
+    """Processes and threads of the user the code runs as (``RLIMIT_NPROC``; see the module docstring)."""
+    output_bytes: int = 16 * 1024
+    """Bytes kept of stdout and of stderr, each; a stream that goes past it stops the run and the result
+    is flagged ``truncated``."""
+    file_size_bytes: int = 1024**2
+    """Largest file the code may write (``RLIMIT_FSIZE``); writing past it fails with EFBIG."""
+    python: str | None = None
+    """Interpreter that runs the code. Default: the one running rlplat when the sandbox user can run it
+    (when root, ``nobody`` must be able to read its installation), else the system's ``python3``."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "python":
+                if value is not None and (not isinstance(value, str) or not value):
+                    problems.append(f"python must be a path to an interpreter or None, got {value!r}")
+                continue
+            integral = field.name not in ("cpu_seconds", "wall_seconds")
+            kinds = (int,) if integral else (int, float)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                kind = "an integer" if integral else "a number"
+                problems.append(f"{field.name} must be {kind}, got {value!r}")
+            elif not (value > 0 and math.isfinite(value)):
+                problems.append(f"{field.name} must be positive, got {value!r}")
+        if problems:
+            raise ValueError("invalid SandboxLimits: " + "; ".join(problems))
+
+
+@dataclasses.dataclass
+class SandboxResult:
+    """What a run did. ``error`` is None exactly when the code exited with code 0 on its own."""
+
+    stdout: str
+    """The code's standard output, at most ``output_bytes`` of it (decoded as UTF-8, bad bytes replaced)."""
+    stderr: str
+    """The code's standard error, at most ``output_bytes`` of it."""
+    exit_code: int | None
+    """The code's exit status; None when a signal ended it or the run was stopped."""
+    signal: int | None
+    """The signal that ended the code (SIGKILL when the run was stopped), else None."""
+    timed_out: bool
+    """The wall timeout stopped the run."""
+    truncated: bool
+    """A stream went past ``output_bytes``, which stopped the run."""
+    duration_s: float
+    """Seconds the call took, start to clean-up."""
+    error: str | None
+    """A short message for the model when the run did not finish normally, e.g. ``"timed out after 10 s"``,
+    ``"killed: CPU time limit (5 s)"``, ``"memory limit exceeded (MemoryError)"``, ``"exited with code 1"``."""
+
+    def to_text(self) -> str:
+        """What the tool returns to the model: stdout, then stderr, then the error, or ``(no output)``."""
+        parts = []
+        if self.stdout:
+            parts.append(self.stdout.rstrip("\n"))
+        if self.stderr:
+            parts.append("stderr:\n" + self.stderr.rstrip("\n"))
+        if self.error:
+            parts.append(f"error: {self.error}")
+        return "\n".join(parts) if parts else "(no output)"
+
+
+def run_python(
+    code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str = "", pid_namespace: bool | None = None
+) -> SandboxResult:
+    """Run ``code`` in the sandbox (see the module docstring) and return what it did; blocks until the
+    run is over and every process it started is gone.
+
+    ``pid_namespace``: None uses a PID namespace when the kernel allows one, True requires one
+    (:class:`SandboxError` otherwise), False never uses one."""
+    import subprocess
+
+    start = time.monotonic()
+    launch = _Launch.prepare(code, limits, stdin, pid_namespace)
+    try:
+        process = subprocess.Popen(
+            launch.argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=launch.environment,
+            cwd="/",
+            start_new_session=True,
+        )
+        try:
+            answer, problems = process.communicate(launch.instructions, timeout=launch.backstop_seconds)
+        except subprocess.TimeoutExpired:
+            _kill_tree(process.pid, include_root=True, reap=False)
+            process.communicate()
+            return launch.supervisor_timed_out(time.monotonic() - start)
+        except BaseException:
+            _kill_tree(process.pid, include_root=True, reap=False)
+            process.wait()
+            raise
+        return launch.result(answer, problems, process.returncode, time.monotonic() - start)
+    finally:
+        launch.remove()
+
+
+async def run_python_async(
+    code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str = "", pid_namespace: bool | None = None
+) -> SandboxResult:
+    """:func:`run_python` without blocking the event loop; many may run at once. Cancelling it kills
+    the run's processes before the cancellation goes on."""
+    # Imported here: the supervisor runs this file and never needs asyncio.
+    import asyncio
+
+    start = time.monotonic()
+    launch = await asyncio.to_thread(_Launch.prepare, code, limits, stdin, pid_namespace)
+    try:
+        process = await asyncio.create_subprocess_exec(
+            *launch.argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=launch.environment,
+            cwd="/",
+            start_new_session=True,
+        )
+        try:
+            answer, problems = await asyncio.wait_for(process.communicate(launch.instructions), launch.backstop_seconds)
+        except asyncio.TimeoutError:
+            _kill_tree(process.pid, include_root=True, reap=False)
+            await process.wait()
+            return launch.supervisor_timed_out(time.monotonic() - start)
+        except BaseException:
+            _kill_tree(process.pid, include_root=True, reap=False)
+            await asyncio.shield(process.wait())
+            raise
+        return launch.result(answer, problems, process.returncode, time.monotonic() - start)
+    finally:
+        await asyncio.to_thread(launch.remove)
+
+
+def sandbox_python(limits: SandboxLimits = SandboxLimits()) -> str:
+    """The interpreter a run with ``limits`` uses (see :attr:`SandboxLimits.python`); raises
+    :class:`SandboxError` when the sandbox user can run none."""
+    import shutil
+
+    if limits.python is not None:
+        path = shutil.which(limits.python) if os.sep not in limits.python else limits.python
+        if path is None or not os.path.isfile(path):
+            raise SandboxError(f"SandboxLimits.python: no interpreter at {limits.python!r}")
+        problem = _python_problem(os.path.abspath(path))
+        if problem:
+            raise SandboxError(f"SandboxLimits.python: {problem}")
+        return os.path.abspath(path)
+    candidates = [sys.executable, shutil.which("python3", path=_ENVIRONMENT["PATH"])]
+    problems = []
+    for candidate in dict.fromkeys(c for c in candidates if c):
+        problem = _python_problem(candidate)
+        if problem is None:
+            return candidate
+        problems.append(problem)
+    raise SandboxError(
+        "no interpreter the sandbox user can run: " + "; ".join(problems) + ". Set SandboxLimits.python to "
+        "one whose installation that user can read."
+    )
+
+
+_usable_pythons: dict[tuple[str, int], str | None] = {}
+
+
+def _python_problem(path: str) -> str | None:
+    """None when the sandbox user can start ``path``; else why not. Tried once per path and user."""
+    import subprocess
+
+    root = os.geteuid() == 0
+    key = (path, SANDBOX_UID if root else os.geteuid())
+    if key not in _usable_pythons:
+        identity = {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []} if root else {}
+        try:
+            probe = subprocess.run(
+                [path, "-I", "-c", "import encodings"],
+                env=dict(_ENVIRONMENT, HOME="/"),
+                cwd="/",
+                capture_output=True,
+                timeout=60,
+                **identity,
+            )
+            failure = probe.stderr.decode(errors="replace").strip().splitlines()[-1:] if probe.returncode else None
+            _usable_pythons[key] = None if failure is None else f"{path} fails as uid {key[1]}: {' '.join(failure)}"
+        except (OSError, subprocess.SubprocessError) as exc:
+            _usable_pythons[key] = f"{path} cannot be started as uid {key[1]}: {exc}"
+    return _usable_pythons[key]
+
+
+@dataclasses.dataclass
+class _Launch:
+    """One run's temporary directory, supervisor command line and instructions."""
+
+    directory: str
+    argv: list[str]
+    environment: dict[str, str]
+    instructions: bytes
+    limits: SandboxLimits
+    backstop_seconds: float
+
+    @classmethod
+    def prepare(cls, code: str, limits: SandboxLimits, stdin: str, pid_namespace: bool | None) -> "_Launch":
+        import tempfile
+
+        if not isinstance(code, str):
+            raise TypeError(f"code must be a str, got {type(code).__name__}")
+        if not isinstance(stdin, str):
+            raise TypeError(f"stdin must be a str, got {type(stdin).__name__}")
+        if pid_namespace not in (None, True, False):
+            raise ValueError(f"pid_namespace must be None, True or False, got {pid_namespace!r}")
+        python = sandbox_python(limits)
+        root = os.geteuid() == 0
+        directory = tempfile.mkdtemp(prefix="rlplat-sandbox-")
+        try:
+            work = os.path.join(directory, "work")
+            os.mkdir(work, 0o700)
+            with open(os.path.join(directory, "main.py"), "w", encoding="utf-8") as file:
+                file.write(code)
+            with open(os.path.join(directory, "stdin"), "w", encoding="utf-8") as file:
+                file.write(stdin)
+            os.chmod(os.path.join(directory, "stdin"), 0o600)
+            if root:
+                # nobody may enter the directory (not list it), read main.py and own work/.
+                os.chmod(directory, 0o711)
+                os.chmod(os.path.join(directory, "main.py"), 0o644)
+                os.chown(work, SANDBOX_UID, SANDBOX_UID)
+        except BaseException:
+            _remove_tree(directory)
+            raise
+        instructions = {
+            "directory": directory,
+            "python": python,
+            "caller_pid": os.getpid(),
+            "pid_namespace": pid_namespace,
+            "identity": [SANDBOX_UID, SANDBOX_UID] if root else None,
+            "limits": dataclasses.asdict(limits),
+        }
+        return cls(
+            directory=directory,
+            argv=[sys.executable, "-I", "-S", "-B", os.path.abspath(__file__)],
+            environment={"PATH": _ENVIRONMENT["PATH"], "LANG": "C.UTF-8"},
+            instructions=marshal.dumps(instructions),
+            limits=limits,
+            backstop_seconds=limits.wall_seconds + SUPERVISOR_GRACE_SECONDS,
+        )
+
+    def remove(self) -> None:
+        _remove_tree(self.directory)
+
+    def supervisor_timed_out(self, duration: float) -> SandboxResult:
+        return SandboxResult(
+            stdout="",
+            stderr="",
+            exit_code=None,
+            signal=int(signal.SIGKILL),
+            timed_out=True,
+            truncated=False,
+            duration_s=duration,
+            error=f"timed out after {self.limits.wall_seconds:g} s",
+        )
+
+    def result(self, answer: bytes, problems: bytes, returncode: int, duration: float) -> SandboxResult:
+        try:
+            report = marshal.loads(answer)
+        except (EOFError, ValueError, TypeError):
+            if returncode < 0:
+                # Only the code can have done this: when the caller is not root and there is no PID
+                # namespace, the code runs as the supervisor's user and may signal it.
+                return SandboxResult(
+                    stdout="",
+                    stderr="",
+                    exit_code=None,
+                    signal=-returncode,
+                    timed_out=False,
+                    truncated=False,
+                    duration_s=duration,
+                    error=f"the code killed its sandbox's supervisor (signal {-returncode}); its output is lost",
+                )
+            raise SandboxError(
+                f"the sandbox supervisor exited with status {returncode} without a result; its stderr: "
+                + problems.decode(errors="replace")[-2000:]
+            ) from None
+        if report.get("setup_error"):
+            raise SandboxError(report["setup_error"])
+        return SandboxResult(
+            stdout=report["stdout"],
+            stderr=report["stderr"],
+            exit_code=report["exit_code"],
+            signal=report["signal"],
+            timed_out=report["stopped"] == "timeout",
+            truncated=report["stopped"] == "output",
+            duration_s=duration,
+            error=describe_outcome(report, self.limits),
+        )
+
+
+def describe_outcome(report: dict[str, object], limits: SandboxLimits) -> str | None:
+    """The model's error message for a supervisor ``report`` (keys ``stopped``, ``exit_code``,
+    ``signal``, ``cpu_seconds``, ``stderr``, ``truncated_stream``); None for a clean exit."""
+    if report["stopped"] == "timeout":
+        return f"timed out after {limits.wall_seconds:g} s"
+    if report["stopped"] == "output":
+        return f"output truncated at {limits.output_bytes} bytes ({report['truncated_stream']}); the run was stopped"
+    code, number = report["exit_code"], report["signal"]
+    if code == 0 and number is None:
+        return None
+    cpu_limit = math.ceil(limits.cpu_seconds)
+    if number == signal.SIGXCPU or (number == signal.SIGKILL and report["cpu_seconds"] >= cpu_limit):
+        return f"killed: CPU time limit ({cpu_limit} s)"
+    stderr = report["stderr"]
+    if "MemoryError" in stderr:
+        return "memory limit exceeded (MemoryError)"
+    if "BlockingIOError" in stderr or "Resource temporarily unavailable" in stderr or "can't start new thread" in stderr:
+        return f"process limit reached ({limits.max_processes} processes and threads)"
+    if "File too large" in stderr:
+        return f"file size limit exceeded ({limits.file_size_bytes} bytes)"
+    if number is not None:
+        return f"killed by signal {signal.Signals(number).name}" if number in signal.valid_signals() else f"killed by signal {number}"
+    return f"exited with code {code}"
+
+
+def _remove_tree(directory: str) -> None:
+    import shutil
+
+    def allow_and_retry(function, path, _exc_info):
+        # A non-root caller cannot remove what the code made read-only; root ignores modes.
+        os.chmod(os.path.dirname(path), 0o700)
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.chmod(path, 0o700)
+        function(path)
+
+    if os.path.exists(directory):
+        shutil.rmtree(directory, onerror=allow_and_retry)
+
+
