@@ -127,6 +127,42 @@ class RolloutEngineConformance:
         assert tokens.log_probs == pytest.approx(batch.batch["rollout_log_probs"][0, :length].tolist(), abs=1e-5)
         assert tokens.finish_reason in ("stop", "length")
 
+    def test_concurrent_generate_tokens_calls_each_honour_their_own_stop_tokens_and_lengths(
+        self, rollout, prompt_token_lists, stop_token_id, eos_token_ids
+    ):
+        # 12 calls at once: even ones stop at stop_token_id (or EOS) within 8 tokens, odd ones only at
+        # EOS within 1..5 tokens; each must end by its own rule, whatever the others in flight
+        requests = []
+        for index in range(12):
+            prompt = prompt_token_lists[index % len(prompt_token_lists)]
+            if index % 2 == 0:
+                requests.append((prompt, SamplingParams(max_new_tokens=8, stop_token_ids=(stop_token_id,), seed=index)))
+            else:
+                requests.append((prompt, SamplingParams(max_new_tokens=1 + index // 2 % 5, seed=index)))
+
+        async def all_at_once():
+            return await asyncio.gather(*(rollout.generate_tokens(prompt, sampling) for prompt, sampling in requests))
+
+        outputs = asyncio.run(all_at_once())
+        assert len(outputs) == len(requests)
+        for (_, sampling), output in zip(requests, outputs):
+            stops = set(eos_token_ids) | set(sampling.stop_token_ids)
+            length = len(output.token_ids)
+            assert 1 <= length <= sampling.max_new_tokens and len(output.log_probs) == length
+            assert all(log_prob <= 0 for log_prob in output.log_probs)
+            assert not stops & set(output.token_ids[:-1])
+            if output.finish_reason == "stop":
+                assert output.token_ids[-1] in stops
+            else:
+                assert output.finish_reason == "length" and length == sampling.max_new_tokens
+        stopped_by_own_token = [output.token_ids[-1] == stop_token_id for (_, sampling), output in zip(requests, outputs)
+                                if sampling.stop_token_ids]
+        assert any(stopped_by_own_token), "no call stopped at stop_token_id: choose a stop_token_id the model samples"
+
+    def test_generate_tokens_refuses_more_than_one_sample(self, rollout, prompt_token_lists):
+        with pytest.raises(ValueError, match="n=2"):
+            asyncio.run(rollout.generate_tokens(prompt_token_lists[0], SamplingParams(n=2)))
+
     def test_missing_prompt_keys_are_named(self, rollout, prompts):
         with pytest.raises(KeyError, match="position_ids"):
             rollout.generate(prompts.select(batch_keys=["input_ids", "attention_mask"]), SamplingParams())

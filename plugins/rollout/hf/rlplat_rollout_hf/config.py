@@ -34,7 +34,9 @@ class HFRolloutConfig(RolloutBuildConfig):
     """Tokens that end a response (kept, with mask 1); defaults to the model config's EOS token(s)."""
 
     max_batch_rows: int = 256
-    """Rows sampled together in one pass; larger batches are processed in slices of this size."""
+    """Rows sampled together in one pass: ``generate`` processes larger batches in slices of this size,
+    and at most this many concurrent ``generate_tokens`` requests decode together (more wait in a queue
+    and join the running batch as rows finish)."""
 
     seed: int = 0
     """Seed of the sampling generator used when a call's ``SamplingParams.seed`` is None."""

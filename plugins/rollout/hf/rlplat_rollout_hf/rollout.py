@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -11,6 +13,7 @@ from rlplat.contracts.rollout import RolloutEngine, SamplingParams, TokenOutput
 from rlplat.protocol import DataProto
 from rlplat.rollout_batch import check_single_request
 from rlplat.config_node import read_config_node
+from rlplat_rollout_hf.batching import TokenBatcher, TokenRequest
 from rlplat_rollout_hf.config import HFRolloutConfig
 from rlplat_rollout_hf.sampling import choose
 
@@ -47,12 +50,27 @@ def build_model(config: HFRolloutConfig, device: torch.device):
     return model.to(device).eval()
 
 
+def holding_model_lock(method):
+    """Run ``method`` holding the engine's ``model_lock``: no decoding step of batched
+    ``generate_tokens`` requests runs meanwhile."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.model_lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class HFRollout(RolloutEngine):
     """See the :class:`~rlplat.contracts.rollout.RolloutEngine` contract for the keys it reads and writes.
 
-    Sampling runs in slices of ``max_batch_rows`` rows; each call draws from its own generator seeded
-    with ``sampling.seed`` (or from the engine's generator, seeded once with ``config.seed``), so the same
-    seed, weights and prompts give the same samples.
+    ``generate`` samples in slices of ``max_batch_rows`` rows; each call draws from its own generator
+    seeded with ``sampling.seed`` (or from the engine's generator, seeded once with ``config.seed``), so
+    the same seed, weights and prompts give the same samples. Concurrent ``generate_tokens`` calls are
+    batched continuously (up to ``max_batch_rows`` rows): a request with a seed draws from its own
+    generator, so it samples what it would alone; weight changes (``update_weights``, ``sleep``, ...)
+    wait for the decoding step in progress.
     """
 
     def __init__(self, config: Any = None, **_: Any):
@@ -71,6 +89,10 @@ class HFRollout(RolloutEngine):
         self.missing_weights: set[int] = set()
         self.dtype = getattr(torch, self.config.dtype)
         self.bound = False  # parameters are views of a training engine's (bind_weights)
+        # held by the token batcher around each forward and by every change to the weights, so weights
+        # change between decoding steps, never inside one
+        self.model_lock = threading.RLock()
+        self.batcher = TokenBatcher(self, self.config.max_batch_rows)
 
     # -- generation ------------------------------------------------------------------------------------
 
@@ -143,23 +165,41 @@ class HFRollout(RolloutEngine):
         return responses, log_probs, response_mask
 
     async def generate_tokens(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> TokenOutput:
+        """One sample for ``prompt_ids``; concurrent calls (from any event loop or thread) share forward
+        passes (:mod:`rlplat_rollout_hf.batching`). With ``sampling.seed`` the tokens do not depend on
+        the other requests batched with this one."""
         check_single_request(prompt_ids, sampling)
-        return await asyncio.to_thread(self.generate_tokens_now, list(prompt_ids), sampling)
-
-    def generate_tokens_now(self, prompt_ids: list[int], sampling: SamplingParams) -> TokenOutput:
+        prompt_ids = self.checked_prompt(prompt_ids)
         self.check_ready()
-        input_ids = torch.tensor([prompt_ids], device=self.device)
-        attention_mask = torch.ones_like(input_ids)
-        position_ids = torch.arange(len(prompt_ids), device=self.device)[None]
-        responses, log_probs, mask = self.sample(input_ids, attention_mask, position_ids, sampling, self.generator_for(sampling))
-        count = int(mask[0].sum())
-        tokens = responses[0, :count].tolist()
-        stops = set(self.eos_token_ids) | set(sampling.stop_token_ids)
-        reason = "stop" if tokens and tokens[-1] in stops else "length"
-        return TokenOutput(tokens, log_probs[0, :count].tolist(), reason)
+        generator = None if sampling.seed is None else torch.Generator(self.device).manual_seed(sampling.seed)
+        stops = frozenset(self.eos_token_ids) | frozenset(sampling.stop_token_ids)
+        future = self.batcher.submit(TokenRequest(prompt_ids, sampling, stops, generator))
+        # the worker starts after every task ready in this event-loop iteration has queued its request
+        asyncio.get_running_loop().call_soon(self.batcher.start)
+        return await asyncio.wrap_future(future)
+
+    def checked_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
+        vocabulary = self.model.get_input_embeddings().num_embeddings
+        prompt = [int(token) for token in prompt_ids]
+        wrong = [(position, token) for position, token in enumerate(prompt) if not 0 <= token < vocabulary]
+        if wrong:
+            raise ValueError(f"hf rollout: generate_tokens prompt has token ids outside the vocabulary [0, {vocabulary}) "
+                             f"at (position, id) {wrong[:5]}")
+        return prompt
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["model_lock"], state["batcher"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.model_lock = threading.RLock()
+        self.batcher = TokenBatcher(self, self.config.max_batch_rows)
 
     # -- weights and memory ----------------------------------------------------------------------------
 
+    @holding_model_lock
     def bind_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
         """Make every parameter a view of the given tensor of the same name (see the contract): only
         when all of them are there, on this device, in this dtype and shape; else False, nothing bound."""
@@ -179,6 +219,7 @@ class HFRollout(RolloutEngine):
         self.bound = True
         return True
 
+    @holding_model_lock
     def unbind_weights(self) -> None:
         """Own copies of bound weights again (before anything writes into them)."""
         if self.bound:
@@ -187,6 +228,7 @@ class HFRollout(RolloutEngine):
                     parameter.data = parameter.data.clone()
             self.bound = False
 
+    @holding_model_lock
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.asleep:
             raise RuntimeError("hf rollout is asleep: call wake_up() before update_weights()")
@@ -201,9 +243,12 @@ class HFRollout(RolloutEngine):
                 target.data.copy_(tensor.to(device=target.device, dtype=target.dtype, non_blocking=True))
                 self.missing_weights.discard(id(target))
 
+    @holding_model_lock
     def sleep(self) -> None:
-        """Release every parameter and buffer (the KV cache lives only inside ``generate``). Bound
-        weights are the training engine's: nothing of the rollout's own to release, they stay."""
+        """Release every parameter and buffer (the KV cache lives only inside ``generate`` and the
+        running batch of ``generate_tokens`` requests, whose waiting callers then get the "asleep"
+        error). Bound weights are the training engine's: nothing of the rollout's own to release, they
+        stay."""
         if self.asleep or self.bound:
             return
         self.saved_buffers = {name: buffer.detach().to("cpu", copy=True) for name, buffer in self.model.named_buffers()}
@@ -212,6 +257,7 @@ class HFRollout(RolloutEngine):
             torch.cuda.empty_cache()
         self.asleep = True
 
+    @holding_model_lock
     def wake_up(self) -> None:
         """Allocate the weights again (their values must come from ``update_weights``) and restore buffers."""
         if not self.asleep:

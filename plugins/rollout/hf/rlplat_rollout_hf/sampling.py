@@ -3,6 +3,8 @@ under the distribution it was actually drawn from (after the filters)."""
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 import torch
 
 from rlplat.contracts.rollout import SamplingParams
@@ -36,4 +38,27 @@ def choose(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Gene
     else:
         log_probs = torch.log_softmax(filtered_logits(logits, sampling), dim=-1)
         tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
+    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def choose_per_row(
+    logits: torch.Tensor, sampling: SamplingParams, row_generators: Sequence[Optional[torch.Generator]],
+    shared_generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`choose` with a random stream per row: row ``i`` draws from ``row_generators[i]``, or from
+    ``shared_generator`` where that is None (those rows in one draw, in row order). A row with its own
+    generator draws what :func:`choose` draws for that row alone with that generator, whatever the
+    other rows are."""
+    if sampling.greedy or all(generator is None for generator in row_generators):
+        return choose(logits, sampling, shared_generator)
+    log_probs = torch.log_softmax(filtered_logits(logits, sampling), dim=-1)
+    probabilities = log_probs.exp()
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    shared_rows = [row for row, generator in enumerate(row_generators) if generator is None]
+    if shared_rows:
+        shared_index = torch.tensor(shared_rows, device=logits.device)
+        tokens[shared_index] = torch.multinomial(probabilities[shared_index], 1, generator=shared_generator).squeeze(-1)
+    for row, generator in enumerate(row_generators):
+        if generator is not None:
+            tokens[row : row + 1] = torch.multinomial(probabilities[row : row + 1], 1, generator=generator).squeeze(-1)
     return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)

@@ -1,0 +1,259 @@
+"""Continuous batching of ``generate_tokens`` requests: concurrent single-prompt requests share forward
+passes.
+
+Callers queue a :class:`TokenRequest` and wait on its thread-safe future, from any event loop or thread.
+One worker thread (started when requests are queued, gone when none are left) keeps a
+:class:`RunningBatch`: at every step boundary it admits the queued requests whose sampling settings match
+the batch's (prefilled together, their KV cache merged into the batch's), samples one token for every
+row, hands finished rows their result and drops them, and runs the next decoding step for the others.
+
+Rows are left padded: each row's real tokens end at the last cache column, positions count real tokens
+from 0, and the attention mask hides the padding, so a row's tokens do not depend on what else is in
+the batch (up to float rounding of differently shaped matrix products).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import inspect
+import threading
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from rlplat.contracts.rollout import SamplingParams, TokenOutput
+from rlplat_rollout_hf.sampling import choose_per_row
+
+if TYPE_CHECKING:
+    from rlplat_rollout_hf.rollout import HFRollout
+
+
+def sampling_key(sampling: SamplingParams) -> tuple:
+    """What rows decoding together must share: the filters and temperature (greedy ignores them).
+    The seed, ``max_new_tokens`` and stop tokens are per row."""
+    if sampling.greedy:
+        return ("greedy",)
+    return ("sample", sampling.temperature, sampling.top_p, sampling.top_k)
+
+
+@dataclasses.dataclass(eq=False)
+class TokenRequest:
+    """One queued ``generate_tokens`` call and, once admitted, its row's progress."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop_token_ids: frozenset[int]
+    generator: Optional[torch.Generator]
+    """The row's own random stream (seeded with ``sampling.seed``); None draws from the engine's."""
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    log_probs: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def key(self) -> tuple:
+        return sampling_key(self.sampling)
+
+    def cached_length(self) -> int:
+        """Real tokens of this row in the KV cache: the prompt and every sampled token but the last
+        (fed at the next step)."""
+        return len(self.prompt_ids) + max(len(self.token_ids) - 1, 0)
+
+    def output(self) -> TokenOutput:
+        ended = bool(self.token_ids) and self.token_ids[-1] in self.stop_token_ids
+        return TokenOutput(list(self.token_ids), list(self.log_probs), "stop" if ended else "length")
+
+
+def padded_left(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    missing = width - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+def cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(keys, values)`` [rows, heads, length, head_dim] of every layer of a full-attention DynamicCache."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = list(cache.layers)
+    other = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+    if other:
+        raise RuntimeError(
+            f"hf rollout: batching generate_tokens merges and trims full-attention KV caches (DynamicLayer); "
+            f"this model's cache has {other} layers"
+        )
+    return [(layer.keys, layer.values) for layer in layers]
+
+
+def new_cache(tensors: list[tuple[torch.Tensor, torch.Tensor]]):
+    from transformers import DynamicCache
+
+    return DynamicCache(tensors)
+
+
+class RunningBatch:
+    """Rows decoding together with one sampling setting: their KV cache, attention mask [rows, length],
+    positions of their last cached token [rows, 1] and next-token logits [rows, vocab]."""
+
+    def __init__(self, model, device: torch.device, pad_token_id: int, key: tuple):
+        self.model, self.device, self.pad_token_id, self.key = model, device, pad_token_id, key
+        self.logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.rows: list[TokenRequest] = []
+        self.cache = None
+        self.attention_mask: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def admit(self, requests: list[TokenRequest]) -> None:
+        """Prefill ``requests`` together and add them as rows (all or none: on an error the batch is
+        as it was)."""
+        width = max(len(request.prompt_ids) for request in requests)
+        input_ids = torch.tensor([[self.pad_token_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r in requests],
+                                 dtype=torch.long, device=self.device)
+        attention_mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in requests],
+                                      dtype=torch.long, device=self.device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        cache = new_cache([])
+        extra = {"logits_to_keep": 1} if self.logits_to_keep else {}
+        output = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=cache, use_cache=True, **extra)
+        logits, positions = output.logits[:, -1, :], position_ids[:, -1:]
+        if self.rows:
+            length = max(width, self.attention_mask.shape[1])
+            cache = new_cache([
+                (torch.cat([padded_left(old_keys, length, 2), padded_left(keys, length, 2)]),
+                 torch.cat([padded_left(old_values, length, 2), padded_left(values, length, 2)]))
+                for (old_keys, old_values), (keys, values) in zip(cache_tensors(self.cache), cache_tensors(cache))
+            ])
+            attention_mask = torch.cat([padded_left(self.attention_mask, length, 1), padded_left(attention_mask, length, 1)])
+            positions = torch.cat([self.positions, positions])
+            logits = torch.cat([self.logits, logits])
+        self.rows = self.rows + requests
+        self.cache, self.attention_mask, self.positions, self.logits = cache, attention_mask, positions, logits
+
+    @torch.no_grad()
+    def step(self, shared_generator: torch.Generator) -> list[TokenRequest]:
+        """Sample one token per row, drop the rows that ended (returned, in row order) and run the
+        decoding step of the others."""
+        sampling = self.rows[0].sampling
+        tokens, log_probs = choose_per_row(self.logits, sampling, [row.generator for row in self.rows], shared_generator)
+        kept, finished = [], []
+        for index, (row, token, log_prob) in enumerate(zip(self.rows, tokens.tolist(), log_probs.tolist())):
+            row.token_ids.append(token)
+            row.log_probs.append(log_prob)
+            if token in row.stop_token_ids or len(row.token_ids) >= row.sampling.max_new_tokens:
+                finished.append(row)
+            else:
+                kept.append(index)
+        if finished:
+            self.keep(kept)
+            tokens = tokens[kept] if kept else tokens[:0]
+        if self.rows:
+            self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(len(self.rows), 1)], dim=1)
+            self.positions = self.positions + 1
+            output = self.model(input_ids=tokens[:, None], attention_mask=self.attention_mask, position_ids=self.positions,
+                                past_key_values=self.cache, use_cache=True)
+            self.logits = output.logits[:, -1, :]
+        return finished
+
+    def keep(self, indices: list[int]) -> None:
+        """Keep only these rows, and drop the cache columns that are padding in all of them."""
+        self.rows = [self.rows[index] for index in indices]
+        if not self.rows:
+            self.cache = self.attention_mask = self.positions = self.logits = None
+            return
+        index = torch.tensor(indices, dtype=torch.long, device=self.device)
+        start = self.attention_mask.shape[1] - max(row.cached_length() for row in self.rows)
+        self.cache = new_cache([(keys[index, :, start:], values[index, :, start:]) for keys, values in cache_tensors(self.cache)])
+        self.attention_mask = self.attention_mask[index, start:]
+        self.positions, self.logits = self.positions[index], self.logits[index]
+
+
+class TokenBatcher:
+    """The queue of ``generate_tokens`` requests and the worker thread that serves them for one engine.
+
+    :meth:`submit` queues a request; :meth:`start` makes sure a worker runs (an asyncio caller schedules
+    it with ``loop.call_soon``, so the requests queued in the same event-loop iteration start together).
+    The worker admits queued requests at every step boundary, up to ``max_rows`` rows, those with the
+    running batch's sampling settings, first come first served; once a request with other settings is
+    the oldest waiting, nothing more joins until the batch has drained, so no setting waits forever.
+    Every model call holds ``engine.model_lock`` and checks ``engine.check_ready()`` first; an error in a
+    prefill fails the requests being admitted, an error in a decoding step fails every row of the batch.
+    """
+
+    def __init__(self, engine: "HFRollout", max_rows: int):
+        self.engine, self.max_rows = engine, max_rows
+        self.lock = threading.Lock()
+        self.pending: collections.deque[TokenRequest] = collections.deque()
+        self.worker: threading.Thread | None = None
+
+    def submit(self, request: TokenRequest) -> concurrent.futures.Future:
+        with self.lock:
+            self.pending.append(request)
+        return request.future
+
+    def start(self) -> None:
+        with self.lock:
+            if self.worker is None and self.pending:
+                self.worker = threading.Thread(target=self.serve, name="hf-rollout-token-batcher", daemon=True)
+                self.worker.start()
+
+    def take(self, batch: RunningBatch | None) -> list[TokenRequest]:
+        """Under ``lock``: the queued requests to admit now (cancelled ones are dropped)."""
+        running = batch is not None and bool(batch.rows)
+        room = self.max_rows - (len(batch.rows) if running else 0)
+        taken: list[TokenRequest] = []
+        key = batch.key if running else None
+        while self.pending and len(taken) < room:
+            request = self.pending[0]
+            if request.future.cancelled():
+                self.pending.popleft()
+                continue
+            if key is None:
+                key = request.key
+            if request.key != key:
+                break
+            self.pending.popleft()
+            if request.future.set_running_or_notify_cancel():
+                taken.append(request)
+        return taken
+
+    def serve(self) -> None:
+        engine, batch = self.engine, None
+        while True:
+            with self.lock:
+                admitted = self.take(batch)
+                if not admitted and (batch is None or not batch.rows):
+                    self.worker = None
+                    return
+            if admitted:
+                if batch is None or not batch.rows:
+                    batch = RunningBatch(engine.model, engine.device, engine.pad_token_id, admitted[0].key)
+                try:
+                    with engine.model_lock:
+                        engine.check_ready()
+                        batch.admit(admitted)
+                except BaseException as error:
+                    fail(admitted, error)
+            if not batch.rows:
+                continue
+            try:
+                with engine.model_lock:
+                    engine.check_ready()
+                    finished = batch.step(engine.generator)
+            except BaseException as error:
+                fail(batch.rows, error)
+                batch = None
+                continue
+            for row in finished:
+                row.future.set_result(row.output())
+
+
+def fail(requests: list[TokenRequest], error: BaseException) -> None:
+    for request in requests:
+        if not request.future.done():
+            request.future.set_exception(error)
