@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import typer
 
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
 
 def fail(message: str, code: int = 2) -> typer.Exit:
     typer.echo(f"rlplat check-template: {message}", err=True)
@@ -39,6 +41,9 @@ def load_tokenizer(directory: Path) -> Any:
         raise fail(f"{directory} does not exist; pass a local model or tokenizer directory (Hugging Face layout)")
     if not directory.is_dir():
         raise fail(f"{directory} is not a directory; pass a local model or tokenizer directory (Hugging Face layout)")
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise fail(f"{directory} holds no tokenizer ({' or '.join(TOKENIZER_FILES)}); pass a model or tokenizer "
+                   f"directory saved by save_pretrained")
     from transformers import AutoTokenizer
 
     try:
@@ -60,7 +65,8 @@ def print_report(report: Any, directory: Path) -> None:
     from rich.table import Table
 
     console = Console(soft_wrap=False)
-    table = Table(title=f"Chat template of {escape(str(directory))}: end of turn {report.end_of_turn!r}")
+    typer.echo(f"Chat template of {directory}: end of turn {report.end_of_turn!r}")
+    table = Table()
     table.add_column("conversation", no_wrap=True)
     table.add_column("append-only", no_wrap=True)
     table.add_column("first diverging message", no_wrap=True)
