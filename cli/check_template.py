@@ -30,7 +30,8 @@ def parse_template_kwargs(text: Optional[str]) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
-        raise fail(f"--template-kwargs is not valid JSON ({error}): pass an object, e.g. '{{\"enable_thinking\": false}}'")
+        raise fail(f"--template-kwargs is not valid JSON ({error}): pass an object, "
+                   f"e.g. '{{\"enable_thinking\": false}}'")
     if not isinstance(value, dict):
         raise fail(f"--template-kwargs must be a JSON object of template variables, got {text!r}")
     return value

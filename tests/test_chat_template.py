@@ -242,7 +242,8 @@ RESULTS_1 = [tool("get_weather", "Sunny, 21 C."), tool("get_weather", "Cloudy, 1
 RESULTS_2 = [tool("calculator", "84")]
 FOLLOW_UP = [{"role": "user", "content": "Thanks. Warmer where?"}]
 ASSISTANT_MESSAGES = [
-    {"role": "assistant", "content": "", "tool_calls": [call("get_weather", city="Paris"), call("get_weather", city="Rome")]},
+    {"role": "assistant", "content": "",
+     "tool_calls": [call("get_weather", city="Paris"), call("get_weather", city="Rome")]},
     {"role": "assistant", "content": "Now the product.", "tool_calls": [call("calculator", expression="12 * 7")]},
     {"role": "assistant", "content": "It is 84."},
     {"role": "assistant", "content": "In Paris."},
@@ -279,7 +280,8 @@ def test_llama3_prompt_plus_verbatim_turns_plus_deltas_is_the_templates_renderin
 
 def test_template_kwargs_reach_the_template():
     tokenizer = chat_tokenizer(THINKING)
-    conversation = [{"role": "user", "content": "2 * 3?"}, {"role": "assistant", "content": "<think>\nSix.\n</think>\n\n6."},
+    conversation = [{"role": "user", "content": "2 * 3?"},
+                    {"role": "assistant", "content": "<think>\nSix.\n</think>\n\n6."},
                     {"role": "user", "content": "And 2 * 4?"}]
     assert "<think>\nSix." not in tokenizer.decode(ChatRenderer(tokenizer).prompt_ids(conversation))
     assert "<think>\nSix." in tokenizer.decode(ChatRenderer(tokenizer, {"keep_reasoning": True}).prompt_ids(conversation))
@@ -343,7 +345,8 @@ def test_the_thinking_template_is_not_append_only_at_the_reasoning_of_an_earlier
     divergence = report.diverging[0].divergence
     assert (divergence.message_index, divergence.role, divergence.check, divergence.level) == (
         1, "assistant", "turn by turn", "text")
-    assert divergence.expected.endswith("<|im_start|>assistant\n<think>\nThree fours are twelve.\n</think>\n\n12.<|im_end|>")
+    assert divergence.expected.endswith(
+        "<|im_start|>assistant\n<think>\nThree fours are twelve.\n</think>\n\n12.<|im_end|>")
     assert "<|im_start|>assistant\n12.<|im_end|>\n<|im_start|>user\nAnd 3 * 5?" in divergence.rendered
     # Reasoning in the last turns only (tool results follow, no user message) renders as sampled.
     assert {check.name: check.status for check in report.conversations}["reasoning + tool calls"] == APPEND_ONLY
