@@ -16,7 +16,7 @@ writing its report on stdout. The supervisor
    ``CLONE_NEWUSER`` when not root) and forks its init: a small process that starts the code, reaps
    orphans and, once the code has exited, kills everything else in the namespace. When a namespace's
    init dies the kernel kills every process in it, so nothing started there can outlive the run, and the
-   code cannot see, so cannot signal, any process outside it;
+   code cannot signal any process outside it (a pid names a process of its own namespace);
 3. starts the code as ``python -I -u -B main.py`` in ``work/``, in a session of its own, with a scrubbed
    environment (``PATH``, ``HOME`` and ``TMPDIR`` = ``work/``, ``LANG``/``LC_ALL`` = ``C.UTF-8``,
    ``PYTHONDONTWRITEBYTECODE``, ``PYTHONUNBUFFERED``, one thread for BLAS/OpenMP; nothing from the
@@ -47,6 +47,8 @@ What remains shared
 * When the caller is not root the code runs as the caller's user: it can read and write what the caller
   can. In a PID namespace it still cannot signal the caller's processes; without one it can, and a
   process that kills the supervisor can escape the sweep.
+* The code still reads the machine's ``/proc`` (it sees other processes' command lines, not their
+  environments when it runs as ``nobody``).
 * The file system is the machine's: ``RLIMIT_FSIZE`` bounds each file, not their number; files the code
   writes outside ``work/`` (``/tmp``, ``/dev/shm``) stay. The network is not cut.
 """
@@ -392,13 +394,17 @@ def _supervisor_main() -> None:
     sys.stdout.flush()
 
 
-# The supervisor's entry point: it needs nothing below, so it stops here, before importing dataclasses
-# (about half of its start-up time).
+# The supervisor's entry point: it needs nothing below, so it stops here, before the imports of the
+# public part (dataclasses alone is about half of its start-up time).
 if __name__ == "__main__":
     _supervisor_main()
     sys.exit(0)
 
+import asyncio  # noqa: E402
 import dataclasses  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 
 
 class SandboxError(RuntimeError):
@@ -489,8 +495,6 @@ def run_python(
 
     ``pid_namespace``: None uses a PID namespace when the kernel allows one, True requires one
     (:class:`SandboxError` otherwise), False never uses one."""
-    import subprocess
-
     start = time.monotonic()
     launch = _Launch.prepare(code, limits, stdin, pid_namespace)
     try:
@@ -523,11 +527,9 @@ async def run_python_async(
 ) -> SandboxResult:
     """:func:`run_python` without blocking the event loop; many may run at once. Cancelling it kills
     the run's processes before the cancellation goes on."""
-    # Imported here: the supervisor runs this file and never needs asyncio.
-    import asyncio
-
     start = time.monotonic()
-    launch = await asyncio.to_thread(_Launch.prepare, code, limits, stdin, pid_namespace)
+    await asyncio.to_thread(sandbox_python, limits)  # the first use tries the interpreter: off the loop
+    launch = _Launch.prepare(code, limits, stdin, pid_namespace)  # a few small files: quick
     try:
         process = await asyncio.create_subprocess_exec(
             *launch.argv,
@@ -556,8 +558,6 @@ async def run_python_async(
 def sandbox_python(limits: SandboxLimits = SandboxLimits()) -> str:
     """The interpreter a run with ``limits`` uses (see :attr:`SandboxLimits.python`); raises
     :class:`SandboxError` when the sandbox user can run none."""
-    import shutil
-
     if limits.python is not None:
         path = shutil.which(limits.python) if os.sep not in limits.python else limits.python
         if path is None or not os.path.isfile(path):
@@ -584,8 +584,6 @@ _usable_pythons: dict[tuple[str, int], str | None] = {}
 
 def _python_problem(path: str) -> str | None:
     """None when the sandbox user can start ``path``; else why not. Tried once per path and user."""
-    import subprocess
-
     root = os.geteuid() == 0
     key = (path, SANDBOX_UID if root else os.geteuid())
     if key not in _usable_pythons:
@@ -619,8 +617,6 @@ class _Launch:
 
     @classmethod
     def prepare(cls, code: str, limits: SandboxLimits, stdin: str, pid_namespace: bool | None) -> "_Launch":
-        import tempfile
-
         if not isinstance(code, str):
             raise TypeError(f"code must be a str, got {type(code).__name__}")
         if not isinstance(stdin, str):
@@ -633,9 +629,9 @@ class _Launch:
         try:
             work = os.path.join(directory, "work")
             os.mkdir(work, 0o700)
-            with open(os.path.join(directory, "main.py"), "w", encoding="utf-8") as file:
+            with open(os.path.join(directory, "main.py"), "w", encoding="utf-8", errors="replace") as file:
                 file.write(code)
-            with open(os.path.join(directory, "stdin"), "w", encoding="utf-8") as file:
+            with open(os.path.join(directory, "stdin"), "w", encoding="utf-8", errors="replace") as file:
                 file.write(stdin)
             os.chmod(os.path.join(directory, "stdin"), 0o600)
             if root:
@@ -709,11 +705,11 @@ class _Launch:
             timed_out=report["stopped"] == "timeout",
             truncated=report["stopped"] == "output",
             duration_s=duration,
-            error=describe_outcome(report, self.limits),
+            error=_describe_outcome(report, self.limits),
         )
 
 
-def describe_outcome(report: dict[str, object], limits: SandboxLimits) -> str | None:
+def _describe_outcome(report: dict[str, object], limits: SandboxLimits) -> str | None:
     """The model's error message for a supervisor ``report`` (keys ``stopped``, ``exit_code``,
     ``signal``, ``cpu_seconds``, ``stderr``, ``truncated_stream``); None for a clean exit."""
     if report["stopped"] == "timeout":
@@ -739,8 +735,6 @@ def describe_outcome(report: dict[str, object], limits: SandboxLimits) -> str | 
 
 
 def _remove_tree(directory: str) -> None:
-    import shutil
-
     def allow_and_retry(function, path, _exc_info):
         # A non-root caller cannot remove what the code made read-only; root ignores modes.
         os.chmod(os.path.dirname(path), 0o700)
