@@ -223,34 +223,46 @@ class TokenBatcher:
         return taken
 
     def serve(self) -> None:
-        engine, batch = self.engine, None
-        while True:
+        batch: RunningBatch | None = None
+        try:
+            while True:
+                with self.lock:
+                    admitted = self.take(batch)
+                    if not admitted and (batch is None or not batch.rows):
+                        self.worker = None
+                        return
+                batch = self.serve_step(batch, admitted)
+        except BaseException as error:  # a fault of the batcher itself: every caller gets it, none waits forever
             with self.lock:
-                admitted = self.take(batch)
-                if not admitted and (batch is None or not batch.rows):
-                    self.worker = None
-                    return
-            if admitted:
-                if batch is None or not batch.rows:
-                    batch = RunningBatch(engine.model, engine.device, engine.pad_token_id, admitted[0].key)
-                try:
-                    with engine.model_lock:
-                        engine.check_ready()
-                        batch.admit(admitted)
-                except BaseException as error:
-                    fail(admitted, error)
-            if not batch.rows:
-                continue
+                waiting = list(self.pending)
+                self.pending.clear()
+                self.worker = None
+            fail(waiting + (batch.rows if batch is not None else []), error)
+
+    def serve_step(self, batch: RunningBatch | None, admitted: list[TokenRequest]) -> RunningBatch | None:
+        """Admit ``admitted`` into ``batch`` (a new one when it has no rows), then one decoding step."""
+        engine = self.engine
+        if admitted:
+            if batch is None or not batch.rows:
+                batch = RunningBatch(engine.model, engine.device, engine.pad_token_id, admitted[0].key)
             try:
                 with engine.model_lock:
                     engine.check_ready()
-                    finished = batch.step(engine.generator)
+                    batch.admit(admitted)
             except BaseException as error:
-                fail(batch.rows, error)
-                batch = None
-                continue
-            for row in finished:
-                row.future.set_result(row.output())
+                fail(admitted, error)
+        if batch is None or not batch.rows:
+            return batch
+        try:
+            with engine.model_lock:
+                engine.check_ready()
+                finished = batch.step(engine.generator)
+        except BaseException as error:
+            fail(batch.rows, error)
+            return None
+        for row in finished:
+            row.future.set_result(row.output())
+        return batch
 
 
 def fail(requests: list[TokenRequest], error: BaseException) -> None:

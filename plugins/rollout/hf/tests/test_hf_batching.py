@@ -218,6 +218,22 @@ def test_a_failing_prefill_fails_only_the_requests_it_admits(engine):
     assert first.token_ids == alone(engine, PROMPTS[3], sampling)[0] and len(first.token_ids) > 1
 
 
+def test_a_fault_of_the_batcher_itself_reaches_every_waiting_caller_and_the_next_calls_are_served(engine):
+    real_take, greedy = engine.batcher.take, SamplingParams(max_new_tokens=3, greedy=True)
+
+    def take_failing_once(batch):
+        engine.batcher.take = real_take
+        raise RuntimeError("queue broken")
+
+    engine.batcher.take = take_failing_once
+
+    async def gathered():
+        return await asyncio.gather(*(engine.generate_tokens(prompt, greedy) for prompt in PROMPTS), return_exceptions=True)
+
+    assert all(isinstance(outcome, RuntimeError) and "queue broken" in str(outcome) for outcome in asyncio.run(gathered()))
+    assert concurrently(engine, [(PROMPTS[0], greedy)])[0].token_ids == alone(engine, PROMPTS[0], greedy)[0]
+
+
 def test_queued_requests_of_a_rollout_put_to_sleep_get_the_asleep_error(engine):
     async def queued_then_sleep():
         tasks = [asyncio.ensure_future(engine.generate_tokens(prompt, SamplingParams(max_new_tokens=3))) for prompt in PROMPTS]
