@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from rlplat.config_node import ConfigError
 from rlplat.contracts.agent import Tool, ToolConfig, ToolResult
@@ -65,9 +65,14 @@ class PythonToolConfig(ToolConfig):
     memory_bytes: int = 512 * 1024 * 1024
     """Address space of the code's process."""
     max_processes: int = 32
-    """Processes the code may run at once."""
+    """Processes and threads the sandbox user may run at once (Linux's per-user count)."""
     output_bytes: int = 16 * 1024
-    """Bytes of stdout and of stderr kept; the rest is cut."""
+    """Bytes of stdout and of stderr; a run that prints more is stopped and its output cut there."""
+    file_size_bytes: int = 1024 * 1024
+    """Largest file the code may write."""
+    python: Optional[str] = None
+    """Interpreter of the code. None: this Python when the sandbox user may run it, else the system's
+    ``python3`` (standard library only)."""
 
 
 class PythonTool(Tool):
