@@ -1,8 +1,9 @@
 """Continuous batching of ``generate_tokens`` requests: concurrent single-prompt requests share forward
 passes.
 
-Callers queue a :class:`TokenRequest` and wait on its thread-safe future, from any event loop or thread.
-One worker thread (started when requests are queued, gone when none are left) keeps a
+Callers queue a :class:`TokenRequest` and await a future of their own event loop; results reach it through
+``loop.call_soon_threadsafe``, those of one step and one loop in one call, so callers may be in any
+number of event loops and threads. One worker thread (started when requests are queued, gone when none are left) keeps a
 :class:`RunningBatch`: at every step boundary it admits the queued requests whose sampling settings match
 the batch's (prefilled together, their KV cache merged into the batch's), samples one token for every
 row, hands finished rows their result and drops them, and runs the next decoding step for the others.
@@ -14,12 +15,12 @@ the batch (up to float rounding of differently shaped matrix products).
 
 from __future__ import annotations
 
+import asyncio
 import collections
-import concurrent.futures
 import dataclasses
 import inspect
 import threading
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
@@ -47,7 +48,9 @@ class TokenRequest:
     stop_token_ids: frozenset[int]
     generator: Optional[torch.Generator]
     """The row's own random stream (seeded with ``sampling.seed``); None draws from the engine's."""
-    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    waiter: Optional[asyncio.Future] = None
+    """The caller's future, of ``loop``; None for a row driven directly (:class:`RunningBatch` alone)."""
+    loop: Optional[asyncio.AbstractEventLoop] = None
     token_ids: list[int] = dataclasses.field(default_factory=list)
     log_probs: list[float] = dataclasses.field(default_factory=list)
 
@@ -191,10 +194,9 @@ class TokenBatcher:
         self.pending: collections.deque[TokenRequest] = collections.deque()
         self.worker: threading.Thread | None = None
 
-    def submit(self, request: TokenRequest) -> concurrent.futures.Future:
+    def submit(self, request: TokenRequest) -> None:
         with self.lock:
             self.pending.append(request)
-        return request.future
 
     def start(self) -> None:
         with self.lock:
@@ -210,16 +212,14 @@ class TokenBatcher:
         key = batch.key if running else None
         while self.pending and len(taken) < room:
             request = self.pending[0]
-            if request.future.cancelled():
+            if request.waiter is not None and request.waiter.cancelled():
                 self.pending.popleft()
                 continue
             if key is None:
                 key = request.key
             if request.key != key:
                 break
-            self.pending.popleft()
-            if request.future.set_running_or_notify_cancel():
-                taken.append(request)
+            taken.append(self.pending.popleft())
         return taken
 
     def serve(self) -> None:
@@ -260,12 +260,33 @@ class TokenBatcher:
         except BaseException as error:
             fail(batch.rows, error)
             return None
-        for row in finished:
-            row.future.set_result(row.output())
+        deliver([(row, row.output()) for row in finished])
         return batch
 
 
 def fail(requests: list[TokenRequest], error: BaseException) -> None:
-    for request in requests:
-        if not request.future.done():
-            request.future.set_exception(error)
+    deliver([(request, error) for request in requests])
+
+
+def deliver(outcomes: list[tuple[TokenRequest, Union[TokenOutput, BaseException]]]) -> None:
+    """Hand each request its result or error: one ``call_soon_threadsafe`` per event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for request, outcome in outcomes:
+        if request.waiter is not None:
+            by_loop.setdefault(request.loop, []).append((request.waiter, outcome))
+    for loop, settled in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(settle, settled)
+        except RuntimeError:  # the loop is closed: nobody waits there any more
+            pass
+
+
+def settle(settled: list[tuple[asyncio.Future, Union[TokenOutput, BaseException]]]) -> None:
+    """In the callers' event loop: set every future still waiting (a cancelled caller's is done)."""
+    for waiter, outcome in settled:
+        if waiter.done():
+            continue
+        if isinstance(outcome, BaseException):
+            waiter.set_exception(outcome)
+        else:
+            waiter.set_result(outcome)

@@ -93,6 +93,7 @@ class HFRollout(RolloutEngine):
         # change between decoding steps, never inside one
         self.model_lock = threading.RLock()
         self.batcher = TokenBatcher(self, self.config.max_batch_rows)
+        self.vocabulary_size = self.model.get_input_embeddings().num_embeddings
 
     # -- generation ------------------------------------------------------------------------------------
 
@@ -172,14 +173,16 @@ class HFRollout(RolloutEngine):
         prompt_ids = self.checked_prompt(prompt_ids)
         self.check_ready()
         generator = None if sampling.seed is None else torch.Generator(self.device).manual_seed(sampling.seed)
-        stops = frozenset(self.eos_token_ids) | frozenset(sampling.stop_token_ids)
-        future = self.batcher.submit(TokenRequest(prompt_ids, sampling, stops, generator))
+        stops = frozenset(self.eos_token_ids).union(sampling.stop_token_ids)
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self.batcher.submit(TokenRequest(prompt_ids, sampling, stops, generator, waiter, loop))
         # the worker starts after every task ready in this event-loop iteration has queued its request
-        asyncio.get_running_loop().call_soon(self.batcher.start)
-        return await asyncio.wrap_future(future)
+        loop.call_soon(self.batcher.start)
+        return await waiter
 
     def checked_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
-        vocabulary = self.model.get_input_embeddings().num_embeddings
+        vocabulary = self.vocabulary_size
         prompt = [int(token) for token in prompt_ids]
         wrong = [(position, token) for position, token in enumerate(prompt) if not 0 <= token < vocabulary]
         if wrong:

@@ -58,7 +58,8 @@ def choose_per_row(
     if shared_rows:
         shared_index = torch.tensor(shared_rows, device=logits.device)
         tokens[shared_index] = torch.multinomial(probabilities[shared_index], 1, generator=shared_generator).squeeze(-1)
-    for row, generator in enumerate(row_generators):
-        if generator is not None:
-            tokens[row : row + 1] = torch.multinomial(probabilities[row : row + 1], 1, generator=generator).squeeze(-1)
+    own = [(row, generator) for row, generator in enumerate(row_generators) if generator is not None]
+    rows = probabilities.unbind(0)
+    own_index = torch.tensor([row for row, _ in own], device=logits.device)
+    tokens[own_index] = torch.cat([torch.multinomial(rows[row], 1, generator=generator) for row, generator in own])
     return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
