@@ -91,10 +91,11 @@ def cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in layers]
 
 
-def new_cache(tensors: list[tuple[torch.Tensor, torch.Tensor]]):
-    from transformers import DynamicCache
-
-    return DynamicCache(tensors)
+def replace_cache_tensors(cache, tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Make every layer of ``cache`` (checked by :func:`cache_tensors`) hold these keys and values:
+    merging and trimming a cache this way copies each tensor once."""
+    for layer, (keys, values) in zip(cache.layers, tensors):
+        layer.keys, layer.values = keys, values
 
 
 class RunningBatch:
@@ -120,14 +121,16 @@ class RunningBatch:
         attention_mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in requests],
                                       dtype=torch.long, device=self.device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        cache = new_cache([])
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
         extra = {"logits_to_keep": 1} if self.logits_to_keep else {}
         output = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             past_key_values=cache, use_cache=True, **extra)
         logits, positions = output.logits[:, -1, :], position_ids[:, -1:]
         if self.rows:
             length = max(width, self.attention_mask.shape[1])
-            cache = new_cache([
+            replace_cache_tensors(cache, [
                 (torch.cat([padded_left(old_keys, length, 2), padded_left(keys, length, 2)]),
                  torch.cat([padded_left(old_values, length, 2), padded_left(values, length, 2)]))
                 for (old_keys, old_values), (keys, values) in zip(cache_tensors(self.cache), cache_tensors(cache))
@@ -171,7 +174,8 @@ class RunningBatch:
             return
         index = torch.tensor(indices, dtype=torch.long, device=self.device)
         start = self.attention_mask.shape[1] - max(row.cached_length() for row in self.rows)
-        self.cache = new_cache([(keys[index, :, start:], values[index, :, start:]) for keys, values in cache_tensors(self.cache)])
+        replace_cache_tensors(self.cache, [(keys[index, :, start:], values[index, :, start:])
+                                           for keys, values in cache_tensors(self.cache)])
         self.attention_mask = self.attention_mask[index, start:]
         self.positions, self.logits = self.positions[index], self.logits[index]
 
