@@ -115,6 +115,21 @@ def test_greedy_and_sampled_requests_in_flight_together_each_get_their_own_setti
         assert output.token_ids == alone(engine, prompt, greedy if row % 2 else sampled)[0]
 
 
+def test_requests_with_other_settings_first_in_line_stop_new_rows_joining_until_the_batch_drains(model_dir):
+    engine = HFRollout({"model_path": model_dir, "max_batch_rows": 3})
+    greedy, sampled = SamplingParams(greedy=True), SamplingParams(temperature=0.5)
+    requests = [TokenRequest([1], sampling, frozenset(), None) for sampling in (greedy, sampled, greedy, greedy, greedy)]
+    running = RunningBatch(engine.model, engine.device, 0, ("greedy",))
+    running.rows = [requests[0]]
+    engine.batcher.pending.extend(requests[1:])
+    assert engine.batcher.take(running) == []  # the sampled request waits longest: greedy ones may not overtake it
+    assert engine.batcher.take(None) == [requests[1]]  # a new batch for it, alone: the next one is greedy
+    assert engine.batcher.take(None) == requests[2:5]  # then the greedy ones, max_batch_rows = 3 at most
+    running.rows = requests[2:4]
+    engine.batcher.pending.extend([requests[0]] * 2)
+    assert engine.batcher.take(running) == [requests[0]]  # room for one more row
+
+
 class TestRunningBatch:
     """Rows joining a batch that is decoding: the cache of the longer side is left padded for the
     other, finished rows leave and padding columns nobody needs are trimmed."""
