@@ -1,12 +1,13 @@
 """Continuous batching of ``generate_tokens`` requests: concurrent single-prompt requests share forward
 passes.
 
-Callers queue a :class:`TokenRequest` and await a future of their own event loop; results reach it through
-``loop.call_soon_threadsafe``, those of one step and one loop in one call, so callers may be in any
-number of event loops and threads. One worker thread (started when requests are queued, gone when none are left) keeps a
-:class:`RunningBatch`: at every step boundary it admits the queued requests whose sampling settings match
-the batch's (prefilled together, their KV cache merged into the batch's), samples one token for every
-row, hands finished rows their result and drops them, and runs the next decoding step for the others.
+Callers queue a :class:`TokenRequest` and await a future of their own event loop; results reach it
+through ``loop.call_soon_threadsafe`` (those of one step and one loop in one call), so callers may be in
+any number of event loops and threads. One worker thread (started when requests are queued, gone when
+none are left) keeps a :class:`RunningBatch`: at every step boundary it admits the queued requests whose
+sampling settings match the batch's (prefilled together, their KV cache merged into the batch's),
+samples one token for every row, hands finished rows their result and drops them, and runs the next
+decoding step for the others.
 
 Rows are left padded: each row's real tokens end at the last cache column, positions count real tokens
 from 0, and the attention mask hides the padding, so a row's tokens do not depend on what else is in
@@ -115,14 +116,14 @@ class RunningBatch:
     def admit(self, requests: list[TokenRequest]) -> None:
         """Prefill ``requests`` together and add them as rows (all or none: on an error the batch is
         as it was)."""
+        from transformers import DynamicCache
+
         width = max(len(request.prompt_ids) for request in requests)
         input_ids = torch.tensor([[self.pad_token_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r in requests],
                                  dtype=torch.long, device=self.device)
         attention_mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in requests],
                                       dtype=torch.long, device=self.device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        from transformers import DynamicCache
-
         cache = DynamicCache()
         extra = {"logits_to_keep": 1} if self.logits_to_keep else {}
         output = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
