@@ -58,6 +58,7 @@ bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python bench/fsdp2_scaling.py
 	$(BENCH_VENV)/bin/python bench/trl_vs_rlplat.py
 	$(BENCH_VENV)/bin/python bench/update_step.py
+	$(BENCH_VENV)/bin/python bench/agent_tokens.py
 	$(BENCH_VENV)/bin/python bench/time_to_accuracy.py --budget 260
 	$(BENCH_VENV)/bin/python bench/packing.py
 
