@@ -63,7 +63,9 @@ class SingleTurnLoop(AgentLoop):
 
     async def run(self, row: Mapping[str, Any], client: TokenClient, context: AgentContext) -> Trajectory:
         builder = TrajectoryBuilder(context.prompt_ids, context.response_length)
-        sampling = dataclasses.replace(context.sampling, max_new_tokens=context.response_length, n=1)
+        sampling = context.sampling
+        if sampling.max_new_tokens != context.response_length or sampling.n != 1:
+            sampling = dataclasses.replace(sampling, max_new_tokens=context.response_length, n=1)
         output = await client.generate(builder.ids, sampling)
         builder.add_model(output)
         return builder.build(1, "stop" if output.finish_reason == "stop" else "length",

@@ -138,6 +138,7 @@ class AgentLoopManager:
     async def run_all(self, rows: Sequence[Mapping[str, Any]], prompt_lists: Sequence[list[int]],
                       sampling: SamplingParams, response_length: int) -> list[Trajectory]:
         limit = asyncio.Semaphore(self.config.max_concurrency)
+        sampling = sampling if sampling.n == 1 else dataclasses.replace(sampling, n=1)
 
         async def one(index: int) -> Trajectory:
             async with limit:
@@ -151,10 +152,10 @@ class AgentLoopManager:
 
         where = f"agent batch row {index} (uid {row.get('uid')!r})"
         name = self.loop_name(row, where)
-        seed = None if sampling.seed is None else int(sampling.seed) + 104_729 * index
+        if sampling.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=int(sampling.seed) + 104_729 * index)
         context = AgentContext(
-            tokenizer=self.tokenizer, renderer=self.renderer,
-            sampling=dataclasses.replace(sampling, n=1, seed=seed), response_length=response_length,
+            tokenizer=self.tokenizer, renderer=self.renderer, sampling=sampling, response_length=response_length,
             prompt_ids=list(prompt_ids), tools=row_tools(self.tools, row.get("extra_info"), where),
             parser=self.parser, stop_token_ids=self.stop_token_ids, environment=self.environment,
         )
@@ -176,20 +177,22 @@ class AgentLoopManager:
     def assemble(self, repeated: DataProto, trajectories: Sequence[Trajectory], response_length: int,
                  meta_info: Mapping[str, Any]) -> DataProto:
         rows, width = len(trajectories), self.max_prompt_length
-        prompts = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
-        prompt_mask = torch.zeros(rows, width, dtype=torch.long)
-        responses = torch.full((rows, response_length), self.pad_token_id, dtype=torch.long)
-        response_mask = torch.zeros(rows, response_length, dtype=torch.long)
-        response_attention = torch.zeros(rows, response_length, dtype=torch.long)
-        log_probs = torch.zeros(rows, response_length, dtype=torch.float32)
+        prompts = np.full((rows, width), self.pad_token_id, dtype=np.int64)
+        prompt_mask = np.zeros((rows, width), dtype=np.int64)
+        responses = np.full((rows, response_length), self.pad_token_id, dtype=np.int64)
+        response_mask = np.zeros((rows, response_length), dtype=np.int64)
+        response_attention = np.zeros((rows, response_length), dtype=np.int64)
+        log_probs = np.zeros((rows, response_length), dtype=np.float32)
         for row, trajectory in enumerate(trajectories):
             prompt, length = trajectory.prompt_ids, len(trajectory.response_ids)
-            prompts[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            prompts[row, width - len(prompt):] = prompt
             prompt_mask[row, width - len(prompt):] = 1
-            responses[row, :length] = torch.tensor(trajectory.response_ids, dtype=torch.long)
-            response_mask[row, :length] = torch.tensor(trajectory.response_mask, dtype=torch.long)
+            responses[row, :length] = trajectory.response_ids
+            response_mask[row, :length] = trajectory.response_mask
             response_attention[row, :length] = 1
-            log_probs[row, :length] = torch.tensor(trajectory.rollout_log_probs, dtype=torch.float32)
+            log_probs[row, :length] = trajectory.rollout_log_probs
+        prompts, prompt_mask, responses, response_mask, response_attention, log_probs = (
+            torch.from_numpy(array) for array in (prompts, prompt_mask, responses, response_mask, response_attention, log_probs))
         attention_mask = torch.cat([prompt_mask, response_attention], dim=1)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         non_tensors = dict(repeated.non_tensor_batch)

@@ -212,11 +212,11 @@ class Trajectory:
                             f"{len(self.response_mask)}, {len(self.rollout_log_probs)}")
         if not self.prompt_ids:
             problems.append("prompt_ids is empty")
-        if any(value not in (0, 1) for value in self.response_mask):
+        if not set(self.response_mask) <= {0, 1}:
             problems.append("response_mask holds values other than 0 and 1")
-        if any(value != 0.0 for value, keep in zip(self.rollout_log_probs, self.response_mask) if not keep):
+        if 0 in self.response_mask and any(value != 0.0 for value, keep in zip(self.rollout_log_probs, self.response_mask) if not keep):
             problems.append("rollout_log_probs is not 0 where response_mask is 0")
-        if any(not math.isfinite(value) for value in self.rollout_log_probs):
+        if not all(map(math.isfinite, self.rollout_log_probs)):
             problems.append("rollout_log_probs holds a non-finite value")
         if response_length is not None and len(self.response_ids) > response_length:
             problems.append(f"{len(self.response_ids)} response tokens, more than the budget {response_length}")
