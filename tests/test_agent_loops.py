@@ -432,3 +432,84 @@ def test_env_rewards_reach_the_batch(tokenizer, renderer):
     out = manager.generate(prompts, SamplingParams(), response_length=64)
     assert out.non_tensor_batch["agent_reward"].tolist() == [1.0]
     assert agent_metrics(out)["agent/turns/mean"] == 2
+
+
+# -- data and config --------------------------------------------------------------------------------------
+
+def verl_rows():
+    return [{"data_source": "t", "prompt": [{"role": "user", "content": f"{a}*3="}],
+             "reward_model": {"ground_truth": str(3 * a)}, "agent_name": "tool_agent",
+             "extra_info": {"index": a, "tools_kwargs": {"calculator": {"create_kwargs": {"ground_truth": str(3 * a)}}}}}
+            for a in range(4)]
+
+
+def test_verl_multi_turn_rows_load_unchanged_and_run_through_the_manager(tmp_path, tokenizer, renderer):
+    from rlplat.data import RLDataset, write_parquet
+
+    path = write_parquet(verl_rows(), tmp_path / "train.parquet")
+    dataset = RLDataset([path], tokenizer, max_prompt_length=64)
+    batch = collate([dataset[i] for i in range(len(dataset))], tokenizer.pad_token_id)
+    assert list(batch.non_tensor_batch["agent_name"]) == ["tool_agent"] * 4
+    assert batch.non_tensor_batch["extra_info"][1]["tools_kwargs"]["calculator"]["create_kwargs"] == {"ground_truth": "3"}
+    manager = AgentLoopManager([ReactiveClient(tokenizer, {"now": 0, "most": 0})], tokenizer, AgentConfig(),
+                               pad_token_id=tokenizer.pad_token_id, max_prompt_length=1024,
+                               tools={"calculator": CalculatorTool()})
+    out = manager.generate(batch, SamplingParams(), response_length=128)
+    assert agent_metrics(out)["agent/turns/mean"] == 2
+    bad = [{**row, "agent_name": 5} for row in verl_rows()]
+    write_parquet(bad, tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match="bad.parquet, row 0, column 'agent_name'"):
+        RLDataset([str(tmp_path / "bad.parquet")], tokenizer, max_prompt_length=64)
+
+
+@pytest.fixture
+def chat_model(tmp_path_factory):
+    """A tiny model directory whose tokenizer has the ChatML tools template."""
+    from rlplat.testing.chat_tokenizers import save_chat_tokenizer
+    from rlplat.testing.tiny_models import tiny_causal_lm
+
+    directory = tmp_path_factory.mktemp("chat-model")
+    save_chat_tokenizer(directory, CHATML_TOOLS)
+    size = len(chat_tokenizer(CHATML_TOOLS))
+    tiny_causal_lm(vocab_size=size, pad_token_id=0, bos_token_id=None, eos_token_id=None).save_pretrained(directory)
+    return directory
+
+
+def test_agent_config_is_checked_at_load(tmp_path, chat_model):
+    from rlplat import demo
+    from rlplat.config import load_config
+    from rlplat.data import write_parquet
+
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - name: calculator\n")
+    train = write_parquet(verl_rows(), tmp_path / "train.parquet")
+    base = [f"model.path={chat_model}", f"data.train_files=[{train}]", "data.train_batch_size=4",
+            "actor.ppo_mini_batch_size=4", "cluster.backend=local"]
+    config = load_config(None, base + [f"agent.tools_config={tools}", "agent.max_prompt_length=1024"])
+    assert config.agent.tools_config == str(tools)
+    cases = {
+        "the tool agent loop offers the tools of agent.tools_config": base,
+        "unknown config key 'agent.loops.tool.max_turn'. Did you mean 'agent.loops.tool.max_turns'": base + [f"agent.tools_config={tools}", "agent.loops.tool.max_turn=3"],
+        "unknown agent_loop 'tools'": base + [f"agent.tools_config={tools}", "agent.loop=tools"],
+        "the env agent loop needs an environment": base + [f"agent.tools_config={tools}", "agent.loop=env"],
+        "unknown tool_parser 'hermez'": base + [f"agent.tools_config={tools}", "agent.tool_parser=hermez"],
+        "unknown config key 'agent.environment_config.feedbak'": base + [f"agent.tools_config={tools}", "agent.environment=retry",
+                                               "agent.environment_config.feedbak=no"],
+        "agent.environment_config is set but agent.environment is not": base + [f"agent.tools_config={tools}",
+                                                                               "agent.environment_config.feedback=no"],
+        "max_concurrency must be >= 1": base + [f"agent.tools_config={tools}", "agent.max_concurrency=0"],
+    }
+    for message, overrides in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(None, overrides)
+    no_template = [f"model.path={demo.model_dir()}", f"data.train_files=[{demo.train_file()}]", "agent.loop=env",
+                   "agent.environment=retry", "cluster.backend=local"]
+    with pytest.raises(ConfigError, match="has none .only the single_turn loop works without one"):
+        load_config(None, no_template)
+    assert load_config(None, no_template[:2] + ["agent.loop=single_turn", "cluster.backend=local"]).agent.loop == "single_turn"
+    unknown = tmp_path / "unknown.parquet"
+    rows = verl_rows()
+    rows[0]["agent_name"] = "browser"
+    write_parquet(rows, unknown)
+    with pytest.raises(ConfigError, match="the agent_name 'browser' in data.train_files: unknown agent_loop 'browser'"):
+        load_config(None, base[:1] + [f"data.train_files=[{unknown}]", f"agent.tools_config={tools}"] + base[2:])
