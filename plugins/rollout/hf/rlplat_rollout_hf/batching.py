@@ -6,12 +6,14 @@ through ``loop.call_soon_threadsafe`` (those of one step and one loop in one cal
 any number of event loops and threads. One worker thread (started when requests are queued, gone when
 none are left) keeps a :class:`RunningBatch`: at every step boundary it admits the queued requests whose
 sampling settings match the batch's (prefilled together, their KV cache merged into the batch's),
-samples one token for every row, hands finished rows their result and drops them, and runs the next
+samples one token for every row (the seeded rows from their own streams, in one batched draw: see
+:mod:`rlplat_rollout_hf.sampling`), hands finished rows their result and drops them, and runs the next
 decoding step for the others.
 
 Rows are left padded: each row's real tokens end at the last cache column, positions count real tokens
 from 0, and the attention mask hides the padding, so a row's tokens do not depend on what else is in
-the batch (up to float rounding of differently shaped matrix products).
+the batch (up to float rounding of differently shaped matrix products); a seeded row's random numbers
+depend on its seed and the index of the token it draws only, so its tokens do not either.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, Optional, Union
 import torch
 
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
-from rlplat_rollout_hf.sampling import choose_per_row
+from rlplat_rollout_hf.sampling import choose_per_row, stream_keys
 
 if TYPE_CHECKING:
     from rlplat_rollout_hf.rollout import HFRollout
@@ -47,13 +49,17 @@ class TokenRequest:
     prompt_ids: list[int]
     sampling: SamplingParams
     stop_token_ids: frozenset[int]
-    generator: Optional[torch.Generator]
-    """The row's own random stream (seeded with ``sampling.seed``); None draws from the engine's."""
     waiter: Optional[asyncio.Future] = None
     """The caller's future, of ``loop``; None for a row driven directly (:class:`RunningBatch` alone)."""
     loop: Optional[asyncio.AbstractEventLoop] = None
     token_ids: list[int] = dataclasses.field(default_factory=list)
     log_probs: list[float] = dataclasses.field(default_factory=list)
+    stream_key: Optional[int] = dataclasses.field(init=False)
+    """Key of the row's own random stream (row 0 of ``sampling.seed``, :func:`stream_keys`); None draws
+    from the engine's generator."""
+
+    def __post_init__(self) -> None:
+        self.stream_key = None if self.sampling.seed is None else int(stream_keys(self.sampling.seed, [0])[0])
 
     @property
     def key(self) -> tuple:
@@ -147,7 +153,8 @@ class RunningBatch:
         """Sample one token per row, drop the rows that ended (returned, in row order) and run the
         decoding step of the others."""
         sampling = self.rows[0].sampling
-        tokens, log_probs = choose_per_row(self.logits, sampling, [row.generator for row in self.rows], shared_generator)
+        tokens, log_probs = choose_per_row(self.logits, sampling, [row.stream_key for row in self.rows],
+                                           [len(row.token_ids) for row in self.rows], shared_generator)
         kept, finished = [], []
         for index, (row, token, log_prob) in enumerate(zip(self.rows, tokens.tolist(), log_probs.tolist())):
             row.token_ids.append(token)

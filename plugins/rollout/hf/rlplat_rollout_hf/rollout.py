@@ -15,7 +15,7 @@ from rlplat.rollout_batch import check_single_request
 from rlplat.config_node import read_config_node
 from rlplat_rollout_hf.batching import TokenBatcher, TokenRequest
 from rlplat_rollout_hf.config import HFRolloutConfig
-from rlplat_rollout_hf.sampling import choose
+from rlplat_rollout_hf.sampling import choose, choose_per_row, stream_keys
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
@@ -65,12 +65,14 @@ def holding_model_lock(method):
 class HFRollout(RolloutEngine):
     """See the :class:`~rlplat.contracts.rollout.RolloutEngine` contract for the keys it reads and writes.
 
-    ``generate`` samples in slices of ``max_batch_rows`` rows; each call draws from its own generator
-    seeded with ``sampling.seed`` (or from the engine's generator, seeded once with ``config.seed``), so
-    the same seed, weights and prompts give the same samples. Concurrent ``generate_tokens`` calls are
-    batched continuously (up to ``max_batch_rows`` rows): a request with a seed draws from its own
-    generator, so it samples what it would alone; weight changes (``update_weights``, ``sleep``, ...)
-    wait for the decoding step in progress.
+    ``generate`` samples in slices of ``max_batch_rows`` rows. With ``sampling.seed`` row ``r`` of the
+    ``n``-repeated batch draws from its own stream, keyed by the seed and ``r``
+    (:mod:`rlplat_rollout_hf.sampling`), so the same seed, weights and prompts give the same samples, on
+    this engine or another; without, every row draws from the engine's generator, seeded once with
+    ``config.seed``. Concurrent ``generate_tokens`` calls are batched continuously (up to
+    ``max_batch_rows`` rows): a request with a seed draws from the stream of row 0 of its seed, so it
+    samples what it would alone and what ``generate`` samples for its prompt alone; weight changes
+    (``update_weights``, ``sleep``, ...) wait for the decoding step in progress.
     """
 
     def __init__(self, config: Any = None, **_: Any):
@@ -103,12 +105,14 @@ class HFRollout(RolloutEngine):
         if missing:
             raise KeyError(f"hf rollout: prompts lack {missing}; it needs left-padded {list(PROMPT_KEYS)}")
         repeated = prompts.repeat(sampling.n, interleave=True) if sampling.n > 1 else prompts
-        generator = self.generator_for(sampling)
+        keys = None if sampling.seed is None else stream_keys(sampling.seed, range(len(repeated))).tolist()
         inputs = {key: repeated.batch[key].to(self.device) for key in PROMPT_KEYS}
         parts = []
         for start in range(0, len(repeated), self.config.max_batch_rows):
-            window = {key: value[start : start + self.config.max_batch_rows] for key, value in inputs.items()}
-            parts.append(self.sample(window["input_ids"], window["attention_mask"], window["position_ids"], sampling, generator))
+            end = start + self.config.max_batch_rows
+            window = {key: value[start:end] for key, value in inputs.items()}
+            parts.append(self.sample(window["input_ids"], window["attention_mask"], window["position_ids"], sampling,
+                                     None if keys is None else keys[start:end]))
         responses = torch.cat([p[0] for p in parts]) if parts else torch.zeros(0, sampling.max_new_tokens, dtype=torch.long)
         log_probs = torch.cat([p[1] for p in parts]) if parts else torch.zeros(0, sampling.max_new_tokens)
         response_mask = torch.cat([p[2] for p in parts]) if parts else torch.zeros(0, sampling.max_new_tokens, dtype=torch.long)
@@ -130,15 +134,11 @@ class HFRollout(RolloutEngine):
         )
         return output
 
-    def generator_for(self, sampling: SamplingParams) -> torch.Generator:
-        if sampling.seed is None:
-            return self.generator
-        return torch.Generator(self.device).manual_seed(sampling.seed)
-
     @torch.no_grad()
-    def sample(self, input_ids, attention_mask, position_ids, sampling: SamplingParams, generator):
-        """Token-by-token sampling with the KV cache; returns responses, log-probs and the response mask
-        ([B, max_new_tokens] each), the mask 1 up to and including the first stop token."""
+    def sample(self, input_ids, attention_mask, position_ids, sampling: SamplingParams, keys):
+        """Token-by-token sampling with the KV cache, row ``i`` from the stream ``keys[i]``, or every row
+        from the engine's generator when ``keys`` is None; returns responses, log-probs and the response
+        mask ([B, max_new_tokens] each), the mask 1 up to and including the first stop token."""
         from transformers import DynamicCache
 
         rows, length = input_ids.shape[0], sampling.max_new_tokens
@@ -152,7 +152,10 @@ class HFRollout(RolloutEngine):
         output = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True)
         positions = position_ids[:, -1:]
         for step in range(length):
-            tokens, token_log_probs = choose(output.logits[:, -1, :], sampling, generator)
+            if keys is None:
+                tokens, token_log_probs = choose(output.logits[:, -1, :], sampling, self.generator)
+            else:
+                tokens, token_log_probs = choose_per_row(output.logits[:, -1, :], sampling, keys, [step] * rows, self.generator)
             active = ~finished
             responses[:, step] = torch.where(active, tokens, responses[:, step])
             log_probs[:, step] = torch.where(active, token_log_probs, log_probs[:, step])
@@ -168,15 +171,14 @@ class HFRollout(RolloutEngine):
     async def generate_tokens(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> TokenOutput:
         """One sample for ``prompt_ids``; concurrent calls (from any event loop or thread) share forward
         passes (:mod:`rlplat_rollout_hf.batching`). With ``sampling.seed`` the tokens do not depend on
-        the other requests batched with this one."""
+        the other requests batched with this one: they are those of ``generate`` for this prompt alone."""
         check_single_request(prompt_ids, sampling)
         prompt_ids = self.checked_prompt(prompt_ids)
         self.check_ready()
-        generator = None if sampling.seed is None else torch.Generator(self.device).manual_seed(sampling.seed)
         stops = frozenset(self.eos_token_ids).union(sampling.stop_token_ids)
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
-        self.batcher.submit(TokenRequest(prompt_ids, sampling, stops, generator, waiter, loop))
+        self.batcher.submit(TokenRequest(prompt_ids, sampling, stops, waiter, loop))
         # the worker starts after every task ready in this event-loop iteration has queued its request
         loop.call_soon(self.batcher.start)
         return await waiter

@@ -1,10 +1,12 @@
 """Concurrent ``generate_tokens`` calls of the hf rollout share forward passes: what a request gets does
 not depend on what it was batched with (greedy: the same tokens as ``generate``; seeded: the same draws
-as alone), rows join and leave a running batch, and errors reach every waiting caller."""
+as alone, in any admission order, on any engine with the same weights), rows join and leave a running
+batch, and errors reach every waiting caller."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import pickle
 import threading
 
@@ -83,6 +85,21 @@ def test_a_seeded_request_draws_the_same_tokens_alone_and_among_others(engine):
     assert by_itself.token_ids == tokens and by_itself.log_probs == pytest.approx(log_probs, abs=1e-5)
 
 
+def test_seeded_requests_draw_the_same_tokens_in_any_admission_order_and_on_another_engine(model_dir):
+    # what an exact resume needs: a new engine (another generator seed) with the same weights redraws them
+    first, second = HFRollout({"model_path": model_dir, "seed": 1}), HFRollout({"model_path": model_dir, "seed": 2})
+    requests = [(prompt, SamplingParams(max_new_tokens=8, temperature=1.2, top_p=0.95, seed=1_000 + row))
+                for row, prompt in enumerate(PROMPTS)]
+    in_order = concurrently(first, requests)
+    reversed_on_another_engine = concurrently(second, requests[::-1])[::-1]
+    for output, again in zip(in_order, reversed_on_another_engine):
+        assert again.token_ids == output.token_ids
+        assert again.log_probs == pytest.approx(output.log_probs, abs=1e-5)
+    # and the seeds matter: the same prompt with other seeds draws other responses
+    same_prompt = concurrently(first, [(PROMPTS[0], SamplingParams(max_new_tokens=8, temperature=1.2, seed=seed)) for seed in range(6)])
+    assert len({tuple(output.token_ids) for output in same_prompt}) > 1
+
+
 def test_requests_without_a_seed_draw_from_the_engine_generator(model_dir):
     sampling = SamplingParams(max_new_tokens=6)
     first, second = HFRollout({"model_path": model_dir, "seed": 5}), HFRollout({"model_path": model_dir, "seed": 5})
@@ -90,8 +107,10 @@ def test_requests_without_a_seed_draw_from_the_engine_generator(model_dir):
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=6, temperature=0.7), SamplingParams(max_new_tokens=6, top_k=4, top_p=0.8)])
-def test_log_probs_are_those_of_the_filtered_distribution_under_a_full_forward(engine, sampling):
-    outputs = concurrently(engine, [(prompt, sampling) for prompt in PROMPTS])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_log_probs_are_those_of_the_filtered_distribution_under_a_full_forward(engine, sampling, seeded):
+    outputs = concurrently(engine, [(prompt, dataclasses.replace(sampling, seed=row if seeded else None))
+                                    for row, prompt in enumerate(PROMPTS)])
     for prompt, output in zip(PROMPTS, outputs):
         sequence = torch.tensor([prompt + output.token_ids])
         with torch.no_grad():
@@ -118,7 +137,7 @@ def test_greedy_and_sampled_requests_in_flight_together_each_get_their_own_setti
 def test_requests_with_other_settings_first_in_line_stop_new_rows_joining_until_the_batch_drains(model_dir):
     engine = HFRollout({"model_path": model_dir, "max_batch_rows": 3})
     greedy, sampled = SamplingParams(greedy=True), SamplingParams(temperature=0.5)
-    requests = [TokenRequest([1], sampling, frozenset(), None) for sampling in (greedy, sampled, greedy, greedy, greedy)]
+    requests = [TokenRequest([1], sampling, frozenset()) for sampling in (greedy, sampled, greedy, greedy, greedy)]
     running = RunningBatch(engine.model, engine.device, 0, ("greedy",))
     running.rows = [requests[0]]
     engine.batcher.pending.extend(requests[1:])
@@ -153,8 +172,7 @@ class TestRunningBatch:
 
     @staticmethod
     def request(engine, prompt, sampling):
-        generator = None if sampling.seed is None else torch.Generator().manual_seed(sampling.seed)
-        return TokenRequest(prompt, sampling, frozenset(engine.eos_token_ids), generator)
+        return TokenRequest(prompt, sampling, frozenset(engine.eos_token_ids))
 
     def test_rows_joining_after_some_steps_decode_as_they_would_alone(self, engine):
         # the first row has 5 + 3 cached tokens when the others join: a 9-token prompt widens the cache
