@@ -11,7 +11,8 @@ tokens; the table reports the tokens each side sampled, and tokens/s counts samp
 - ``generate``: one ``rollout.generate`` of the 256 left-padded prompts (the trainer's path);
 - ``generate_tokens``: 256 ``rollout.generate_tokens`` calls at once through ``asyncio.gather`` (an agent
   loop's path: the engine batches them continuously);
-- ``generate_tokens, seeded``: the same, each call with its own ``sampling.seed`` (a generator per row);
+- ``generate_tokens, seeded``: the same, each call with its own ``sampling.seed`` (what training runs do: each
+  row draws from its own counter-based stream, all seeded rows of a step in one batched draw);
 - ``agent loops``: the 256 prompts as one batch through ``AgentLoopManager`` with the ``single_turn`` loop
   (one conversation per prompt, what a run with ``agent.loop=single_turn`` does in each worker);
 - ``batch of one each``: what ``generate_tokens`` did before it batched: each call a ``generate`` of one
