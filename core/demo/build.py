@@ -1,4 +1,7 @@
-"""Build the demo's assets: ``python -m rlplat.demo.build [--out DIR] [--seed 0] [--threshold 0.35]``.
+"""Build the demo's assets: ``python -m rlplat.demo.build [--only all|arith|tools] [--out DIR] [--seed 0] [--threshold 0.35]``.
+
+``--only arith`` builds the arithmetic demo (below) into ``DIR``; ``--only tools`` builds the tool demo
+(:mod:`rlplat.demo.tools`) into ``DIR/tools``; ``all``, the default, builds both.
 
 1. The task: every ``a+b=`` with ``a, b`` in 10..99 (8100 pairs), shuffled under the seed; the first 200
    are the validation split, the other 7900 the training split. Written with :func:`rlplat.data.write_parquet`
@@ -184,19 +187,32 @@ def build(out: Path, *, seed: int = 0, threshold: float = 0.35, eval_every: int 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlplat.demo.build", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=("all", "arith", "tools"), default="all",
+                        help="which demo's assets to build: the arithmetic demo's, the tool demo's (into OUT/tools), or both")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "assets",
                         help="where to write model/, data/ and build_info.json (default: the package's assets)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the split, the initialisation and the batches")
     parser.add_argument("--threshold", type=float, default=0.35,
-                        help="stop the warm start at the first evaluation with greedy validation accuracy at or above this")
-    parser.add_argument("--eval-every", type=int, default=20, help="supervised steps between evaluations")
-    parser.add_argument("--max-steps", type=int, default=2000, help="give up after this many supervised steps")
+                        help="arithmetic demo: stop the warm start at the first evaluation with greedy validation accuracy at or above this")
+    parser.add_argument("--eval-every", type=int, default=20, help="arithmetic demo: supervised steps between evaluations")
+    parser.add_argument("--max-steps", type=int, default=2000, help="arithmetic demo: give up after this many supervised steps")
     args = parser.parse_args(argv)
-    info = build(args.out, seed=args.seed, threshold=args.threshold, eval_every=args.eval_every,
-                 max_steps=args.max_steps)
-    total = sum(info["bytes"].values())
-    print(f"wrote {args.out}: {info['warm_start']['steps']} supervised steps, validation accuracy "
-          f"{info['val_accuracy']:.3f}, {total / 1e6:.2f} MB, {info['build_seconds']} s")
+    if args.only in ("all", "arith"):
+        info = build(args.out, seed=args.seed, threshold=args.threshold, eval_every=args.eval_every,
+                     max_steps=args.max_steps)
+        total = sum(info["bytes"].values())
+        print(f"wrote {args.out}: {info['warm_start']['steps']} supervised steps, validation accuracy "
+              f"{info['val_accuracy']:.3f}, {total / 1e6:.2f} MB, {info['build_seconds']} s")
+    if args.only in ("all", "tools"):
+        from rlplat.demo import tools
+
+        info = tools.build(args.out / "tools", seed=args.seed)
+        total = sum(info["bytes"].values())
+        state = info["start_state"]
+        print(f"wrote {args.out / 'tools'}: {info['warm_start']['steps']} supervised steps; multiplication: greedy "
+              f"accuracy {state['multiply/greedy_accuracy']:.3f}, tool calls in {state['multiply/sampled_tool_call_rate']:.3f} "
+              f"of samples; addition: greedy accuracy {state['add/greedy_accuracy']:.3f}; {total / 1e6:.2f} MB, "
+              f"{info['build_seconds']} s")
     return 0
 
 
