@@ -1,4 +1,4 @@
-# make setup | make demo | make test | make test-fast | make test-gpu | make bench | make test-vllm | make test-sglang
+# make setup | make demo | make demo-tools | make test | make test-fast | make test-gpu | make bench | make test-vllm | make test-sglang
 # Every target creates .venv (idempotently) and installs what it needs; nothing is assumed installed.
 
 PYTHON ?= python3
@@ -17,7 +17,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-fast test-gpu bench clean test-vllm test-sglang test-vllm-gpu test-sglang-gpu gpu-check-vllm gpu-check-sglang test-verl-compat
+.PHONY: setup demo demo-tools test test-fast test-gpu bench clean test-vllm test-sglang test-vllm-gpu test-sglang-gpu gpu-check-vllm gpu-check-sglang test-verl-compat
 
 setup: $(STAMP)
 
@@ -30,6 +30,15 @@ $(STAMP): pyproject.toml constraints.txt constraints/common.txt Makefile $(addsu
 demo: setup
 	$(VENV)/bin/rlplat run trainer.output_dir=runs/demo trainer.resume=disable
 	$(VENV)/bin/rlplat plot runs/demo
+
+# The tool demo: GRPO through the tool agent loop teaches the tiny model to call its calculator; then the
+# env loop (up to 3 attempts with "wrong, try again") against its single-attempt baseline.
+demo-tools: setup
+	$(VENV)/bin/rlplat run --demo tools trainer.resume=disable
+	$(VENV)/bin/rlplat plot runs/demo-tools
+	$(VENV)/bin/rlplat run --demo retry trainer.resume=disable
+	$(VENV)/bin/rlplat run --demo retry-single trainer.resume=disable
+	$(VENV)/bin/python -m rlplat.demo.compare runs/demo-tools runs/demo-retry runs/demo-retry-single
 
 test: setup
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)

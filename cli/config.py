@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from rlplat.cli.command_line import ALGO, CONFIG, ENGINE, OVERRIDES, ROLLOUT, resolved_config
+from rlplat.cli.command_line import ALGO, CONFIG, DEMO, ENGINE, OVERRIDES, ROLLOUT, resolved_config
 
 app = typer.Typer(help="Inspect the resolved run config and what its keys mean.", no_args_is_help=True)
 
@@ -19,6 +19,7 @@ def show(
     engine: Optional[str] = ENGINE,
     rollout: Optional[str] = ROLLOUT,
     config: Optional[str] = CONFIG,
+    demo: Optional[str] = DEMO,
     no_validate: bool = typer.Option(False, "--no-validate", help="Print without checking paths and plugins."),
     doc: bool = typer.Option(False, "--doc", help="Print every key with its type, default, owner and description instead."),
 ) -> None:
@@ -26,7 +27,7 @@ def show(
     uses it); a config error is printed in one paragraph (exit code 2)."""
     from rlplat.config import to_yaml
 
-    resolved = resolved_config(config, overrides, algo=algo, engine=engine, rollout=rollout, validate=not no_validate or doc)
+    resolved = resolved_config(config, overrides, algo=algo, engine=engine, rollout=rollout, demo=demo, validate=not no_validate or doc)
     if doc:
         from rlplat.config_explain import explain, render
 
@@ -43,6 +44,7 @@ def explain_keys(
     engine: Optional[str] = ENGINE,
     rollout: Optional[str] = ROLLOUT,
     config: Optional[str] = CONFIG,
+    demo: Optional[str] = DEMO,
 ) -> None:
     """Print a key (or every key under a node) with its type, default, value in this config, owner (core
     or the plugin that declares it) and description; the chosen plugins decide what their nodes hold."""

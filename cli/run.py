@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from rlplat.cli.command_line import ALGO, CONFIG, ENGINE, OVERRIDES, ROLLOUT, resolved_config
+from rlplat.cli.command_line import ALGO, CONFIG, DEMO, ENGINE, OVERRIDES, ROLLOUT, resolved_config
 
 DEMO_HELP = (
     "Without model.path or --config it trains the built-in demo: GRPO with the fsdp2 engine on 2 CPU "
@@ -30,10 +30,11 @@ def run(
     engine: Optional[str] = ENGINE,
     rollout: Optional[str] = ROLLOUT,
     config: Optional[str] = CONFIG,
+    demo: Optional[str] = DEMO,
 ) -> None:
     """Train with the chosen algorithm, engine and rollout; the run directory holds the resolved config,
     metrics (JSONL, TensorBoard) and checkpoints."""
-    resolved = resolved_config(config, overrides, algo=algo, engine=engine, rollout=rollout,
+    resolved = resolved_config(config, overrides, algo=algo, engine=engine, rollout=rollout, demo=demo,
                                demo_note="training the built-in demo")
     from rlplat.trainer import Trainer
 

@@ -48,6 +48,8 @@ def register_roles(register):
 def register_reward_scorers(register):
     register("exact_match", "rlplat.scorers:exact_match",
              description="1 when the response equals the ground truth (whitespace stripped), else 0; the default.")
+    register("tool_demo", "rlplat.demo.tools:score", metadata={"data_sources": ["arith_tools", "arith_chat"]},
+             description="the tool demo's tasks: the answer after the last tool response or feedback equals the ground truth.")
 
 
 @hookimpl

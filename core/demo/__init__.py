@@ -62,6 +62,47 @@ def overrides() -> list[str]:
     ]
 
 
+PRESETS = {
+    "arith": "GRPO on a+b= with the 0.53M-parameter arithmetic model (the default)",
+    "tools": "GRPO through the tool agent loop: a*b= with a calculator the model learns to call",
+    "retry": "GRPO through the env agent loop: a+b= with up to 3 attempts, 'wrong, try again' after a wrong one",
+    "retry-single": "the retry demo's task, model and steps with one attempt (its single-turn baseline)",
+}
+"""The built-in demos ``rlplat run --demo NAME`` trains (``make demo``, ``make demo-tools``)."""
+
+
+def preset(name: str) -> list[str]:
+    """The dotted overrides of the demo ``name`` (one of :data:`PRESETS`)."""
+    if name == "arith":
+        return overrides()
+    if name not in PRESETS:
+        raise ValueError(f"unknown demo {name!r}; the demos are {', '.join(PRESETS)}")
+    from rlplat.demo import tools
+
+    common = [
+        f"model.path={tools.model_dir()}", "cluster.backend=local", "algorithm.name=grpo",
+        "actor.optim.weight_decay=0.0", "actor.loss.use_kl_loss=false", "actor.loss.loss_agg_mode=token-mean",
+        "rollout.temperature=1.0", "rollout.n=8", "rollout.response_length=40", "data.train_batch_size=16",
+        "data.max_prompt_length=16", "agent.max_prompt_length=32", "actor.ppo_mini_batch_size=16",
+        "actor.micro_batch_size_per_gpu=128", "trainer.total_training_steps=20", "trainer.test_freq=5",
+        "trainer.save_freq=0",
+        # conversations of many lengths: padded micro-batches beat one attention call per length group here
+        "actor.engine_config.use_remove_padding=false",
+    ]
+    if name == "tools":
+        return common + [
+            f"data.train_files=[{tools.data_file('train')}]", f"data.val_files=[{tools.data_file('val')}]",
+            f"agent.tools_config={tools.tools_config_file()}", "agent.loops.tool.max_turns=2",
+            "actor.optim.lr=5e-4", "trainer.output_dir=runs/demo-tools",
+        ]
+    attempts = 3 if name == "retry" else 1
+    return common + [
+        f"data.train_files=[{tools.data_file('env_train')}]", f"data.val_files=[{tools.data_file('env_val')}]",
+        "agent.loop=env", "agent.environment=retry", f"agent.loops.env.max_turns={attempts}",
+        "actor.optim.lr=2e-5", f"trainer.output_dir=runs/demo-{name}",
+    ]
+
+
 def _existing(path: Path, what: str) -> Path:
     if not path.exists():
         raise DemoAssetsMissing(
