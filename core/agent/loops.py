@@ -55,11 +55,25 @@ def next_turn_ids(context: AgentContext, output: Any, messages: list[dict], tool
     return closing + context.renderer.delta_ids(messages, tools=tools)
 
 
+class ConfiguredLoop(AgentLoop):
+    """A loop whose node (``agent.loops.<name>``) is read with its own schema when it is built."""
+
+    schema: type = AgentLoopConfig
+    key = "agent.loops"
+
+    def __init__(self, config: Any = None):
+        from rlplat.config_node import read_config_node
+
+        super().__init__(read_config_node(config, self.schema, self.key))
+
+
 # -- single turn ---------------------------------------------------------------------------------------
 
-class SingleTurnLoop(AgentLoop):
+class SingleTurnLoop(ConfiguredLoop):
     """One model turn after the row's prompt as the data loader tokenised it: the distribution of
     :meth:`RolloutEngine.generate`, one request per row."""
+
+    key = "agent.loops.single_turn"
 
     async def run(self, row: Mapping[str, Any], client: TokenClient, context: AgentContext) -> Trajectory:
         builder = TrajectoryBuilder(context.prompt_ids, context.response_length)
@@ -121,17 +135,14 @@ def truncate(text: str, limit: int, side: str) -> str:
     return text[:head] + marker + text[len(text) - (keep - head):]
 
 
-class ToolLoop(AgentLoop):
+class ToolLoop(ConfiguredLoop):
     """Model turns with tool calls: each turn is parsed (``agent.tool_parser``); its calls run
     concurrently, each under ``tool_timeout_s``; their results are appended as ``tool`` messages
     through the chat template; the conversation ends at a turn without calls, at ``max_turns``, or
     when the budget runs out. A malformed call, an unknown tool, a tool error or a timeout is told to
     the model as that call's result and counted."""
 
-    def __init__(self, config: Any = None):
-        from rlplat.config_node import read_config_node
-
-        super().__init__(read_config_node(config, ToolLoopConfig, "agent.loops.tool"))
+    schema, key = ToolLoopConfig, "agent.loops.tool"
 
     async def run(self, row: Mapping[str, Any], client: TokenClient, context: AgentContext) -> Trajectory:
         if context.parser is None:
@@ -236,16 +247,13 @@ class EnvLoopConfig(AgentLoopConfig):
     """Most tokens of one model turn (None: what is left of ``rollout.response_length``)."""
 
 
-class EnvLoop(AgentLoop):
+class EnvLoop(ConfiguredLoop):
     """Model turns against an :class:`~rlplat.contracts.agent.Environment` (``agent.environment``):
     each turn's text goes to ``step``; its observation is appended as a message through the chat
     template until the environment says done, ``max_turns`` is reached, or the budget runs out. The
     trajectory's reward is the sum of the steps' rewards."""
 
-    def __init__(self, config: Any = None):
-        from rlplat.config_node import read_config_node
-
-        super().__init__(read_config_node(config, EnvLoopConfig, "agent.loops.env"))
+    schema, key = EnvLoopConfig, "agent.loops.env"
 
     async def run(self, row: Mapping[str, Any], client: TokenClient, context: AgentContext) -> Trajectory:
         if context.environment is None:

@@ -15,23 +15,12 @@ import torch
 
 from rlplat.contracts.rollout import SamplingParams
 from rlplat.testing import left_padded_prompts
-from rlplat.testing.tiny_models import save_tiny_model
 from rlplat_rollout_hf.batching import RunningBatch, TokenRequest
 from rlplat_rollout_hf.rollout import HFRollout
 from rlplat_rollout_hf.sampling import filtered_logits
 
 # lengths 7, 5, 3, 9, 1, 4: the batch's left padding differs from each row's own
 PROMPTS = [[1, 5, 6, 14, 7, 8, 15], [1, 9, 14, 10, 15], [1, 4, 15], [1, 5, 6, 7, 14, 8, 9, 4, 15], [1], [1, 13, 12, 15]]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), seed=0)
-
-
-@pytest.fixture
-def engine(model_dir):
-    return HFRollout({"model_path": model_dir})
 
 
 def concurrently(engine, requests):

@@ -8,19 +8,8 @@ import torch
 from rlplat.contracts.rollout import SamplingParams
 from rlplat.testing import RolloutEngineConformance, TinyModelRolloutFixtures, left_padded_prompts
 from rlplat.testing.rollouts import TINY_MODEL_PROMPTS as PROMPTS
-from rlplat.testing.tiny_models import save_tiny_model
 from rlplat_rollout_hf.rollout import HFRollout
 from rlplat_rollout_hf.sampling import choose, filtered_logits
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), seed=0)
-
-
-@pytest.fixture
-def engine(model_dir):
-    return HFRollout({"model_path": model_dir})
 
 
 class TestHFRolloutConformance(TinyModelRolloutFixtures, RolloutEngineConformance):
