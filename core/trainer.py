@@ -260,6 +260,7 @@ class Trainer:
         groups (DAPO) gets more prompts until its accumulator is full."""
         accumulator = self.algorithm.make_accumulator(self.config.data.train_batch_size)
         attempt = 0
+        reward_metrics: list[dict[str, float]] = []  # per generation: kept out of meta_info, whose keys must agree to concat
         while True:
             prompts = self.train_loader.next_batch()
             prompts = prompts.with_meta_info({**prompts.meta_info, "seed": seed + 7919 * attempt})
@@ -272,12 +273,13 @@ class Trainer:
             for key, values in scored.non_tensor_batch.items():
                 if key not in batch.non_tensor_batch:
                     batch.non_tensor_batch[key] = values
-            batch.meta_info["reward_metrics"] = scored.meta_info.get("reward_metrics", {})
+            reward_metrics.append(scored.meta_info.get("reward_metrics", {}))
             batch = self.algorithm.filter_batch(batch)
-            if accumulator is None:
-                return batch
-            full = accumulator.add(batch)
+            full = batch if accumulator is None else accumulator.add(batch)
             if full is not None:
+                names = {name for metrics in reward_metrics for name in metrics}
+                full.meta_info["reward_metrics"] = {  # the mean over this step's generations
+                    name: float(np.mean([metrics[name] for metrics in reward_metrics if name in metrics])) for name in names}
                 return full
             attempt += 1
 
