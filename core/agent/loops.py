@@ -55,6 +55,16 @@ def next_turn_ids(context: AgentContext, output: Any, messages: list[dict], tool
     return closing + context.renderer.delta_ids(messages, tools=tools)
 
 
+async def model_turn(client: TokenClient, context: AgentContext, builder: TrajectoryBuilder, turn: int,
+                     per_turn: int | None) -> Any:
+    """The model's next turn, appended to ``builder``; None (nothing asked) when the budget is spent."""
+    if builder.remaining <= 0:
+        return None
+    output = await client.generate(builder.ids, turn_sampling(context, builder, turn, per_turn))
+    builder.add_model(output)
+    return output
+
+
 class ConfiguredLoop(AgentLoop):
     """A loop whose node (``agent.loops.<name>``) is read with its own schema when it is built."""
 
@@ -159,11 +169,10 @@ class ToolLoop(ConfiguredLoop):
         finish, turns = "stop", 0
         try:
             for turn in range(config.max_turns):
-                if builder.remaining <= 0:
+                output = await model_turn(client, context, builder, turn, config.max_tokens_per_turn)
+                if output is None:
                     finish = "length"
                     break
-                output = await client.generate(builder.ids, turn_sampling(context, builder, turn, config.max_tokens_per_turn))
-                builder.add_model(output)
                 turns += 1
                 counts["model_tokens"] += len(output.token_ids)
                 metrics = {"model_tokens": float(len(output.token_ids)), "tool_calls": 0.0}
@@ -268,11 +277,10 @@ class EnvLoop(ConfiguredLoop):
             prompt_ids = context.renderer.prompt_ids(first) if first is not None else list(context.prompt_ids)
             builder = TrajectoryBuilder(prompt_ids, context.response_length)
             for turn in range(config.max_turns):
-                if builder.remaining <= 0:
+                output = await model_turn(client, context, builder, turn, config.max_tokens_per_turn)
+                if output is None:
                     finish = "length"
                     break
-                output = await client.generate(builder.ids, turn_sampling(context, builder, turn, config.max_tokens_per_turn))
-                builder.add_model(output)
                 turns += 1
                 counts["model_tokens"] += len(output.token_ids)
                 step = await environment.step(turn_text(context, output.token_ids))
