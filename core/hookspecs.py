@@ -180,3 +180,12 @@ def register_environments(register):
     and returns a new :class:`rlplat.contracts.agent.Environment` per conversation. rlplat registers
     ``retry`` (the row's scorer judges each answer; a wrong one gets "wrong, try again").
     """
+
+
+@hookspec
+def register_judge_parsers(register):
+    """Register judge parsers (kind ``judge_parser``): how the ``judge`` reward manager reads the score a
+    judge model wrote. The factory takes the parser's config (``reward.config.parser_config``, read with
+    ``config_schema``) and returns a :class:`rlplat.contracts.reward.JudgeParser`;
+    ``reward.config.parser`` picks one. rlplat registers ``number``, ``tagged`` and ``yes_no``.
+    """

@@ -45,6 +45,7 @@ HOOK_OF_KIND: dict[str, str] = {
     "tool": "register_tools",
     "tool_parser": "register_tool_parsers",
     "environment": "register_environments",
+    "judge_parser": "register_judge_parsers",
 }
 KINDS: tuple[str, ...] = tuple(HOOK_OF_KIND)
 

@@ -14,6 +14,8 @@ DESIGN_KINDS = (
     "policy_loss", "algorithm", "dispatch_mode", "command", "role",
     # multi-turn rollouts (issue: agent loops with tools)
     "agent_loop", "tool", "tool_parser", "environment",
+    # reward models and judges (issue: reward models, an LLM judge, an asynchronous reward loop)
+    "judge_parser",
 )
 
 

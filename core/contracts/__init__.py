@@ -6,7 +6,7 @@ Names are resolved lazily, so ``from rlplat.contracts import TrainingEngine`` im
   ``DataParallelInfo``
 * :mod:`~rlplat.contracts.rollout`: ``RolloutEngine``, ``RolloutBuildConfig``, ``SamplingParams``,
   ``TokenOutput``
-* :mod:`~rlplat.contracts.reward`: ``RewardManager``, ``RewardScorer``, ``split_score``
+* :mod:`~rlplat.contracts.reward`: ``RewardManager``, ``RewardScorer``, ``JudgeParser``, ``split_score``
 * :mod:`~rlplat.contracts.algorithm`: ``Algorithm``, ``AlgorithmConfig``, ``KLControlConfig``,
   ``AdvantageEstimator``, ``PolicyLoss``
 * :mod:`~rlplat.contracts.role`: ``Role``, ``RoleConfig``, ``RunContext``, ``STAGES``
@@ -23,7 +23,7 @@ from rlplat.lazy_names import lazy_names
 _LAZY_NAMES: dict[str, str] = {
     **dict.fromkeys(("TrainingEngine", "EngineBuildConfig", "LossFunction", "DataParallelInfo"), "rlplat.contracts.engine"),
     **dict.fromkeys(("RolloutEngine", "RolloutBuildConfig", "SamplingParams", "TokenOutput"), "rlplat.contracts.rollout"),
-    **dict.fromkeys(("RewardManager", "RewardScorer", "split_score"), "rlplat.contracts.reward"),
+    **dict.fromkeys(("RewardManager", "RewardScorer", "JudgeParser", "split_score"), "rlplat.contracts.reward"),
     **dict.fromkeys(("Algorithm", "AlgorithmConfig", "KLControlConfig", "AdvantageEstimator", "PolicyLoss"),
                     "rlplat.contracts.algorithm"),
     **dict.fromkeys(("Role", "RoleConfig", "RunContext", "STAGES"), "rlplat.contracts.role"),

@@ -1,4 +1,5 @@
-"""Rewards: a scorer judges one response; a reward manager turns a batch into token-level scores."""
+"""Rewards: a scorer judges one response; a reward manager turns a batch into token-level scores; a
+judge parser reads the score a judge model wrote (kind ``judge_parser``, used by the ``judge`` manager)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,35 @@ class RewardManager(abc.ABC):
     @abc.abstractmethod
     def __call__(self, batch: "DataProto") -> "DataProto":
         """Score every row of ``batch``; see the class docstring for the keys."""
+
+    def bind_workers(self, groups: Mapping[str, Any]) -> None:
+        """Called once by the trainer after the run's worker groups are built, with the groups by role name
+        (``actor``, ``judge``, a plugin's role, ...). A manager that scores through a worker group (the
+        ``judge`` manager asks the ``judge`` role's rollout) keeps it here; the default needs none."""
+
+
+class JudgeParser(abc.ABC):
+    """Reads the score a judge model wrote in its answer (kind ``judge_parser``).
+
+    Built by the registered factory from its config node (``reward.config.parser_config``, read with
+    the entry's ``config_schema``; a mapping or None when the entry declares none).
+    """
+
+    def __init__(self, config: Any = None):
+        self.config = config
+
+    @abc.abstractmethod
+    def parse(self, text: str) -> float:
+        """The score written in ``text`` (the judge's answer, decoded with special tokens removed), a
+        finite float. Raises ``ValueError`` saying why when no score can be read (no number, a score out
+        of the configured range, ...): the ``judge`` manager then gives the row
+        ``reward.config.default_score`` and counts it in ``reward/judge/parse_failures``. Deterministic;
+        raises nothing else on any text a model may write."""
+
+    def score_range(self) -> tuple[float, float] | None:
+        """``(lowest, highest)`` score :meth:`parse` can return, when it is bounded (a configured range,
+        yes/no scores); None when it is not. ``reward.config.normalize`` maps this range onto [0, 1]."""
+        return None
 
 
 def split_score(result: ScoreResult, *, where: str = "scorer") -> tuple[float, dict[str, Any]]:
