@@ -62,6 +62,11 @@ class EngineBuildConfig:
     """``<role>.max_token_len_per_gpu``: the token budget of one micro-batch."""
     value_model: bool = False
     """True for the critic: a scalar value head, ``forward`` returns ``values``."""
+    reward_model: bool = False
+    """True for a reward model: a sequence-classification model with one label (Hugging Face's
+    ``AutoModelForSequenceClassification``); ``forward`` returns ``rm_scores`` [B], the head's output at
+    each row's last token with ``attention_mask`` 1, and reads only ``input_ids``, ``attention_mask`` and
+    ``position_ids`` (no ``responses``)."""
 
 
 class DataParallelInfo(NamedTuple):
@@ -120,7 +125,8 @@ class TrainingEngine(abc.ABC):
         Reads ``input_ids``, ``attention_mask``, ``position_ids`` [B, T] and ``responses`` [B, R].
         Returns a new DataProto with ``log_probs`` [B, R] (log-probabilities of the response tokens
         under logits divided by ``temperature``, exactly as the rollout samples), ``entropy`` [B, R]
-        when ``calculate_entropy``, and ``values`` [B, R] for a value model. Row order is preserved.
+        when ``calculate_entropy``, ``values`` [B, R] for a value model, and only ``rm_scores`` [B] for a
+        reward model (``EngineBuildConfig.reward_model``, which reads no ``responses``). Row order is preserved.
         Only positions inside the response mask are defined; an engine that skips padding (packing)
         returns 0 outside it.
         """

@@ -40,6 +40,10 @@ class FSDP2EngineConfig(EngineBuildConfig):
     value_model: bool = False
     """Build a critic: the transformer with a scalar value head (``AutoModelForTokenClassification``,
     one label, as verl does); ``forward`` then returns ``values`` instead of log-probs."""
+    reward_model: bool = False
+    """Build a reward model: ``AutoModelForSequenceClassification`` with one label (a causal-LM checkpoint
+    gets a fresh score head, drawn under ``seed``); ``forward`` then returns ``rm_scores`` [B], the head's
+    output at each row's last attended token, and needs no ``responses``."""
     trust_remote_code: bool = False
     """Passed to the Hugging Face ``Auto*`` loaders."""
     attn_implementation: str = "sdpa"
@@ -118,6 +122,8 @@ class FSDP2EngineConfig(EngineBuildConfig):
             problems.append("give exactly one of model_path (a local Hugging Face directory) and model_config (a config dict)")
         if self.model_config is not None and "model_type" not in self.model_config:
             problems.append("model_config needs a 'model_type' key (e.g. 'qwen2')")
+        if self.value_model and self.reward_model:
+            problems.append("value_model and reward_model are exclusive (a critic or a reward model)")
         if self.dtype not in DTYPES:
             problems.append(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
         if self.reduce_dtype not in DTYPES[1:]:

@@ -42,6 +42,7 @@ from rlplat_engine_fsdp2.micro_batches import fixed_size_partition, token_budget
 from rlplat_engine_fsdp2.schedule import WarmupSchedule
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "responses")
+REWARD_MODEL_INPUTS = ("input_ids", "attention_mask")
 
 
 class FSDP2Engine(TrainingEngine):
@@ -145,31 +146,38 @@ class FSDP2Engine(TrainingEngine):
         columns = {key: torch.cat([piece[key] for piece in pieces])[restore].cpu() for key in self.output_keys(calculate_entropy)}
         return DataProto.from_dict(columns)
 
+    def model_inputs(self) -> tuple[str, ...]:
+        return REWARD_MODEL_INPUTS if self.config.reward_model else MODEL_INPUTS
+
     def output_keys(self, calculate_entropy: bool) -> list[str]:
+        if self.config.reward_model:
+            return ["rm_scores"]
         if self.config.value_model:
             return ["values"]
         return ["log_probs", "entropy"] if calculate_entropy else ["log_probs"]
 
     def check_inputs(self, batch: DataProto, method: str, extra: tuple[str, ...] = ()) -> None:
         present = set(batch.tensor_keys())
-        missing = [key for key in (*MODEL_INPUTS, *extra) if key not in present]
+        missing = [key for key in (*self.model_inputs(), *extra) if key not in present]
         if missing:
+            reads = "input_ids and attention_mask [B, T]" if self.config.reward_model else "input_ids, attention_mask and position_ids [B, T] and responses [B, R]"
             raise KeyError(
                 f"FSDP2Engine.{method}(): the batch has no {missing} (it holds {sorted(map(str, present))}); "
-                f"{method} reads input_ids, attention_mask and position_ids [B, T] and responses [B, R]"
+                f"{method} reads {reads}"
             )
         if len(batch) == 0:
             raise ValueError(f"FSDP2Engine.{method}(): the batch has no rows")
 
     def run(self, micro_batch: DataProto, temperature: float, calculate_entropy: bool) -> modeling.ModelOutputs:
         batch = micro_batch.batch
-        inputs = {key: batch[key].to(self.device) for key in MODEL_INPUTS}
+        inputs = {key: batch[key].to(self.device) for key in self.model_inputs()}
         position_ids = batch["position_ids"] if "position_ids" in batch.keys() else modeling.position_ids_from(batch["attention_mask"])
         inputs["position_ids"] = position_ids.to(self.device)
         return modeling.run_model(
             self.module,
             inputs,
             value_model=self.config.value_model,
+            reward_model=self.config.reward_model,
             temperature=temperature,
             chunk_tokens=self.config.logprob_chunk_size,
             calculate_entropy=calculate_entropy,
@@ -452,6 +460,7 @@ class FSDP2Engine(TrainingEngine):
             "parameters": sum(parameter.numel() for parameter in self.module.parameters()),
             "world_size": self.world_size,
             "value_model": self.config.value_model,
+            "reward_model": self.config.reward_model,
             "remove_padding": self.remove_padding,
             "sharded": self.sharded,
         }

@@ -51,13 +51,51 @@ def hf_config(config: FSDP2EngineConfig) -> Any:
     if config.value_model:
         model_config.num_labels = 1
         model_config.classifier_dropout = 0.0  # as verl's critic: a value head without dropout
+    if config.reward_model:
+        trained_head = any(name.endswith("ForSequenceClassification") for name in getattr(model_config, "architectures", None) or ())
+        if trained_head and model_config.num_labels != 1:
+            raise ValueError(
+                f"reward model {config.model_path!r} is a sequence classifier with {model_config.num_labels} labels; "
+                "a reward model has one (a scalar score)"
+            )
+        model_config.num_labels = 1
+        if getattr(model_config, "pad_token_id", None) is None:
+            # Hugging Face's pooling refuses batches without a pad id; the engine reads the score by the
+            # attention mask instead, so any id serves.
+            model_config.pad_token_id = 0
     return model_config
 
 
 def model_class(config: FSDP2EngineConfig) -> Any:
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
+    if config.reward_model:
+        return AutoModelForSequenceClassification
     return AutoModelForTokenClassification if config.value_model else AutoModelForCausalLM
+
+
+def score_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The linear head of a sequence-classification model (``score`` in Llama, Qwen2, Mistral, Gemma, GPT-2)."""
+    head = getattr(model, "score", None)
+    if not isinstance(head, torch.nn.Module):
+        raise ValueError(
+            f"{type(model).__name__} has no 'score' head; the fsdp2 engine reads a reward model's per-token "
+            "scores from it (decoder models with Hugging Face's *ForSequenceClassification have one)"
+        )
+    return head
+
+
+@contextlib.contextmanager
+def per_token_scores(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Collects the score head's per-token output ``[B, T, 1]`` of the model calls made inside; Hugging
+    Face pools it at the last token that is not the pad id, which is wrong when the pad id is also the
+    EOS a response ends with, so the engine pools by the attention mask instead."""
+    captured: list[torch.Tensor] = []
+    handle = score_head(model).register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        yield captured
+    finally:
+        handle.remove()
 
 
 def build_model(config: FSDP2EngineConfig) -> torch.nn.Module:
@@ -191,13 +229,17 @@ def run_model(
     chunk_tokens: int,
     calculate_entropy: bool,
     remove_padding: bool = False,
+    reward_model: bool = False,
 ) -> ModelOutputs:
     """One forward of ``model`` on ``input_ids``, ``attention_mask``, ``position_ids`` and
     ``responses`` (``[B, R]``, the last ``R`` tokens of ``input_ids``).
 
     ``remove_padding``: run the rows as one pack of their valid tokens (:mod:`rlplat_engine_fsdp2.packing`;
     the model must have passed :func:`enable_packing`). Outputs are
-    the same ``[B, R]`` tensors, 0 at response positions that are padding."""
+    the same ``[B, R]`` tensors, 0 at response positions that are padding. A ``reward_model`` returns
+    ``rm_scores`` [B] instead (:func:`run_reward_model`)."""
+    if reward_model:
+        return run_reward_model(model, inputs, remove_padding=remove_padding)
     if remove_padding:
         return run_packed_model(model, inputs, value_model=value_model, temperature=temperature, chunk_tokens=chunk_tokens,
                                 calculate_entropy=calculate_entropy)
@@ -241,6 +283,31 @@ def run_packed_model(
     if calculate_entropy:
         outputs.compute_entropy()
     return outputs
+
+
+def run_reward_model(model: torch.nn.Module, inputs: Mapping[str, torch.Tensor], *, remove_padding: bool) -> ModelOutputs:
+    """``rm_scores`` [B] float32: the score head's output at each row's last token with ``attention_mask``
+    1 (0 for a row without one). Packed, the rows run as one row of their valid tokens."""
+    mask = inputs["attention_mask"].bool()
+    rows, width = mask.shape
+    has_tokens = mask.any(-1)
+    with quiet_value_head_view(), per_token_scores(model) as captured:
+        if remove_padding:
+            grouped = model.config._attn_implementation.startswith(packing.PACKED_ATTENTION_PREFIX)
+            no_responses = inputs["input_ids"][:, :0]  # the pack's inputs only: nothing here predicts tokens
+            packed = packing.pack(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"], no_responses,
+                                  grouped_attention=grouped)
+            with packing.packed_forward():
+                model(**packed.model_kwargs())
+            cu_seq_lens = packed.cu_seq_lens
+            last = (cu_seq_lens[1:] - 1).long()
+            picked = captured[-1][0, last, 0].float()
+        else:
+            model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"], use_cache=False)
+            last = width - 1 - mask.flip(-1).int().argmax(-1)
+            picked = captured[-1][torch.arange(rows, device=mask.device), last, 0].float()[has_tokens]
+    scores = picked.new_zeros(rows).index_put((has_tokens.nonzero().squeeze(1),), picked)
+    return ModelOutputs({"rm_scores": scores}, None, 1.0, 0)
 
 
 @contextlib.contextmanager
