@@ -130,6 +130,9 @@ class Trainer:
         self.rollout = groups.get("rollout", self.actor)
         for name, group in groups.items():
             self.placement.roles[name].start(group)
+        bind = getattr(self.reward, "bind_workers", None)  # a manager served by a worker group (the judge)
+        if bind is not None:
+            bind(groups)
 
     def sync_weights(self) -> dict[str, float]:
         """The actor's weights to the rollout: inside each process when colocated (in place where the
