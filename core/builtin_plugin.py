@@ -1,5 +1,6 @@
 """What rlplat itself registers, through the same hooks as any plugin: the dispatch modes, the worker
-roles, the default reward scorer and the ``rlplat`` commands.
+roles, the default reward scorer, the ``async`` and ``judge`` reward managers, the judge parsers and the
+``rlplat`` commands.
 
 It is loaded first by every :class:`rlplat.registry.Registry` (it cannot be disabled by the plugin
 switches, since worker groups and the CLI need it) and listed as plugin ``rlplat``.
@@ -28,7 +29,10 @@ ROLES = {
     "actor": "the policy's engine, its reference model and (colocated) its rollout",
     "rollout": "the rollout in a resource pool of its own (roles.rollout.placement=separate)",
     "critic": "the value model (PPO, or critic.enable=true)",
+    "judge": "the judge model's rollout (reward.manager=judge), colocated or in a pool of its own",
 }
+
+ROLE_TARGETS = {"judge": "rlplat.judge:role"}
 
 
 @hookimpl
@@ -40,7 +44,7 @@ def register_dispatch_modes(register):
 @hookimpl
 def register_roles(register):
     for name, description in ROLES.items():
-        register(name, f"rlplat.workers.roles:{name}", description=description,
+        register(name, ROLE_TARGETS.get(name, f"rlplat.workers.roles:{name}"), description=description,
                  config_schema="rlplat.contracts.role:RoleConfig")
 
 
@@ -50,6 +54,34 @@ def register_reward_scorers(register):
              description="1 when the response equals the ground truth (whitespace stripped), else 0; the default.")
     register("tool_demo", "rlplat.demo.tools:score", metadata={"data_sources": ["arith_tools", "arith_chat"]},
              description="the tool demo's tasks: the answer after the last tool response or feedback equals the ground truth.")
+
+
+REWARD_MANAGERS = {
+    "async": ("rlplat.reward_loop:AsyncRewardManager", "rlplat.reward_loop:RewardLoopConfig",
+              "per-sample scoring with a concurrency bound, a timeout, retries and a default score; overlaps with agent loops"),
+    "judge": ("rlplat.judge:JudgeRewardManager", "rlplat.judge:JudgeConfig",
+              "asks a judge model (the judge role's rollout) with a prompt template and parses its score"),
+}
+
+
+@hookimpl
+def register_reward_managers(register):
+    for name, (target, schema, description) in REWARD_MANAGERS.items():
+        register(name, target, config_schema=schema, description=description)
+
+
+JUDGE_PARSERS = {
+    "number": ("NumberParser", "NumberParserConfig", "the last (or first) number of the answer, optionally within [min, max]"),
+    "tagged": ("TaggedParser", "TaggedParserConfig", "the number inside <score>...</score> (or a configured pattern's group)"),
+    "yes_no": ("YesNoParser", "YesNoParserConfig", "a verdict word: yes -> 1, no -> 0 (words and scores configurable)"),
+}
+
+
+@hookimpl
+def register_judge_parsers(register):
+    for name, (parser, schema, description) in JUDGE_PARSERS.items():
+        register(name, f"rlplat.judge_parsers:{parser}", config_schema=f"rlplat.judge_parsers:{schema}",
+                 description=description)
 
 
 @hookimpl

@@ -42,6 +42,8 @@ _LAZY_NAMES = {
     "TinyModelRolloutFixtures": "rlplat.testing.rollouts",
     "left_padded_prompts": "rlplat.testing.rollouts",
     "RewardManagerConformance": "rlplat.testing.reward_managers",
+    "JudgeParserConformance": "rlplat.testing.judge_parsers",
+    "JudgeParserCase": "rlplat.testing.judge_parsers",
     "TrainingEngineConformance": "rlplat.testing.engines",
     "word_tokenizer": "rlplat.testing.reward_managers",
     "reward_batch": "rlplat.testing.reward_managers",
