@@ -378,3 +378,44 @@ def test_agent_loop_suite(pytester):
     broken = run_suite(pytester, AGENT_LOOP_SUITE, "Broken")
     broken.stdout.fnmatch_lines(["*test_trajectories_hold_exactly_the_sampled_tokens*"])
     assert broken.ret != 0
+
+
+JUDGE_PARSER_SUITE = """
+    import re
+    import pytest
+    from rlplat.contracts.reward import JudgeParser
+    from rlplat.testing import JudgeParserCase, JudgeParserConformance
+
+    class Good(JudgeParser):
+        def parse(self, text):
+            found = re.findall(r"\\d+", text)
+            if not found:
+                raise ValueError(f"no number in {text!r}")
+            score = float(found[-1])
+            if not 0 <= score <= 10:
+                raise ValueError(f"{score} is outside [0, 10]")
+            return score
+
+        def score_range(self):
+            return (0.0, 10.0)
+
+    class Broken(Good):
+        def parse(self, text):
+            return float(re.findall(r"\\d+", text)[-1])
+
+    class TestParser(JudgeParserConformance):
+        @pytest.fixture
+        def judge_parser(self):
+            return IMPLEMENTATION()
+
+        @pytest.fixture
+        def judge_parser_cases(self):
+            return [JudgeParserCase("Rating: 7", 7.0), JudgeParserCase("I cannot say.", None)]
+"""
+
+
+def test_judge_parser_suite(pytester):
+    run_suite(pytester, JUDGE_PARSER_SUITE, "Good").assert_outcomes(passed=26)
+    broken = run_suite(pytester, JUDGE_PARSER_SUITE, "Broken")
+    broken.stdout.fnmatch_lines(["*test_cases_parse_as_expected*", "*test_scores_fall_in_the_declared_range*"])
+    assert broken.ret != 0
