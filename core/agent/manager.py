@@ -9,6 +9,12 @@ stays in that replica's cache). :meth:`AgentLoopManager.generate` returns the ke
 right padded to ``rollout.response_length``, ``response_mask`` 1 on sampled tokens only, ...) plus
 non-tensor columns: ``agent_reward`` (an environment's reward, NaN when the reward manager scores the
 row), ``agent_finish`` and one ``agent/<metric>`` column per trajectory metric.
+
+With a ``reward_loop`` (:class:`rlplat.reward_loop.RewardLoop`), each trajectory is scored as soon as it
+finishes, while the others still generate, and :meth:`AgentLoopManager.generate` returns once every
+score is in, with the columns of :data:`rlplat.reward_loop.LOOP_COLUMNS` added
+(:func:`rlplat.reward_loop.precomputed_scores` reads them). Rows with an environment's reward are scored
+too: which reward a row gets is the trainer's choice.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -80,11 +86,13 @@ class StickyClient:
 
 class AgentLoopManager:
     """See the module docstring. ``loops`` maps names to built loops (missing ones are built from the
-    registry on first use with ``config.loops[name]``); ``tools`` are built tools by name."""
+    registry on first use with ``config.loops[name]``); ``tools`` are built tools by name;
+    ``reward_loop`` scores each trajectory as it finishes (None: the batch leaves unscored)."""
 
     def __init__(self, clients: Sequence[TokenClient], tokenizer: Any, config: AgentConfig, *,
                  pad_token_id: int, max_prompt_length: int, template_kwargs: Mapping[str, Any] | None = None,
-                 tools: Mapping[str, Any] | None = None, loops: Mapping[str, AgentLoop] | None = None):
+                 tools: Mapping[str, Any] | None = None, loops: Mapping[str, AgentLoop] | None = None,
+                 reward_loop: Any = None):
         from rlplat import registry
         from rlplat.agent.chat import ChatRenderer
 
@@ -95,6 +103,7 @@ class AgentLoopManager:
         self.tools = dict(tools or {})
         self.loops: dict[str, AgentLoop] = dict(loops or {})
         self.parser = registry.get("tool_parser", config.tool_parser)(None)
+        self.reward_loop = reward_loop
         self.environment = None
         if config.environment is not None:
             factory = registry.get("environment", config.environment)
@@ -132,19 +141,48 @@ class AgentLoopManager:
         repeated = prompts.repeat(sampling.n, interleave=True) if sampling.n > 1 else prompts
         prompt_lists = prompt_token_lists(repeated, "agent")
         rows = [{key: values[index] for key, values in repeated.non_tensor_batch.items()} for index in range(len(repeated))]
-        trajectories = run_async(self.run_all(rows, prompt_lists, sampling, response_length))
-        return self.assemble(repeated, trajectories, response_length, prompts.meta_info)
+        if self.reward_loop is None:
+            trajectories = run_async(self.run_all(rows, prompt_lists, sampling, response_length))
+            return self.assemble(repeated, trajectories, response_length, prompts.meta_info)
+        trajectories, scores = run_async(self.run_and_score(rows, prompt_lists, sampling, response_length))
+        return self.assemble(repeated, trajectories, response_length, prompts.meta_info, scores)
 
     async def run_all(self, rows: Sequence[Mapping[str, Any]], prompt_lists: Sequence[list[int]],
-                      sampling: SamplingParams, response_length: int) -> list[Trajectory]:
+                      sampling: SamplingParams, response_length: int,
+                      finished: Callable[[int, Trajectory], None] | None = None) -> list[Trajectory]:
+        """Every row's conversation; ``finished(index, trajectory)`` is called as each one ends."""
         limit = asyncio.Semaphore(self.config.max_concurrency)
         sampling = sampling if sampling.n == 1 else dataclasses.replace(sampling, n=1)
 
         async def one(index: int) -> Trajectory:
             async with limit:
-                return await self.run_one(index, rows[index], prompt_lists[index], sampling, response_length)
+                trajectory = await self.run_one(index, rows[index], prompt_lists[index], sampling, response_length)
+            if finished is not None:
+                finished(index, trajectory)
+            return trajectory
 
         return list(await asyncio.gather(*(one(index) for index in range(len(rows)))))
+
+    async def run_and_score(self, rows: Sequence[Mapping[str, Any]], prompt_lists: Sequence[list[int]],
+                            sampling: SamplingParams, response_length: int) -> tuple[list[Trajectory], dict[str, np.ndarray]]:
+        """:meth:`run_all`, each trajectory handed to the reward loop as it finishes; returns once every
+        score is in, with the scores as columns (:data:`rlplat.reward_loop.LOOP_COLUMNS`)."""
+        from rlplat.reward_loop import trajectory_sample
+
+        scoring = self.reward_loop.round()
+
+        def finished(index: int, trajectory: Trajectory) -> None:
+            sample = trajectory_sample(rows[index], trajectory.response_ids, trajectory.response_mask, self.tokenizer)
+            scoring.submit(index, sample)
+
+        try:
+            trajectories = await self.run_all(rows, prompt_lists, sampling, response_length, finished)
+        except BaseException:
+            scoring.cancel()
+            raise
+        scoring.generation_finished()
+        await scoring.wait()
+        return trajectories, scoring.columns()
 
     async def run_one(self, index: int, row: Mapping[str, Any], prompt_ids: list[int], sampling: SamplingParams,
                       response_length: int) -> Trajectory:
@@ -175,7 +213,7 @@ class AgentLoopManager:
         return trajectory
 
     def assemble(self, repeated: DataProto, trajectories: Sequence[Trajectory], response_length: int,
-                 meta_info: Mapping[str, Any]) -> DataProto:
+                 meta_info: Mapping[str, Any], scores: Mapping[str, np.ndarray] | None = None) -> DataProto:
         rows, width = len(trajectories), self.max_prompt_length
         prompts = np.full((rows, width), self.pad_token_id, dtype=np.int64)
         prompt_mask = np.zeros((rows, width), dtype=np.int64)
@@ -207,6 +245,7 @@ class AgentLoopManager:
             values = np.empty(rows, dtype=object)
             values[:] = [t.extra.get(key) for t in trajectories]
             non_tensors[key] = values
+        non_tensors.update(scores or {})
         return DataProto.from_dict(
             tensors={"prompts": prompts, "responses": responses, "response_mask": response_mask,
                      "rollout_log_probs": log_probs, "input_ids": torch.cat([prompts, responses], dim=1),
@@ -221,6 +260,10 @@ def run_async(coroutine: Any) -> Any:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
+        running = False
+    else:
+        running = True
+    if not running:  # outside the except block: errors of the coroutine are not chained to this lookup
         return asyncio.run(coroutine)
     import concurrent.futures
 

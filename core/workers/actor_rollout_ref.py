@@ -179,8 +179,29 @@ class ActorRolloutRefWorker(Worker):
                     tools[tool.name] = tool
             self.agents = AgentLoopManager(
                 [EngineClient(self.rollout)], tokenizer, config, pad_token_id=pad_token_id_of(tokenizer),
-                max_prompt_length=self.config.agent_prompt_length, template_kwargs=self.config.template_kwargs, tools=tools)
+                max_prompt_length=self.config.agent_prompt_length, template_kwargs=self.config.template_kwargs, tools=tools,
+                reward_loop=self.overlapped_reward_loop(tokenizer))
         return self.agents
+
+    def overlapped_reward_loop(self, tokenizer: Any):
+        """The reward loop that scores each trajectory as it finishes: when the run's reward manager is
+        :class:`~rlplat.reward_loop.AsyncRewardManager` (``reward.manager=async``, not a subclass, whose
+        scores could differ) with ``reward.config.overlap``; else None (the driver scores)."""
+        node = dict(self.config.reward)
+        if not node.get("manager"):
+            return None
+        from rlplat import registry
+        from rlplat.reward_loop import AsyncRewardManager, RewardLoop, RewardLoopConfig
+        from rlplat.scorers import scorer_for
+
+        if registry.get("reward_manager", node["manager"]) is not AsyncRewardManager:
+            return None
+        settings = read_config_node(node.get("config"), RewardLoopConfig, "reward.config")
+        if not settings.overlap:
+            return None
+        custom = node.get("custom_function") or {}
+        scorer = scorer_for(node.get("scorer"), custom.get("path"), custom.get("name") or "compute_score")
+        return RewardLoop(scorer, tokenizer, settings)
 
     # -- log-probs ---------------------------------------------------------------------------------
 

@@ -62,6 +62,11 @@ class ActorRolloutRefConfig:
     template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """``data.apply_chat_template_kwargs``: what agent loops render the template with."""
 
+    reward: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The run's ``reward`` node (``manager``, ``scorer``, ``custom_function``, ``config``). With the
+    ``async`` manager and ``reward.config.overlap``, agent batches are scored here, each trajectory as
+    it finishes (:mod:`rlplat.reward_loop`)."""
+
     def __post_init__(self) -> None:
         unknown = sorted(set(self.roles) - {"actor", "rollout", "ref"})
         if unknown or not self.roles:

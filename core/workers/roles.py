@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -45,7 +46,18 @@ def actor_rollout_config(run: RunContext, roles: list[str]) -> dict[str, Any]:
         "agent": OmegaConf.to_container(config.agent, resolve=True), "tokenizer_path": config.model.path,
         "agent_prompt_length": config.agent.max_prompt_length or config.data.max_prompt_length,
         "template_kwargs": OmegaConf.to_container(config.data.apply_chat_template_kwargs, resolve=True) or {},
+        "reward": reward_node(config),
     }
+
+
+def reward_node(config: Any) -> dict[str, Any]:
+    """The ``reward`` node for the workers, its custom function's file made absolute: a worker process
+    need not share the driver's working directory."""
+    node = OmegaConf.to_container(config.reward, resolve=True)
+    custom = node.get("custom_function") or {}
+    if custom.get("path"):
+        custom["path"] = str(Path(custom["path"]).expanduser().absolute())
+    return node
 
 
 class ActorRole(Role):
