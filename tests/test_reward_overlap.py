@@ -199,3 +199,39 @@ def test_the_rollout_worker_scores_agent_batches_when_the_async_manager_overlaps
 
     unscored = generate_in_a_worker(worker_config(model_dir, str(reward), overlap=False), prompts)
     assert SCORE_COLUMN not in unscored.non_tensor_batch and precomputed_scores(unscored) is None
+
+
+# -- a run ------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_run_with_the_async_manager_and_agent_loops_logs_the_workers_scoring(model_dir, tmp_path):
+    from rlplat.config import load_config
+    from rlplat.data import write_parquet
+    from rlplat.tracking import read_metrics
+    from rlplat.trainer import Trainer
+
+    rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+             "reward_model": {"ground_truth": str(a + b)}} for a, b in PROBLEMS]
+    train = write_parquet(rows, tmp_path / "train.parquet")
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    config = load_config(overrides=[
+        f"model.path={model_dir}", f"data.train_files=[{train}]", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+        "rollout.n=2", "rollout.response_length=4", "actor.micro_batch_size_per_gpu=8", f"reward.custom_function.path={reward}",
+        "reward.manager=async", "reward.config.max_concurrency=3", "agent.loop=single_turn", "cluster.backend=local",
+        f"trainer.output_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]", "trainer.total_training_steps=2",
+        "trainer.test_freq=0",
+    ], algo="grpo")
+    trainer = Trainer(config)
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    steps = [record for record in read_metrics(config.trainer.output_dir) if record["step"] >= 1]
+    assert len(steps) == 2
+    for record in steps:
+        assert record["reward/errors"] == record["reward/defaults"] == 0
+        assert 1 <= record["reward/max_in_flight"] <= 3
+        assert record["reward/digits/mean"] >= 0
+        assert 0 < record["reward/overlap_fraction"] <= 1, "the run's scores were not computed while generating"
+        assert 0 <= record["timing_s/reward_after_generation"] <= record["timing_s/reward_scoring"]
