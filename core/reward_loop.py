@@ -242,8 +242,8 @@ def on_daemon_thread(function: Callable[[], Any]) -> "asyncio.Future[Any]":
 
 class RewardLoop:
     """Scores samples with ``scorer`` under the ``reward.config`` node's settings (:class:`RewardLoopConfig`);
-    see the module docstring. ``tokenizer`` decodes responses. Holds no event-loop state: each batch
-    gets a :class:`ScoringRound` of its own."""
+    see the module docstring. ``tokenizer`` decodes trajectories (:meth:`sample`). Holds no event-loop
+    state: each batch gets a :class:`ScoringRound` of its own."""
 
     def __init__(self, scorer: Callable[..., Any], tokenizer: Any, config: Any = None):
         if not callable(scorer):
@@ -256,6 +256,10 @@ class RewardLoop:
         self.settings = read_config_node(config, RewardLoopConfig, "reward.config")
         self.name = scorer_name(scorer)
         self.in_loop = is_async_scorer(scorer)
+
+    def sample(self, row: Mapping[str, Any], response_ids: Sequence[int], response_mask: Sequence[int]) -> ScoringSample:
+        """The sample of a finished trajectory of ``row`` (:func:`trajectory_sample` with this loop's tokenizer)."""
+        return trajectory_sample(row, response_ids, response_mask, self.tokenizer)
 
     def round(self) -> "ScoringRound":
         """A new round of scoring; its clock starts now. Call it inside the event loop that will run it."""
@@ -386,22 +390,24 @@ class ScoringRound:
         generated = (self.generated if self.generated is not None else self.origin) - self.origin
         fields = np.empty(len(outcomes), dtype=object)
         fields[:] = [dict(outcome.fields) for outcome in outcomes]
-        integers = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
-        seconds = lambda values: np.asarray(values, dtype=np.float64)  # noqa: E731
-        return {
-            SCORE_COLUMN: seconds([outcome.score for outcome in outcomes]),
-            FIELDS_COLUMN: fields,
-            "reward_errors": integers([outcome.errors for outcome in outcomes]),
-            "reward_timeouts": integers([outcome.timeouts for outcome in outcomes]),
-            "reward_retries": integers([outcome.attempts - 1 for outcome in outcomes]),
-            "reward_defaults": integers([outcome.status != "ok" for outcome in outcomes]),
-            "reward_in_flight": integers([outcome.in_flight for outcome in outcomes]),
-            "reward_started_s": seconds([outcome.started - self.origin for outcome in outcomes]),
-            "reward_finished_s": seconds([outcome.finished - self.origin for outcome in outcomes]),
-            "reward_generated_s": seconds([generated] * len(outcomes)),
-            "reward_round": integers([self.identifier] * len(outcomes)),
-            "reward_tokens_hash": integers([self.samples[row].tokens_hash for row in rows]),
+        floats = {
+            SCORE_COLUMN: [outcome.score for outcome in outcomes],
+            "reward_started_s": [outcome.started - self.origin for outcome in outcomes],
+            "reward_finished_s": [outcome.finished - self.origin for outcome in outcomes],
+            "reward_generated_s": [generated] * len(outcomes),
         }
+        integers = {
+            "reward_errors": [outcome.errors for outcome in outcomes],
+            "reward_timeouts": [outcome.timeouts for outcome in outcomes],
+            "reward_retries": [outcome.attempts - 1 for outcome in outcomes],
+            "reward_defaults": [outcome.status != "ok" for outcome in outcomes],
+            "reward_in_flight": [outcome.in_flight for outcome in outcomes],
+            "reward_round": [self.identifier] * len(outcomes),
+            "reward_tokens_hash": [self.samples[row].tokens_hash for row in rows],
+        }
+        return {FIELDS_COLUMN: fields,
+                **{key: np.asarray(values, dtype=np.float64) for key, values in floats.items()},
+                **{key: np.asarray(values, dtype=np.int64) for key, values in integers.items()}}
 
 
 SCORE_COLUMN = "reward_score"

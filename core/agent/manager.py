@@ -167,13 +167,10 @@ class AgentLoopManager:
                             sampling: SamplingParams, response_length: int) -> tuple[list[Trajectory], dict[str, np.ndarray]]:
         """:meth:`run_all`, each trajectory handed to the reward loop as it finishes; returns once every
         score is in, with the scores as columns (:data:`rlplat.reward_loop.LOOP_COLUMNS`)."""
-        from rlplat.reward_loop import trajectory_sample
-
         scoring = self.reward_loop.round()
 
         def finished(index: int, trajectory: Trajectory) -> None:
-            sample = trajectory_sample(rows[index], trajectory.response_ids, trajectory.response_mask, self.tokenizer)
-            scoring.submit(index, sample)
+            scoring.submit(index, self.reward_loop.sample(rows[index], trajectory.response_ids, trajectory.response_mask))
 
         try:
             trajectories = await self.run_all(rows, prompt_lists, sampling, response_length, finished)
