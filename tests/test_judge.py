@@ -370,3 +370,24 @@ def test_grpo_trains_two_steps_rewarded_by_the_colocated_judge_which_keeps_its_w
     for row in metrics:
         assert row["reward/judge/parse_failures"] == 0 and 0 < row["reward/judge/score/mean"] < 1
         assert row["timing_s/reward_judge"] > 0
+
+
+@pytest.mark.slow
+def test_the_judge_in_a_pool_of_its_own_scores_a_ray_run(assets, tmp_path, local_ray):
+    from rlplat.trainer import Trainer
+
+    run = tmp_path / "run"
+    config = load_config(overrides=run_overrides(assets, run, f"reward.config.model_path={assets['digit_judge']}",
+                                                 "reward.config.parser=number", "reward.config.max_new_tokens=2",
+                                                 "cluster.backend=ray", "roles.judge.placement=separate"))
+    trainer = Trainer(config)
+    try:
+        trainer.fit()
+        groups = trainer.placement.groups
+        assert {name: group.world_size for name, group in groups.items()} == {"actor": 1, "judge": 1}
+        assert not set(groups["actor"].pids()) & set(groups["judge"].pids()) and len(trainer.placement.pools) == 2
+    finally:
+        trainer.shutdown()
+    metrics = [row for row in read_metrics(run) if "reward/judge/parse_failures" in row]
+    assert [row["step"] for row in metrics] == [1, 2]
+    assert all(row["reward/judge/parse_failures"] == 0 and 33 <= row["reward/judge/score/mean"] <= 77 for row in metrics)
