@@ -8,6 +8,7 @@ REWARD_SCORERS = {
     "gsm8k": ("gsm8k:score", "GSM8K, strict: the last '#### <number>' must equal the answer (commas, $ ignored)."),
     "gsm8k_flexible": ("gsm8k:score_flexible", "GSM8K, flexible: the last number in the response must equal the answer."),
     "math": ("hendrycks_math:score", "MATH: the last \\boxed{} answer, equivalent after the benchmark's normalisation."),
+    "math_verify": ("math_verify_scorer:score", "Math answers in LaTeX or plain text, extracted and compared by math-verify (sympy): 0.5 = 1/2, sets, intervals."),
 }
 # The data sources each scorer claims when no reward.scorer is named (verl's default_compute_score's).
 DATA_SOURCES = {
