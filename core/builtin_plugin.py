@@ -30,9 +30,10 @@ ROLES = {
     "rollout": "the rollout in a resource pool of its own (roles.rollout.placement=separate)",
     "critic": "the value model (PPO, or critic.enable=true)",
     "judge": "the judge model's rollout (reward.manager=judge), colocated or in a pool of its own",
+    "reward_model": "the reward model scoring each response (reward.model.path), colocated or in a pool of its own",
 }
 
-ROLE_TARGETS = {"judge": "rlplat.judge:role"}
+ROLE_TARGETS = {"judge": "rlplat.judge:role", "reward_model": "rlplat.workers.reward_model:reward_model"}
 
 
 @hookimpl

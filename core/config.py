@@ -29,6 +29,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from rlplat.config_node import ConfigError, did_you_mean, read_config_node, resolve_schema
 from rlplat.agent.config import AgentConfig
 from rlplat.data import DataConfig
+from rlplat.reward_model import RewardModelConfig
 
 __all__ = ["ConfigError", "RLConfig", "load_config", "validate_config", "plugin_nodes", "engine_node",
            "rollout_node", "sampling_node", "to_yaml"]
@@ -156,6 +157,9 @@ class RewardConfig:
     config: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """The reward manager's own settings (``fallback_score``, ``timeout_s``, overlong buffer, ...),
     checked against the schema the manager registers."""
+    model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)
+    """A reward model scoring each response (``reward.model.path``), served by its own worker group,
+    and how its score joins the rule score (see :mod:`rlplat.reward_model`)."""
 
 
 @dataclasses.dataclass
@@ -348,7 +352,7 @@ ENGINE_BUILD_SOURCES = {
     "total_training_steps": "trainer.total_training_steps (in optimizer steps)", "ppo_mini_batch_size": "{role}.ppo_mini_batch_size",
     "ppo_epochs": "{role}.ppo_epochs", "micro_batch_size_per_gpu": "{role}.micro_batch_size_per_gpu",
     "use_dynamic_bsz": "{role}.use_dynamic_bsz", "max_token_len_per_gpu": "{role}.max_token_len_per_gpu",
-    "value_model": "the role (true for the critic)",
+    "value_model": "the role (true for the critic)", "reward_model": "the role (true for the reward model's engine)",
 }
 ROLLOUT_BUILD_SOURCES = {"model_path": "model.path", "load_weights": "the trainer (false: the engine syncs its weights in)"}
 
@@ -499,6 +503,7 @@ def plugin_nodes(config: DictConfig, algorithm: Any, total_steps: int) -> list[P
         schema, owner = entry_schema("role", name, f"roles.{name}")
         nodes.append(PluginNode(f"roles.{name}", owner, schema or RoleConfig, node or {}))
     nodes += agent_nodes(config)
+    nodes += reward_model_nodes(config)
     return nodes
 
 
@@ -572,6 +577,29 @@ def check_chat_template(config: DictConfig) -> None:
 
 
 # -- validation -------------------------------------------------------------------------------------------
+
+def reward_model_nodes(config: DictConfig) -> list[PluginNode]:
+    """``reward.model`` itself and, when it names a model, its engine's node."""
+    from rlplat.reward_model import engine_node as reward_engine_node, read_reward_model
+
+    settings = read_reward_model(config)
+    if not settings.enabled:
+        return []
+    path = Path(settings.path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"reward.model.path: {settings.path} is not a local Hugging Face model directory (no config.json there).")
+    tokenizer = Path(settings.tokenizer_path or settings.path)
+    if not tokenizer.is_dir():
+        raise ConfigError(f"reward.model.tokenizer_path: {tokenizer} is not a directory.")
+    if settings.placement == "separate" and config.cluster.backend == "local":
+        raise ConfigError("reward.model.placement=separate needs cluster.backend=ray (the local backend is one process).")
+    schema, owner = entry_schema("engine", settings.engine, "reward.model.engine")
+    build = {"model_path": "reward.model.path", "seed": "trainer.seed", "reward_model": "(set by the reward-model role)",
+             "micro_batch_size_per_gpu": "reward.model.micro_batch_size_per_gpu",
+             "use_dynamic_bsz": "reward.model.use_dynamic_bsz", "max_token_len_per_gpu": "reward.model.max_token_len_per_gpu"}
+    return [PluginNode("reward.model.engine_config", owner, schema, reward_engine_node(config, settings), build,
+                       tuple(settings.engine_config))]
+
 
 def validate_config(config: DictConfig) -> None:
     """Raise :class:`ConfigError` for the first problem found (checks that need no worker)."""

@@ -44,9 +44,8 @@ def place(roles: dict[str, Role], run: RunContext) -> Placement:
     cluster = run.config.cluster
     specs, separate = {}, {}
     for name, role in roles.items():
-        settings = run.role_config(name)
-        placement = settings.placement if "placement" in (run.config.roles.get(name) or {}) else role.default_placement
-        if placement == "separate":
+        settings = role.settings(run, name)
+        if settings.placement == "separate":
             separate[name] = (role.worker(run), settings)
         else:
             specs[name] = role.worker(run)

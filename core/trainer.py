@@ -34,6 +34,8 @@ from rlplat.contracts.rollout import SamplingParams
 from rlplat.data import build_loaders
 from rlplat.placement import Placement, enabled_roles, place
 from rlplat.protocol import DataProto
+from rlplat.reward_loop import precomputed_scores
+from rlplat.reward_model import combine, read_reward_model
 from rlplat.tracking import Tracker
 from rlplat.workers.actor_rollout_ref import log_prob_mismatch
 
@@ -114,7 +116,8 @@ class Trainer:
         self.total_steps = total_training_steps(config, self.train_loader.rows_per_epoch)
         self.context = RunContext(config, self.algorithm, self.total_steps)
         self.placement: Placement | None = None
-        self.actor = self.critic = self.rollout = None
+        self.actor = self.critic = self.rollout = self.reward_model = None
+        self.reward_model_settings = read_reward_model(config)
         self.step = 0
 
     # -- set-up --------------------------------------------------------------------------------------
@@ -128,6 +131,7 @@ class Trainer:
         groups = self.placement.groups
         self.actor, self.critic = groups["actor"], groups.get("critic")
         self.rollout = groups.get("rollout", self.actor)
+        self.reward_model = groups.get("reward_model")
         for name, group in groups.items():
             self.placement.roles[name].start(group)
         bind = getattr(self.reward, "bind_workers", None)  # a manager served by a worker group (the judge)
@@ -271,7 +275,7 @@ class Trainer:
             batch = self.algorithm.after_generate(batch, self.generate, SamplingParams(**{**self.sampling(), "seed": seed}))
             batch = self.stage("generated", batch)
             with timed(timing, "reward"):
-                scored = self.score(batch)
+                scored = self.score(batch, timing)
             batch = batch.union(scored.select(batch_keys=["token_level_scores"], meta_info_keys=[]))
             for key, values in scored.non_tensor_batch.items():
                 if key not in batch.non_tensor_batch:
@@ -286,10 +290,36 @@ class Trainer:
                 return full
             attempt += 1
 
-    def score(self, batch: DataProto) -> DataProto:
-        """The reward manager's scores; a row whose agent loop returned a reward of its own (an
-        environment's, non-tensor ``agent_reward``) gets that instead, at its last sampled token."""
-        scored = self.reward(batch)
+    def score(self, batch: DataProto, timing: dict[str, float] | None = None, *, validation: bool = False) -> DataProto:
+        """The reward manager's scores (or those the rollout workers computed while generating, when the
+        ``async`` manager overlapped scoring with agent loops: :func:`rlplat.reward_loop.precomputed_scores`); a row whose agent loop returned a reward of its own (an
+        environment's, non-tensor ``agent_reward``) gets that instead, at its last sampled token; with a
+        reward model, its score joined to them (:func:`rlplat.reward_model.combine`). With a reward model
+        and ``reward.model.rule_weight=0`` the manager is called in validation only (for its accuracy)."""
+        settings = self.reward_model_settings
+        if self.reward_model is not None and settings.rule_weight == 0 and not validation:
+            scored = DataProto.from_dict({"token_level_scores": torch.zeros(batch.batch["responses"].shape, dtype=torch.float32)},
+                                         meta_info={"reward_metrics": {}})
+        else:
+            scored = precomputed_scores(batch)
+            scored = self.environment_rewards(batch, self.reward(batch) if scored is None else scored)
+        if self.reward_model is None:
+            return scored
+        started = time.perf_counter()
+        model = self.reward_model.compute_rm_score(batch)
+        scores, metrics = combine(scored.batch["token_level_scores"], model.batch["rm_scores"], batch.batch["response_mask"], settings)
+        if timing is not None:
+            timing["timing_s/reward_model"] = timing.get("timing_s/reward_model", 0.0) + time.perf_counter() - started
+        worker = model.meta_info.get("metrics", {})
+        metrics["reward/model/truncated"] = float(np.sum(worker.get("reward/model/truncated", [0.0])))
+        scored.batch["token_level_scores"] = scores
+        scored.non_tensor_batch["rm_score"] = model.batch["rm_scores"].numpy().astype(np.float64)
+        scored.meta_info["reward_metrics"] = {**scored.meta_info.get("reward_metrics", {}), **metrics}
+        return scored
+
+    def environment_rewards(self, batch: DataProto, scored: DataProto) -> DataProto:
+        """``scored`` with the rows whose agent loop returned a reward of its own (non-tensor
+        ``agent_reward``) given that instead, at their last sampled token."""
         if "agent_reward" not in batch.non_tensor_batch:
             return scored
         own = np.asarray(batch.non_tensor_batch["agent_reward"], dtype=np.float64)
@@ -334,7 +364,9 @@ class Trainer:
                                 max_new_tokens=self.config.rollout.response_length, seed=self.config.trainer.seed)
         for prompts in self.val_loader:
             batch = self.generate(prompts, greedy)
-            scored = self.score(batch)
+            scored = self.score(batch, validation=True)
+            if "rm_score" in scored.non_tensor_batch:
+                scores.setdefault("val/reward/model/mean", []).extend(scored.non_tensor_batch["rm_score"].tolist())
             for name, value in agent_metrics(batch, "val/").items():
                 scores.setdefault(name, []).append(value)
             sequence = scored.batch["token_level_scores"].sum(-1).tolist()

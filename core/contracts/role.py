@@ -100,6 +100,16 @@ class Role(abc.ABC):
     def enabled(self, run: RunContext) -> bool:
         """Whether this run needs the role (e.g. the critic: the algorithm or ``critic.enable``)."""
 
+    def settings(self, run: RunContext, name: str) -> RoleConfig:
+        """Where this run puts the role's processes: its ``roles.<name>`` node, with
+        :attr:`default_placement` when the node sets no placement. A role with a node of its own elsewhere
+        (the reward model's ``reward.model.placement``) overrides this."""
+        settings = run.role_config(name)
+        given = run.config.get("roles") or {}
+        if "placement" not in (given.get(name) or {}) and settings.placement != self.default_placement:
+            settings = dataclasses.replace(settings, placement=self.default_placement)
+        return settings
+
     @abc.abstractmethod
     def worker(self, run: RunContext) -> "WorkerSpec":
         """The worker class and its constructor arguments, built in each of the role's processes."""
