@@ -118,6 +118,10 @@ class JudgeConfig:
         if self.model_path is None:
             raise ValueError("model_path is not set: give the judge model's local Hugging Face directory "
                              "(reward.config.model_path=/path/to/judge)")
+        for key in ("model_path", "tokenizer_path", "prompt_template_path"):
+            # absolute: a worker process in a pool of its own need not share the driver's working directory
+            if getattr(self, key) is not None:
+                setattr(self, key, str(Path(getattr(self, key)).expanduser().absolute()))
         for key in ("model_path", "tokenizer_path"):
             value = getattr(self, key)
             if value is not None and not Path(value).is_dir():

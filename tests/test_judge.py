@@ -391,3 +391,12 @@ def test_the_judge_in_a_pool_of_its_own_scores_a_ray_run(assets, tmp_path, local
     metrics = [row for row in read_metrics(run) if "reward/judge/parse_failures" in row]
     assert [row["step"] for row in metrics] == [1, 2]
     assert all(row["reward/judge/parse_failures"] == 0 and 33 <= row["reward/judge/score/mean"] <= 77 for row in metrics)
+
+
+def test_relative_paths_become_absolute_for_workers_elsewhere(assets, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(assets["digit_judge"]).parent)
+    settings = JudgeConfig(model_path="digit_judge", prompt_template_path="judge_prompt.txt")
+    assert settings.worker_config()["rollout_config"]["model_path"] == assets["digit_judge"]
+    assert settings.prompt_template_path == assets["template"] and settings.template_text() == TEMPLATE
