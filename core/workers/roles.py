@@ -43,7 +43,7 @@ def actor_rollout_config(run: RunContext, roles: list[str]) -> dict[str, Any]:
         "rollout_config": rollout_node(config), "actor": loss_node(run, "actor"),
         "free_rollout_between_phases": config.rollout.free_between_phases,
         "share_weights": config.rollout.share_weights,
-        "agent": OmegaConf.to_container(config.agent, resolve=True), "tokenizer_path": config.model.path,
+        "agent": OmegaConf.to_container(config.agent, resolve=True), "tokenizer_path": config.model.tokenizer_path or config.model.path,
         "agent_prompt_length": config.agent.max_prompt_length or config.data.max_prompt_length,
         "template_kwargs": OmegaConf.to_container(config.data.apply_chat_template_kwargs, resolve=True) or {},
         "reward": reward_node(config),
