@@ -66,7 +66,8 @@ class RewardModelConfig:
     """Offload the reward model's parameters after each scoring call (woken by the next); on CPU there is
     nothing to move."""
     combine: str = "sum"
-    """How the model's score joins the rule score: ``sum`` or ``normalized`` (see the module docstring)."""
+    """How the model's score joins the rule score: ``sum`` (``weight * model + rule_weight * rule``) or
+    ``normalized`` (each standardised over the batch first, ``(x - mean) / std``, then weighted and summed)."""
     weight: float = 1.0
     """Weight of the model's score."""
     rule_weight: float = 1.0

@@ -1,7 +1,9 @@
-"""Build the demo's assets: ``python -m rlplat.demo.build [--only all|arith|tools] [--out DIR] [--seed 0] [--threshold 0.35]``.
+"""Build the demo's assets: ``python -m rlplat.demo.build [--only all|arith|reward-model|tools] [--out DIR] [--seed 0] [--threshold 0.35]``.
 
-``--only arith`` builds the arithmetic demo (below) into ``DIR``; ``--only tools`` builds the tool demo
-(:mod:`rlplat.demo.tools`) into ``DIR/tools``; ``all``, the default, builds both.
+``--only arith`` builds the arithmetic demo (below) into ``DIR``; ``--only reward-model`` trains the
+arithmetic demo's reward model (:mod:`rlplat.demo.reward_model`) from the policy in ``DIR/model`` into
+``DIR/reward_model``; ``--only tools`` builds the tool demo (:mod:`rlplat.demo.tools`) into ``DIR/tools``;
+``all``, the default, builds the three.
 
 1. The task: every ``a+b=`` with ``a, b`` in 10..99 (8100 pairs), shuffled under the seed; the first 200
    are the validation split, the other 7900 the training split. Written with :func:`rlplat.data.write_parquet`
@@ -187,8 +189,9 @@ def build(out: Path, *, seed: int = 0, threshold: float = 0.35, eval_every: int 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlplat.demo.build", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("all", "arith", "tools"), default="all",
-                        help="which demo's assets to build: the arithmetic demo's, the tool demo's (into OUT/tools), or both")
+    parser.add_argument("--only", choices=("all", "arith", "reward-model", "tools"), default="all",
+                        help="which demo's assets to build: the arithmetic demo's, its reward model (into OUT/reward_model, "
+                             "from OUT/model), the tool demo's (into OUT/tools), or all three")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "assets",
                         help="where to write model/, data/ and build_info.json (default: the package's assets)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the split, the initialisation and the batches")
@@ -203,6 +206,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         total = sum(info["bytes"].values())
         print(f"wrote {args.out}: {info['warm_start']['steps']} supervised steps, validation accuracy "
               f"{info['val_accuracy']:.3f}, {total / 1e6:.2f} MB, {info['build_seconds']} s")
+    if args.only in ("all", "reward-model"):
+        from rlplat.demo import reward_model
+
+        train_pairs, val_pairs = split_pairs(args.seed)
+        info = reward_model.build(args.out / "reward_model", args.out / "model", train_pairs, val_pairs, seed=args.seed)
+        print(f"wrote {args.out / 'reward_model'}: {info['steps']} steps; on validation prompts the correct answer ranks "
+              f"above the policy's wrong ones in {info['val']['pairwise_accuracy']:.3f} of pairs; {info['build_seconds']} s")
     if args.only in ("all", "tools"):
         from rlplat.demo import tools
 
