@@ -2,7 +2,8 @@
 text a judge model wrote. Each is built from its ``reward.config.parser_config`` node.
 
 ``number``
-    The last (or first) number in the text, e.g. ``"I would rate it 7."`` -> 7.0.
+    The last (or first) number in the text, e.g. ``"I would rate it 7."`` -> 7.0. ``"7/10"`` reads 10 (the
+    last number): for such answers set ``position: first`` or ask for a tag.
 ``tagged``
     The number inside ``<score>...</score>`` (or the one group of a configured regular expression), the
     last such tag by default: a judge asked for a tag may reason in free text before it.
