@@ -202,11 +202,13 @@ def _ground_truth_text(ground_truth: Any) -> str:
     )
 
 
-def _written(answer: Any) -> str | None:
+def _written(parsed: list[Any]) -> str:
+    """The first parsed answer as sympy writes it; the extracted text if that fails."""
     try:
-        return str(answer)
+        return str(_answers(parsed)[0])
     except ValueError:  # an integer past Python's str() digit limit
-        return None
+        texts = [item for item in parsed if isinstance(item, str)]
+        return texts[0] if texts else "<an integer too long to print>"
 
 
 def judge(solution_str: str, ground_truth: Any) -> dict[str, Any]:
@@ -216,10 +218,10 @@ def judge(solution_str: str, ground_truth: Any) -> dict[str, Any]:
     answers = _answers(parsed)
     if not answers:
         return {"score": 0.0, "acc": False, "pred": None}
-    pred = _written(answers[0])
+    pred = _written(parsed)
     if max(_exact_bits(answer) for answer in answers) > MAX_EXACT_BITS:
         return {"score": 0.0, "acc": False, "pred": pred}
-    correct = verify(gold, parsed, timeout_seconds=None)
+    correct = bool(verify(gold, parsed, timeout_seconds=None))
     return {"score": 1.0 if correct else 0.0, "acc": correct, "pred": pred}
 
 
