@@ -139,10 +139,10 @@ def combine(rule_scores: Any, model_scores: Any, response_mask: Any, settings: R
     token), joined per ``settings.combine``. Returns them and the ``reward/model/*`` metrics."""
     import torch
 
+    from rlplat.reward_loop import last_tokens
+
     model_scores = model_scores.to(torch.float32)
-    mask = response_mask.bool()
-    positions = torch.arange(mask.shape[1]).expand_as(mask)
-    last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=1).values
+    last = torch.tensor(last_tokens(response_mask), dtype=torch.long)
     has_response = last >= 0
     metrics = {"reward/model/mean": float(model_scores.mean()), "reward/model/min": float(model_scores.min()),
                "reward/model/max": float(model_scores.max())}

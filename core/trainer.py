@@ -34,7 +34,7 @@ from rlplat.contracts.rollout import SamplingParams
 from rlplat.data import build_loaders
 from rlplat.placement import Placement, enabled_roles, place
 from rlplat.protocol import DataProto
-from rlplat.reward_loop import precomputed_scores
+from rlplat.reward_loop import last_tokens, precomputed_scores
 from rlplat.reward_model import combine, read_reward_model
 from rlplat.tracking import Tracker
 from rlplat.workers.actor_rollout_ref import log_prob_mismatch
@@ -327,9 +327,7 @@ class Trainer:
         if len(rows) == 0:
             return scored
         scores = scored.batch["token_level_scores"].clone()
-        mask = batch.batch["response_mask"]
-        positions = torch.arange(mask.shape[1]).expand_as(mask)
-        last = torch.where(mask.bool(), positions, torch.full_like(positions, -1)).max(dim=1).values
+        last = last_tokens(batch.batch["response_mask"])
         for row in rows.tolist():
             scores[row] = 0.0
             if last[row] >= 0:

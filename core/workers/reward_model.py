@@ -25,6 +25,7 @@ from rlplat.controller.decorator import Dispatch, register
 from rlplat.controller.host import WorkerSpec
 from rlplat.controller.worker import Worker
 from rlplat.protocol import DataProto
+from rlplat.reward_loop import last_tokens
 
 
 @dataclasses.dataclass
@@ -52,14 +53,6 @@ def same_tokenizer(first: Any, second: Any) -> bool:
     return (first.get_vocab() == second.get_vocab()
             and all(getattr(first, name, None) == getattr(second, name, None) for name in specials)
             and getattr(first, "chat_template", None) == getattr(second, "chat_template", None))
-
-
-def last_valid(mask: Any) -> list[int]:
-    """Index of each row's last 1 in ``mask`` [B, R], -1 for a row of zeros."""
-    import torch
-
-    positions = torch.arange(mask.shape[1]).expand_as(mask)
-    return torch.where(mask.bool(), positions, torch.full_like(positions, -1)).max(dim=1).values.tolist()
 
 
 class Retokenizer:
@@ -97,7 +90,7 @@ class Retokenizer:
         response_mask = tensors["response_mask"] if "response_mask" in tensors.keys() else tensors["attention_mask"][:, width:]
         messages = batch.non_tensor_batch.get("raw_prompt")
         rows, truncated = [], 0
-        for row, last in enumerate(last_valid(response_mask)):
+        for row, last in enumerate(last_tokens(response_mask)):
             ids = self.row_ids(None if messages is None else messages[row], prompts[row][prompt_mask[row]].tolist(),
                                responses[row, : last + 1].tolist())
             if self.max_length is not None and len(ids) > self.max_length:
