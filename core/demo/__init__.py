@@ -6,7 +6,9 @@ The assets under ``assets/`` are produced by ``python -m rlplat.demo.build`` (se
   by supervised steps until greedy validation accuracy passes a threshold, so that RL has signal;
 * ``assets/data/train.parquet`` and ``assets/data/val.parquet``: ``a+b=`` prompts with two 2-digit operands,
   in the schema of :mod:`rlplat.data` (``data_source="arith"``), the validation pairs disjoint from training;
-* ``assets/build_info.json``: how they were built (seed, steps, validation accuracy, sizes).
+* ``assets/build_info.json``: how they were built (seed, steps, validation accuracy, sizes);
+* ``assets/reward_model/``: a reward model for the same task, trained from the warm-started policy on correct
+  vs incorrect answers (:mod:`rlplat.demo.reward_model`), for ``rlplat run --demo reward-model``.
 
 The demo's reward is the default scorer, ``exact_match`` (:func:`rlplat.scorers.exact_match`).
 :func:`overrides` is the demo's preset: what ``rlplat run`` and ``rlplat config show`` use when no model
@@ -32,6 +34,12 @@ def assets_dir() -> Path:
 def model_dir() -> Path:
     """The demo model's ``save_pretrained`` folder (model and tokenizer), for ``from_pretrained``."""
     return _existing(assets_dir() / "model" / "config.json", "the demo model").parent
+
+
+def reward_model_dir() -> Path:
+    """The demo reward model's ``save_pretrained`` folder (a one-label Qwen2 sequence classifier and the
+    arithmetic tokenizer), trained by ``python -m rlplat.demo.build --only reward-model``."""
+    return _existing(assets_dir() / "reward_model" / "config.json", "the demo reward model").parent
 
 
 def train_file() -> Path:
@@ -64,6 +72,7 @@ def overrides() -> list[str]:
 
 PRESETS = {
     "arith": "GRPO on a+b= with the 0.53M-parameter arithmetic model (the default)",
+    "reward-model": "the arithmetic demo rewarded by the demo's reward model alone (exact match only measures validation)",
     "tools": "GRPO through the tool agent loop: a*b= with a calculator the model learns to call",
     "retry": "GRPO through the env agent loop: a+b= with up to 3 attempts, 'wrong, try again' after a wrong one",
     "retry-single": "the retry demo's task, model and steps with one attempt (its single-turn baseline)",
@@ -75,6 +84,10 @@ def preset(name: str) -> list[str]:
     """The dotted overrides of the demo ``name`` (one of :data:`PRESETS`)."""
     if name == "arith":
         return overrides()
+    if name == "reward-model":
+        return overrides() + [f"reward.model.path={reward_model_dir()}", "reward.model.rule_weight=0",
+                              "reward.model.micro_batch_size_per_gpu=256",
+                              "trainer.output_dir=runs/demo-reward-model"]
     if name not in PRESETS:
         raise ValueError(f"unknown demo {name!r}; the demos are {', '.join(PRESETS)}")
     from rlplat.demo import tools

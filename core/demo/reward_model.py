@@ -3,19 +3,22 @@
 ``python -m rlplat.demo.build --only reward-model`` (and the default ``--only all``) writes it to
 ``assets/reward_model/`` next to the arithmetic demo's policy, which it needs:
 
-1. Initialisation: the warm-started policy (``assets/model``) loaded as
-   ``AutoModelForSequenceClassification`` with one label, its score head drawn under the seed: the usual
-   recipe (a reward model starts from the supervised policy) and the same tokenizer, so the reward-model
-   role scores the policy's tokens without re-tokenising.
+1. Initialisation: the warm-started policy (``assets/model``), trained further by the same supervised
+   steps until its greedy validation accuracy reaches ``trunk_threshold`` (a verifier must compute the sum
+   more reliably than the policy it judges), then loaded as ``AutoModelForSequenceClassification`` with
+   one label, its score head drawn under the seed: the usual recipe (a reward model starts from a
+   supervised model) and the same tokenizer, so the reward-model role scores the policy's tokens as they are.
 2. Data, per training prompt: the correct answer against incorrect ones of two kinds: the warm-started
    policy's own wrong samples (temperature 1, the mistakes RL will meet) and near misses of the sum
    (off by one or ten, a dropped or repeated digit, no EOS). Sequences are what the trainer scores:
    ``BOS a+b=`` then the answer tokens, the EOS when the answer has one.
-3. Training: the Bradley-Terry loss ``-log sigmoid(r(correct) - r(incorrect))`` over those pairs (AdamW,
-   batch :data:`BATCH_PROMPTS` prompts with :data:`NEGATIVES` incorrect answers each), for a fixed
+3. Training: the Bradley-Terry loss ``-log sigmoid(r(correct) - r(incorrect))`` over those pairs, plus
+   the next-token loss on the correct answers (:func:`answer_loss`) so the trunk keeps computing sums
+   (AdamW, batch :data:`BATCH_PROMPTS` prompts with :data:`NEGATIVES` incorrect answers each), for a fixed
    number of steps.
-4. Measured on the validation prompts (never trained on): the share of pairs ranked right, and how often
-   the answer the model ranks first among eight policy samples is correct when one of them is.
+4. Measured on the validation prompts (never trained on): the share of pairs ranked right, how often
+   the answer the model ranks first among the policy's samples is correct when one of them is, and how
+   often the best-scored of all answers 0..199 is the right one (what a policy maximising it converges to).
 
 Deterministic under the seed on a given machine and torch build.
 """
@@ -23,13 +26,18 @@ Deterministic under the seed on a given machine and torch build.
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from rlplat.demo.build import warm_start
+
 BATCH_PROMPTS = 64
 NEGATIVES = 4
 POLICY_SAMPLES = 4
+ANSWER_LOSS_WEIGHT = 1.0
+"""Weight of the next-token loss on the correct answers, trained with the pairs (see :func:`answer_loss`)."""
 """Samples drawn from the warm-started policy per prompt, from which its wrong answers are taken."""
 
 
@@ -38,18 +46,17 @@ def answer_ids(tokenizer: Any, text: str, eos: bool = True) -> list[int]:
     return ids + [tokenizer.eos_token_id] if eos else ids
 
 
-def near_misses(a: int, b: int, rng: Any) -> list[tuple[str, bool]]:
-    """Wrong answers close to ``a + b``: (text, ends with EOS)."""
+def near_misses(a: int, b: int) -> list[tuple[str, bool]]:
+    """Wrong answers close to ``a + b``, as (text, ends with EOS): every sum off by 1 to 3 or by 10, a
+    dropped, repeated or swapped digit, and the right digits without EOS (not a finished answer)."""
     total = a + b
     text = str(total)
-    misses = [str(total + delta) for delta in (-10, -1, 1, 10) if total + delta >= 0]
+    misses = [str(total + delta) for delta in (-10, -3, -2, -1, 1, 2, 3, 10) if total + delta >= 0]
     if len(text) > 1:
-        misses.append(text[:-1])                       # a dropped digit
-        misses.append(text[1:] if text[1:] != text else text + "0")
-    misses.append(text + text[-1])                      # a repeated digit
-    misses.append(text[::-1] if text[::-1] != text else str(total + 2))
-    answers = [(miss, True) for miss in misses if miss and miss != text]
-    answers.append((text, False))                        # right digits, no EOS: not an answer
+        misses += [text[:-1], text[1:], text[::-1]]
+    misses.append(text + text[-1])
+    answers = [(miss, True) for miss in dict.fromkeys(misses) if miss and miss != text]
+    answers.append((text, False))
     return answers
 
 
@@ -84,24 +91,20 @@ def correct_ids(tokenizer: Any, a: int, b: int) -> list[int]:
     return answer_ids(tokenizer, str(a + b))
 
 
-def pair_answers(tokenizer: Any, pairs: Sequence[tuple[int, int]], sampled: list[list[list[int]]],
-                 seed: int) -> list[list[list[int]]]:
+def pair_answers(tokenizer: Any, pairs: Sequence[tuple[int, int]], sampled: list[list[list[int]]]) -> list[list[list[int]]]:
     """Per pair: the wrong answers to train against (the policy's wrong samples, deduplicated, then near misses)."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
     out = []
     for (a, b), group in zip(pairs, sampled):
         right = correct_ids(tokenizer, a, b)
         wrong = [ids for ids in group if ids and ids != right]
-        wrong += [answer_ids(tokenizer, text, eos) for text, eos in near_misses(a, b, rng)]
+        wrong += [answer_ids(tokenizer, text, eos) for text, eos in near_misses(a, b)]
         unique = list({tuple(ids): ids for ids in wrong}.values())
         out.append(unique)
     return out
 
 
-def score_sequences(model: Any, tokenizer: Any, sequences: list[list[int]]) -> Any:
-    """Scores of whole sequences (left-padded), read at each one's last token, with gradients."""
+def padded(tokenizer: Any, sequences: list[list[int]]) -> tuple[Any, Any, Any]:
+    """``(input_ids, attention_mask, position_ids)`` of ``sequences`` left-padded to one width."""
     import torch
 
     width = max(len(sequence) for sequence in sequences)
@@ -110,9 +113,29 @@ def score_sequences(model: Any, tokenizer: Any, sequences: list[list[int]]) -> A
     for row, sequence in enumerate(sequences):
         input_ids[row, width - len(sequence):] = torch.as_tensor(sequence)
         attention_mask[row, width - len(sequence):] = 1
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return input_ids, attention_mask, (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def score_sequences(model: Any, tokenizer: Any, sequences: list[list[int]], *, with_hidden: bool = False) -> Any:
+    """Scores of whole sequences (left-padded), read at each one's last token, with gradients (and the
+    last hidden states when ``with_hidden``)."""
+    input_ids, attention_mask, position_ids = padded(tokenizer, sequences)
     hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-    return model.score(hidden[:, -1]).squeeze(-1).float()
+    scores = model.score(hidden[:, -1]).squeeze(-1).float()
+    return (scores, hidden, input_ids) if with_hidden else scores
+
+
+def answer_loss(model: Any, hidden: Any, input_ids: Any, answer_lengths: list[int]) -> Any:
+    """Next-token loss on each row's answer (its last ``answer_lengths[row]`` tokens) through the tied
+    embeddings: keeps the trunk computing sums while the score head learns to compare."""
+    import torch
+
+    logits = hidden[:, :-1] @ model.model.embed_tokens.weight.T
+    labels = torch.full_like(input_ids[:, 1:], -100)
+    width = input_ids.shape[1]
+    for row, length in enumerate(answer_lengths):
+        labels[row, width - 1 - length:] = input_ids[row, width - length:]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100)
 
 
 def prompt_ids(tokenizer: Any, a: int, b: int) -> list[int]:
@@ -120,7 +143,9 @@ def prompt_ids(tokenizer: Any, a: int, b: int) -> list[int]:
 
 
 def evaluate(model: Any, tokenizer: Any, pairs: Sequence[tuple[int, int]], sampled: list[list[list[int]]]) -> dict[str, float]:
-    """Pairwise accuracy (correct above each distinct wrong policy sample) and best-of-n agreement."""
+    """Pairwise accuracy (correct above each distinct wrong policy sample), best-of-n agreement, and how
+    often the best-scored of all 400 answers 0..199 (with and without EOS) is the right one: what a policy
+    that maximises the score converges to."""
     import torch
 
     ranked = total = best_right = solvable = 0
@@ -136,8 +161,15 @@ def evaluate(model: Any, tokenizer: Any, pairs: Sequence[tuple[int, int]], sampl
                 solvable += 1
                 group_scores = score_sequences(model, tokenizer, [prompt + ids for ids in group]).tolist()
                 best_right += group[max(range(len(group)), key=group_scores.__getitem__)] == right
+        everything = [(str(value), eos) for value in range(0, 200) for eos in (True, False)]
+        top_right = 0
+        for a, b in pairs:
+            prompt = prompt_ids(tokenizer, a, b)
+            scores = score_sequences(model, tokenizer, [prompt + answer_ids(tokenizer, text, eos) for text, eos in everything])
+            top_right += everything[int(scores.argmax())] == (str(a + b), True)
     return {"pairwise_accuracy": ranked / max(total, 1), "best_of_n_correct": best_right / max(solvable, 1),
-            "prompts_with_a_correct_sample": solvable / max(len(pairs), 1)}
+            "prompts_with_a_correct_sample": solvable / max(len(pairs), 1),
+            "top_of_all_answers_correct": top_right / max(len(pairs), 1)}
 
 
 def train(model: Any, tokenizer: Any, pairs: Sequence[tuple[int, int]], wrong: list[list[list[int]]], *,
@@ -160,9 +192,12 @@ def train(model: Any, tokenizer: Any, pairs: Sequence[tuple[int, int]], wrong: l
             groups.append(len(sequences))
             sequences.append(prompt + correct_ids(tokenizer, a, b))
             sequences.extend(prompt + choices[pick] for pick in picks)
-        scores = score_sequences(model, tokenizer, sequences).view(BATCH_PROMPTS, 1 + NEGATIVES)
+        scores, hidden, input_ids = score_sequences(model, tokenizer, sequences, with_hidden=True)
+        scores = scores.view(BATCH_PROMPTS, 1 + NEGATIVES)
         margin = scores[:, :1] - scores[:, 1:]
-        loss = -torch.nn.functional.logsigmoid(margin).mean() + 1e-3 * scores.pow(2).mean()
+        lengths = [len(correct_ids(tokenizer, *pairs[row])) for row in rows]
+        loss = (-torch.nn.functional.logsigmoid(margin).mean() + 1e-3 * scores.pow(2).mean()
+                + ANSWER_LOSS_WEIGHT * answer_loss(model, hidden[groups], input_ids[groups], lengths))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -177,7 +212,7 @@ def train(model: Any, tokenizer: Any, pairs: Sequence[tuple[int, int]], wrong: l
 
 
 def build(out: Path, policy_dir: Path, train_pairs: Sequence[tuple[int, int]], val_pairs: Sequence[tuple[int, int]], *,
-          seed: int = 0, steps: int = 1500, lr: float = 1e-3, log=print) -> dict[str, Any]:
+          seed: int = 0, steps: int = 800, lr: float = 1e-3, trunk_threshold: float = 0.9, log=print) -> dict[str, Any]:
     """Train the reward model from the policy in ``policy_dir`` and write it (with the tokenizer and
     ``build_info.json``) to ``out``; returns the build info."""
     import torch
@@ -191,9 +226,14 @@ def build(out: Path, policy_dir: Path, train_pairs: Sequence[tuple[int, int]], v
     with torch.random.fork_rng():
         train_samples = policy_samples(policy, tokenizer, train_pairs, samples=POLICY_SAMPLES, seed=seed)
         val_samples = policy_samples(policy, tokenizer, val_pairs, samples=POLICY_SAMPLES, seed=seed + 1)
-        wrong = pair_answers(tokenizer, train_pairs, train_samples, seed)
+        wrong = pair_answers(tokenizer, train_pairs, train_samples)
         torch.manual_seed(seed)
-        model = AutoModelForSequenceClassification.from_pretrained(policy_dir, num_labels=1, dtype=torch.float32)
+        trunk_history = warm_start(policy, tokenizer, train_pairs, val_pairs, seed=seed, threshold=trunk_threshold,
+                                   eval_every=50, max_steps=4000, log=log)
+        with tempfile.TemporaryDirectory() as trunk:
+            policy.save_pretrained(trunk)
+            torch.manual_seed(seed)
+            model = AutoModelForSequenceClassification.from_pretrained(trunk, num_labels=1, dtype=torch.float32)
         before = evaluate(model, tokenizer, val_pairs, val_samples)
         history = train(model, tokenizer, train_pairs, wrong, seed=seed, steps=steps, lr=lr, log=log)
     after = evaluate(model, tokenizer, val_pairs, val_samples)
@@ -202,8 +242,11 @@ def build(out: Path, policy_dir: Path, train_pairs: Sequence[tuple[int, int]], v
     info = {
         "command": f"python -m rlplat.demo.build --only reward-model --seed {seed}",
         "seed": seed,
-        "initialised_from": "the warm-started arithmetic policy (model/), score head drawn under the seed",
-        "loss": f"Bradley-Terry, the correct answer against {NEGATIVES} incorrect ones per prompt",
+        "initialised_from": (f"the warm-started arithmetic policy (model/), further supervised to greedy validation accuracy "
+                             f"{trunk_history[-1]['val_accuracy']:.3f} ({trunk_history[-1]['step']} steps); score head drawn under the seed"),
+        "trunk_history": trunk_history,
+        "loss": (f"Bradley-Terry, the correct answer against {NEGATIVES} incorrect ones per prompt, plus "
+                 f"{ANSWER_LOSS_WEIGHT} x next-token loss on the correct answer"),
         "incorrect_answers": f"the policy's wrong samples ({POLICY_SAMPLES} per prompt, temperature 1) and near misses of the sum",
         "steps": steps, "batch_prompts": BATCH_PROMPTS, "lr": lr,
         "history": history,
