@@ -480,7 +480,7 @@ def plugin_nodes(config: DictConfig, algorithm: Any, total_steps: int) -> list[P
     nodes.append(PluginNode("reward.config", owner, schema, OmegaConf.to_container(config.reward.config, resolve=True)))
     for role in ("actor", "critic"):
         loss_node = OmegaConf.to_container(config[role].loss, resolve=True)
-        for engine_set in ("global_token_count", "global_sequence_count"):
+        for engine_set in ("global_token_count", "global_sequence_count", "rollout_is_weights"):
             if loss_node.get(engine_set) is not None:
                 raise ConfigError(f"'{role}.loss.{engine_set}' is set per micro-batch by the loss function; remove it.")
         try:
@@ -675,6 +675,13 @@ def old_log_prob_pass_reasons(config: DictConfig, algorithm: Any) -> list[str]:
                        f"{config.data.train_batch_size}: the mini-batches after the first see updated weights")
     if OmegaConf.select(config, "algorithm.use_kl_in_reward", default=False):
         reasons.append("algorithm.use_kl_in_reward=true: the reward's KL term reads them before the update")
+    correction_node = OmegaConf.select(config, "algorithm.rollout_correction", default=None)
+    if correction_node is not None:
+        from rlplat.losses.rollout_correction import read_rollout_correction
+
+        correction = read_rollout_correction(OmegaConf.to_container(correction_node, resolve=True))
+        if correction.rollout_is is not None or correction.rollout_rs is not None:
+            reasons.append("algorithm.rollout_correction weights or rejects tokens by old_log_probs before the update")
     if getattr(algorithm, "reads_old_log_probs", False):
         reasons.append(f"algorithm {algorithm.name!r} reads them before the update (Algorithm.reads_old_log_probs)")
     return reasons

@@ -33,6 +33,7 @@ from rlplat.contracts.role import RunContext
 from rlplat.contracts.rollout import SamplingParams
 from rlplat.data import build_loaders
 from rlplat.placement import Placement, enabled_roles, place
+from rlplat.losses import rollout_correction
 from rlplat.protocol import DataProto
 from rlplat.reward_loop import last_tokens, precomputed_scores
 from rlplat.reward_model import combine, read_reward_model
@@ -109,6 +110,7 @@ class Trainer:
         self.kl_controller = None
         if algorithm_node.use_kl_in_reward:
             self.kl_controller = self.algorithm.resolve("kl_controller")(algorithm_node.kl_ctrl)
+        self.rollout_correction = rollout_correction.read_rollout_correction(algorithm_node.rollout_correction)
         self.use_reference = self.algorithm.uses_reference(self.node["actor"]["loss"], algorithm_node)
         self.old_log_prob_reasons = old_log_prob_pass_reasons(config, self.algorithm)
         self.run_dir = Path(config.trainer.output_dir)
@@ -197,12 +199,23 @@ class Trainer:
         batch = self.stage("scored", batch)
         if self.config.trainer.balance_batch:
             self.balance(batch, metrics)
-        separate_old_log_prob = self.needs_old_log_prob_pass(batch)
+        correction = self.rollout_correction
+        bypass = correction is not None and correction.bypass_mode
+        separate_old_log_prob = not bypass and self.needs_old_log_prob_pass(batch)
         if separate_old_log_prob:
             with timed(timing, "old_log_prob"):
                 batch = batch.union(self.actor.compute_log_prob(batch))
             mask = batch.batch["response_mask"].to(batch.batch["entropys"].dtype)
             metrics["actor/entropy"] = float((batch.batch["entropys"] * mask).sum() / mask.sum().clamp(min=1))
+        sampled_mask = batch.batch["response_mask"]
+        if correction is not None and correction.enabled:
+            if "rollout_log_probs" not in batch.batch.keys():
+                raise RuntimeError(f"step {self.step}: algorithm.rollout_correction needs the rollout's log-probs, and rollout "
+                                   f"{self.config.rollout.name!r} returned no rollout_log_probs")
+            if bypass:  # the rollout's policy is the old one: the PPO ratio is pi_theta / pi_rollout
+                batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"].clone()
+            else:
+                metrics.update(rollout_correction.apply(batch, correction))
         if self.use_reference:
             with timed(timing, "ref"):
                 batch = batch.union(self.actor.compute_ref_log_prob(batch))
@@ -219,9 +232,12 @@ class Trainer:
         with timed(timing, "update_actor"):
             updated = self.actor.update_actor(batch)
         metrics.update(updated.meta_info["metrics"])
-        if not separate_old_log_prob:  # the update's first forward supplied them
+        if not separate_old_log_prob and not bypass:  # the update's first forward supplied them
             batch = batch.union(updated.select(batch_keys=["old_log_probs"], meta_info_keys=[]))
-        metrics.update(log_prob_mismatch(batch))
+        if "rollout_log_probs" in batch.batch.keys() and not bypass:  # bypass: old_log_probs are the rollout's
+            metrics.update(log_prob_mismatch(batch))
+            metrics.update(rollout_correction.offpolicy_metrics(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"],
+                                                                sampled_mask))
         with timed(timing, "sync_weights"):
             metrics.update(self.sync_weights())
         self.stage("updated", batch)

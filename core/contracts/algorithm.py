@@ -7,7 +7,7 @@ produced and 0 on padding and on tool/observation spans of multi-turn data.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Protocol
 
 if TYPE_CHECKING:
     import numpy as np
@@ -115,6 +115,17 @@ class AlgorithmConfig:
     """KL estimator used in the reward: k1/kl, k2/mse, k3/low_var_kl, abs, or a straight-through ``+`` variant."""
     kl_ctrl: KLControlConfig = dataclasses.field(default_factory=KLControlConfig)
     """Controller of the KL-in-reward coefficient."""
+    rollout_correction: Optional[Dict[str, Any]] = None
+    """Correction between the rollout's and the trainer's log-probs (verl's node and presets:
+    ``{preset: decoupled_token_is}``, ``rollout_is``, ``rollout_is_threshold``, ``rollout_rs``,
+    ``rollout_rs_threshold``, ``bypass_mode``; :class:`rlplat.losses.rollout_correction.RolloutCorrectionConfig`).
+    None: no correction (the ``rollout_corr/*`` diagnostics are reported whenever the rollout returns log-probs)."""
+
+    def __post_init__(self) -> None:
+        if self.rollout_correction is not None:
+            from rlplat.losses.rollout_correction import read_rollout_correction
+
+            read_rollout_correction(self.rollout_correction)
 
 
 @dataclasses.dataclass

@@ -124,7 +124,11 @@ def global_counts(loss_mask: torch.Tensor) -> dict[str, int]:
 
 def aggregate_with_settings(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, settings: Any) -> torch.Tensor:
     """:func:`aggregate_loss` with the global counts and scale factor a loss config carries
-    (``global_token_count``, ``global_sequence_count``, ``loss_scale_factor``)."""
+    (``global_token_count``, ``global_sequence_count``, ``loss_scale_factor``); each token's loss is first
+    multiplied by its rollout-correction weight when the config carries them (``rollout_is_weights``)."""
+    weights = getattr(settings, "rollout_is_weights", None)
+    if weights is not None:
+        loss_mat = loss_mat * weights.to(loss_mat.dtype)
     return aggregate_loss(
         loss_mat,
         loss_mask,

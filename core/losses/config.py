@@ -15,6 +15,8 @@ from rlplat.config_node import ConfigError
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ENGINE_SET_KEYS = ("global_token_count", "global_sequence_count")
+LOSS_SET_KEYS = (*ENGINE_SET_KEYS, "rollout_is_weights")
+"""Keys of the loss nodes the loss function sets per micro-batch; a user may not set them."""
 
 
 @dataclasses.dataclass
@@ -53,6 +55,10 @@ class PolicyLossConfig:
     global_sequence_count: Optional[int] = None
     """Set per micro-batch by the loss function (not a user setting): rows of the whole mini-batch with a
     valid token, over every data-parallel rank."""
+    rollout_is_weights: Optional[Any] = None
+    """Set per micro-batch by the actor loss (not a user setting): the rollout-correction importance weights
+    ``[b, R]`` (``algorithm.rollout_correction``); :func:`rlplat.losses.aggregate_with_settings` multiplies
+    each token's policy loss by its weight before aggregating."""
 
     def __post_init__(self) -> None:
         check_loss_agg_mode(self.loss_agg_mode, "loss_agg_mode")

@@ -77,8 +77,11 @@ class ActorLoss:
         settings = with_global_counts(self.config, micro_batch.meta_info)
         batch = micro_batch.batch
         response_mask, log_prob = batch["response_mask"], outputs["log_probs"]
+        weighted = settings
+        if "rollout_is_weights" in batch.keys():  # rollout correction: each token's policy loss times its weight
+            weighted = dataclasses.replace(settings, rollout_is_weights=batch["rollout_is_weights"])
         loss, metrics = self.policy_loss(
-            batch["old_log_probs"], log_prob, batch["advantages"], response_mask, settings.loss_agg_mode, settings
+            batch["old_log_probs"], log_prob, batch["advantages"], response_mask, settings.loss_agg_mode, weighted
         )
         metrics = {**metrics, "actor/pg_loss": float(loss.detach().item())}
         if settings.entropy_coeff != 0:
