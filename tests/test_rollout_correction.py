@@ -1,0 +1,173 @@
+"""Rollout correction: weights and masks of the presets on a tensor worked out by hand, the config checked at
+load, the diagnostics against their formulas, and runs where the rollout and the trainer agree (correction
+changes nothing) or differ by a known amount (the diagnostics move by it)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlplat.config import ConfigError, load_config
+from rlplat.demo import preset
+from rlplat.losses import ActorLoss
+from rlplat.losses.rollout_correction import (PRESETS, RolloutCorrectionConfig, importance_weights, offpolicy_metrics,
+                                              read_rollout_correction, rejection_mask)
+from rlplat.protocol import DataProto
+from rlplat.tracking import read_metrics
+from rlplat.trainer import Trainer
+
+LN = math.log
+#: log pi_old - log pi_rollout; the last token of row 0 and the last two of row 1 are padding
+LOG_RATIO = torch.tensor([[LN(2), 0.0, -LN(2), 7.0], [LN(3), LN(1.5), 9.0, 9.0]], dtype=torch.float64)
+MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.float64)
+
+
+def config(**fields) -> RolloutCorrectionConfig:
+    return RolloutCorrectionConfig(**fields)
+
+
+def close(actual, expected):
+    assert torch.allclose(actual, torch.tensor(expected, dtype=actual.dtype), atol=1e-7, rtol=0), actual
+
+
+def test_token_weights_are_truncated_at_the_threshold_and_zero_at_padding():
+    weights, metrics = importance_weights(LOG_RATIO, MASK, config(rollout_is="token", rollout_is_threshold=2.0))
+    close(weights, [[2.0, 1.0, 0.5, 0.0], [2.0, 1.5, 0.0, 0.0]])  # 3 -> 2 (TIS)
+    assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(3.0)
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx((2 + 1 + 0.5 + 3 + 1.5) / 5)
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1 / 5)
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_low"] == pytest.approx(0.0)  # 0.5 is the bound, not below
+
+
+def test_sequence_weights_use_the_sum_of_the_log_ratios_on_every_token_of_the_row():
+    weights, metrics = importance_weights(LOG_RATIO, MASK, config(rollout_is="sequence", rollout_is_threshold=2.0))
+    close(weights, [[1.0, 1.0, 1.0, 0.0], [2.0, 2.0, 0.0, 0.0]])  # exp(0) and exp(ln 4.5) -> 2
+    assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(4.5)
+    assert metrics["rollout_corr/rollout_is_min"] == pytest.approx(1.0)
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(0.5)
+
+
+def test_batch_normalisation_gives_the_truncated_weights_mean_one():
+    weights, metrics = importance_weights(LOG_RATIO, MASK, config(rollout_is="token", rollout_is_threshold=2.0,
+                                                                  rollout_is_batch_normalize=True))
+    close(weights, [[2 / 1.4, 1 / 1.4, 0.5 / 1.4, 0.0], [2 / 1.4, 1.5 / 1.4, 0.0, 0.0]])
+    assert metrics["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(1.4)
+
+
+def test_geometric_k1_rejection_masks_a_whole_sequence_outside_its_bounds():
+    mask, metrics = rejection_mask(LOG_RATIO, MASK, config(rollout_rs="seq_mean_k1", rollout_rs_threshold="0.5_1.5"))
+    # row 0: mean(-l) = 0, inside [ln 0.5, ln 1.5]; row 1: -ln(4.5)/2 = -0.752 < ln 0.5 = -0.693
+    close(mask, [[1, 1, 1, 0], [0, 0, 0, 0]])
+    assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(0.5)
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(2 / 5)
+
+
+def test_token_k3_rejection_masks_single_tokens_and_options_combine_by_and():
+    mask, _ = rejection_mask(LOG_RATIO, MASK, config(rollout_rs="token_k3", rollout_rs_threshold=0.5))
+    # k3 = e^l - 1 - l: 0.307, 0, 0.193 | 0.901 (> 0.5), 0.095
+    close(mask, [[1, 1, 1, 0], [0, 1, 0, 0]])
+    both, _ = rejection_mask(LOG_RATIO, MASK, config(rollout_rs="token_k3,seq_sum_k2", rollout_rs_threshold="0.5,0.3"))
+    # seq_sum k2 = sum l^2/2: row 0 0.480 (> 0.3), row 1 0.686 (> 0.3)
+    close(both, [[0, 0, 0, 0], [0, 0, 0, 0]])
+
+
+def test_every_preset_reads_as_verls_fields():
+    assert read_rollout_correction({"preset": "decoupled_seq_is_rs"}) == RolloutCorrectionConfig(
+        preset="decoupled_seq_is_rs", rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_sum_k1",
+        rollout_rs_threshold="0.5_2.0")
+    assert read_rollout_correction({"preset": "bypass_ppo_clip"}).bypass_mode
+    assert not read_rollout_correction({"preset": "disabled"}).enabled
+    assert read_rollout_correction({"preset": "decoupled_token_is", "rollout_is_threshold": 5.0}).rollout_is_threshold == 5.0
+    for name in PRESETS:
+        read_rollout_correction({"preset": name})
+
+
+def test_the_weights_multiply_only_the_policy_loss():
+    generator = torch.Generator().manual_seed(0)
+    rows, width = 4, 5
+    tensors = {"response_mask": torch.ones(rows, width), "old_log_probs": -torch.rand(rows, width, generator=generator),
+               "advantages": torch.randn(rows, width, generator=generator)}
+    log_probs = tensors["old_log_probs"] + 0.01 * torch.randn(rows, width, generator=generator)
+    loss = ActorLoss({"loss_agg_mode": "token-mean"})
+    plain, _ = loss({"log_probs": log_probs}, DataProto.from_dict(tensors))
+    weighted, _ = loss({"log_probs": log_probs}, DataProto.from_dict({**tensors, "rollout_is_weights": torch.full((rows, width), 3.0)}))
+    assert weighted.item() == pytest.approx(3 * plain.item(), rel=1e-6)
+
+
+def test_diagnostics_follow_their_formulas():
+    rollout = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-1.5, -0.2, 0.0, 0.0]], dtype=torch.float64)
+    train = rollout + LOG_RATIO
+    metrics = offpolicy_metrics(train, rollout, MASK)
+    valid = LOG_RATIO[MASK.bool()]
+    assert metrics["rollout_corr/kl"] == pytest.approx(float(-valid.mean()))
+    assert metrics["rollout_corr/k3_kl"] == pytest.approx(float((valid.exp() - valid - 1).mean()))
+    assert metrics["rollout_corr/chi2_token"] == pytest.approx(float((valid.exp() ** 2).mean() - 1))
+    assert metrics["rollout_corr/chi2_seq"] == pytest.approx(((1.0 ** 2) + 4.5 ** 2) / 2 - 1)
+    differences = [float(-(LN(2) - LN(2)) / 3), float(-(LN(3) + LN(1.5)) / 2)]
+    assert metrics["rollout_corr/log_ppl_diff"] == pytest.approx(sum(differences) / 2)
+    ratios = valid.exp()
+    assert metrics["rollout_corr/eff_sample_size"] == pytest.approx(float(1 / ((ratios / ratios.mean()) ** 2).mean()))
+
+
+@pytest.mark.parametrize("node, message", [
+    ("algorithm.rollout_correction.preset=token_is", "unknown rollout correction preset 'token_is'"),
+    ("algorithm.rollout_correction.rollout_rs=seq_mean_k9", "unknown option"),
+    ("algorithm.rollout_correction.rollout_rs=seq_mean_k3", "rollout_rs needs rollout_rs_threshold"),
+    ("algorithm.rollout_correction.rollout_is=tokens", "rollout_is must be token, sequence or null"),
+])
+def test_a_bad_node_is_refused_at_load(node, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[*preset("arith"), node], algo="grpo")
+
+
+def test_bypass_with_weights_is_refused_at_load():
+    with pytest.raises(ConfigError, match="bypass_mode applies no weights"):
+        load_config(overrides=[*preset("arith"), "algorithm.rollout_correction.preset=bypass_ppo_clip",
+                               "algorithm.rollout_correction.rollout_is=token"], algo="grpo")
+
+
+def run(tmp_path, name, *extra, steps=20, noise=0.0, monkeypatch=None):
+    out = tmp_path / name
+    config = load_config(overrides=[*preset("arith"), f"trainer.total_training_steps={steps}", "trainer.test_freq=0",
+                                    "trainer.val_before_train=false", "trainer.save_freq=0", f"trainer.output_dir={out}",
+                                    "trainer.logger=[jsonl]", *extra], algo="grpo")
+    trainer = Trainer(config)
+    if noise:
+        generate = trainer.generate
+
+        def noisy(prompts, sampling=None):  # the rollout's log-probs, off by a known amount
+            batch = generate(prompts, sampling)
+            batch.batch["rollout_log_probs"] = batch.batch["rollout_log_probs"] + noise * batch.batch["response_mask"]
+            return batch
+
+        trainer.generate = noisy
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    return read_metrics(out)
+
+
+@pytest.mark.slow
+def test_with_the_same_fp32_engine_correction_changes_nothing_but_the_diagnostics(tmp_path):
+    off = run(tmp_path, "off")
+    on = run(tmp_path, "on", "algorithm.rollout_correction.preset=decoupled_token_is")
+    assert len(on) == len(off) == 20
+    for plain, corrected in zip(off, on):
+        assert abs(corrected["rollout_corr/kl"]) <= 1e-6 and corrected["rollout_corr/k3_kl"] <= 1e-6
+        for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "critic/advantages/mean", "response_length/mean"):
+            assert corrected[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_noise_in_the_rollout_log_probs_moves_the_diagnostics_as_computed(tmp_path):
+    noise = 0.05
+    rows = run(tmp_path, "noisy", steps=2, noise=noise)
+    for row in rows:
+        # l = log pi_train - log pi_rollout = -noise on every valid token (the engines agree to ~1e-7)
+        assert row["rollout_corr/kl"] == pytest.approx(noise, abs=1e-5)
+        assert row["rollout_corr/k3_kl"] == pytest.approx(math.exp(-noise) + noise - 1, abs=1e-6)
+        assert row["rollout_corr/chi2_token"] == pytest.approx(math.exp(-2 * noise) - 1, abs=1e-5)
+        assert row["rollout_corr/log_ppl_diff"] == pytest.approx(noise, abs=1e-5)
