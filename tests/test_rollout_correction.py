@@ -171,3 +171,53 @@ def test_noise_in_the_rollout_log_probs_moves_the_diagnostics_as_computed(tmp_pa
         assert row["rollout_corr/k3_kl"] == pytest.approx(math.exp(-noise) + noise - 1, abs=1e-6)
         assert row["rollout_corr/chi2_token"] == pytest.approx(math.exp(-2 * noise) - 1, abs=1e-5)
         assert row["rollout_corr/log_ppl_diff"] == pytest.approx(noise, abs=1e-5)
+
+
+TOKEN_W = [[2.0, 1.0, 0.5, 0.0], [2.0, 1.5, 0.0, 0.0]]
+SEQUENCE_W = [[1.0, 1.0, 1.0, 0.0], [2.0, 2.0, 0.0, 0.0]]
+#: seq_sum_k1 in [0.5, 2] and seq_mean_k1 in [0.999, 1.001] keep row 0 (log ratios summing to 0) and drop
+#: row 1 (sum ln 4.5); seq_mean_k3 <= 0.01 drops both (means 0.167 and 0.498)
+ROW_0_KEPT = [[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+NONE_KEPT = [[0.0] * 4, [0.0] * 4]
+PRESET_TABLE = {
+    "decoupled_token_is": (TOKEN_W, MASK.tolist()),
+    "decoupled_seq_is": (SEQUENCE_W, MASK.tolist()),
+    "decoupled_seq_is_rs": (ROW_0_KEPT, ROW_0_KEPT),
+    "decoupled_geo_rs": (None, ROW_0_KEPT),
+    "decoupled_geo_rs_seq_tis": (ROW_0_KEPT, ROW_0_KEPT),
+    "decoupled_geo_rs_token_tis": ([[2.0, 1.0, 0.5, 0.0], [0.0] * 4], ROW_0_KEPT),
+    "decoupled_k3_rs": (None, NONE_KEPT),
+    "decoupled_k3_rs_seq_tis": (NONE_KEPT, NONE_KEPT),
+    "decoupled_k3_rs_token_tis": (NONE_KEPT, NONE_KEPT),
+    "disabled": (None, MASK.tolist()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_TABLE))
+def test_each_decoupled_preset_gives_the_weights_and_mask_worked_out_by_hand(name):
+    from rlplat.losses.rollout_correction import apply
+
+    batch = DataProto.from_dict({"old_log_probs": LOG_RATIO.clone(), "rollout_log_probs": torch.zeros_like(LOG_RATIO),
+                                 "response_mask": MASK.clone()})
+    apply(batch, read_rollout_correction({"preset": name}))
+    weights, mask = PRESET_TABLE[name]
+    close(batch.batch["response_mask"], mask)
+    if weights is None:
+        assert "rollout_is_weights" not in batch.batch.keys()
+    else:
+        close(batch.batch["rollout_is_weights"], weights)
+
+
+def test_the_table_covers_every_preset_but_bypass():
+    assert set(PRESET_TABLE) | {"bypass_ppo_clip"} == set(PRESETS)
+
+
+@pytest.mark.slow
+def test_bypass_mode_trains_against_the_rollouts_log_probs_without_a_pass_of_its_own(tmp_path):
+    # two mini-batches per step would need old_log_probs from a pass of their own; bypass takes the rollout's
+    plain = run(tmp_path, "plain", "actor.ppo_mini_batch_size=16", steps=2)
+    bypass = run(tmp_path, "bypass", "actor.ppo_mini_batch_size=16", "algorithm.rollout_correction.preset=bypass_ppo_clip", steps=2)
+    assert all("timing_s/old_log_prob" in row for row in plain)
+    assert not any("timing_s/old_log_prob" in row for row in bypass)
+    for before, after in zip(plain, bypass):  # the fp32 engines agree, so the updates do too
+        assert after["actor/pg_loss"] == pytest.approx(before["actor/pg_loss"], rel=1e-3, abs=1e-6)
