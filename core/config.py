@@ -593,6 +593,12 @@ def reward_model_nodes(config: DictConfig) -> list[PluginNode]:
         raise ConfigError(f"reward.model.tokenizer_path: {tokenizer} is not a directory.")
     if settings.placement == "separate" and config.cluster.backend == "local":
         raise ConfigError("reward.model.placement=separate needs cluster.backend=ray (the local backend is one process).")
+    metric = OmegaConf.select(config, "algorithm.filter_groups.metric", default=None)
+    if (settings.rule_weight == 0 and OmegaConf.select(config, "algorithm.filter_groups.enable", default=False)
+            and metric not in (None, "seq_reward", "seq_final_reward")):
+        raise ConfigError(f"algorithm.filter_groups.metric={metric!r} is a column the reward manager returns, and with "
+                          "reward.model.rule_weight=0 the manager is not called in training; filter by seq_reward or "
+                          "give the rule a weight.")
     schema, owner = entry_schema("engine", settings.engine, "reward.model.engine")
     build = {"model_path": "reward.model.path", "seed": "trainer.seed", "reward_model": "(set by the reward-model role)",
              "micro_batch_size_per_gpu": "reward.model.micro_batch_size_per_gpu",

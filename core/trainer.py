@@ -48,10 +48,11 @@ def timed(timing: dict[str, float], name: str) -> Iterator[None]:
     timing[f"timing_s/{name}"] = timing.get(f"timing_s/{name}", 0.0) + time.perf_counter() - started
 
 
-def batch_metrics(batch: DataProto) -> dict[str, float]:
-    """verl's data metrics of one training batch."""
+def batch_metrics(batch: DataProto, sampled_mask: torch.Tensor | None = None) -> dict[str, float]:
+    """verl's data metrics of one training batch; lengths from ``sampled_mask`` when given (the mask as
+    sampled, before rollout correction rejected tokens), else ``response_mask``."""
     tensors = batch.batch
-    mask = tensors["response_mask"].bool()
+    mask = (tensors["response_mask"] if sampled_mask is None else sampled_mask).bool()
     lengths = mask.sum(-1).float()
     metrics = {}
     for name, key in (("score", "token_level_scores"), ("rewards", "token_level_rewards")):
@@ -235,13 +236,13 @@ class Trainer:
         if not separate_old_log_prob and not bypass:  # the update's first forward supplied them
             batch = batch.union(updated.select(batch_keys=["old_log_probs"], meta_info_keys=[]))
         if "rollout_log_probs" in batch.batch.keys() and not bypass:  # bypass: old_log_probs are the rollout's
-            metrics.update(log_prob_mismatch(batch))
+            metrics.update(log_prob_mismatch(batch, sampled_mask))
             metrics.update(rollout_correction.offpolicy_metrics(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"],
                                                                 sampled_mask))
         with timed(timing, "sync_weights"):
             metrics.update(self.sync_weights())
         self.stage("updated", batch)
-        metrics.update(batch_metrics(batch))
+        metrics.update(batch_metrics(batch, sampled_mask))
         metrics.update(agent_metrics(batch))
         metrics.update(batch.meta_info.get("reward_metrics", {}))
         timing["timing_s/step"] = time.perf_counter() - started
@@ -323,6 +324,8 @@ class Trainer:
             return scored
         started = time.perf_counter()
         model = self.reward_model.compute_rm_score(batch)
+        if validation and settings.combine == "normalized":  # a validation score comparable across steps
+            settings = dataclasses.replace(settings, combine="sum")
         scores, metrics = combine(scored.batch["token_level_scores"], model.batch["rm_scores"], batch.batch["response_mask"], settings)
         if timing is not None:
             timing["timing_s/reward_model"] = timing.get("timing_s/reward_model", 0.0) + time.perf_counter() - started

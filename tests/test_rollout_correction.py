@@ -221,3 +221,30 @@ def test_bypass_mode_trains_against_the_rollouts_log_probs_without_a_pass_of_its
     assert not any("timing_s/old_log_prob" in row for row in bypass)
     for before, after in zip(plain, bypass):  # the fp32 engines agree, so the updates do too
         assert after["actor/pg_loss"] == pytest.approx(before["actor/pg_loss"], rel=1e-3, abs=1e-6)
+
+
+def test_lengths_and_the_sync_check_read_the_mask_as_sampled_not_as_rejection_left_it():
+    from rlplat.trainer import batch_metrics
+    from rlplat.workers.actor_rollout_ref import log_prob_mismatch
+
+    sampled = torch.ones(2, 4)
+    rollout = torch.zeros(2, 4)
+    rollout[1, 2] = -3.0
+    batch = DataProto.from_dict({"responses": torch.ones(2, 4, dtype=torch.long), "prompts": torch.ones(2, 2, dtype=torch.long),
+                                 "attention_mask": torch.ones(2, 6, dtype=torch.long), "old_log_probs": torch.zeros(2, 4),
+                                 "rollout_log_probs": rollout, "response_mask": sampled.clone(),
+                                 "token_level_scores": torch.zeros(2, 4), "token_level_rewards": torch.zeros(2, 4)})
+    from rlplat.losses.rollout_correction import apply
+
+    apply(batch, read_rollout_correction({"preset": "decoupled_geo_rs"}))
+    assert batch.batch["response_mask"][1].sum() == 0  # row 1 rejected
+    assert batch_metrics(batch, sampled)["response_length/mean"] == 4.0
+    assert log_prob_mismatch(batch, sampled)["rollout/log_prob_diff_max"] == 3.0
+
+
+def test_filtering_dapo_groups_by_a_rule_column_needs_the_rule_in_training(tmp_path):
+    from rlplat.demo import reward_model_dir
+
+    with pytest.raises(ConfigError, match="filter_groups.metric='acc'.*rule_weight=0"):
+        load_config(overrides=[*preset("arith"), f"reward.model.path={reward_model_dir()}", "reward.model.rule_weight=0",
+                               "algorithm.filter_groups.metric=acc"], algo="dapo")

@@ -53,7 +53,8 @@ class RolloutCorrectionConfig:
     """Rejection options, comma-separated (:data:`RS_OPTIONS`), combined by AND; None: no rejection."""
     rollout_rs_threshold: Optional[Union[str, float]] = None
     """One threshold per option, comma-separated, or one for all: ``"lower_upper"`` or ``upper`` for k1
-    (lower 1/upper), a positive number for k2 and k3."""
+    (lower 1/upper), a positive number for k2 and k3. Quote ``"lower_upper"`` in YAML and on the command
+    line (``'"0.5_2"'``): unquoted, ``1_2`` reads as the number 12."""
     bypass_mode: bool = False
     """Use the rollout's log-probs as ``old_log_probs`` (one forward pass fewer per step)."""
     loss_type: str = "ppo_clip"
@@ -202,7 +203,8 @@ def importance_weights(log_ratio: Any, mask: Any, config: RolloutCorrectionConfi
     clamped = raw.clamp(lower, upper)
     mean = _masked_mean(clamped, mask)
     metrics["rollout_is_std"] = float((_masked_mean(clamped ** 2, mask) - mean ** 2).clamp(min=0).sqrt()) if mask.sum() > 1 else 0.0
-    metrics["rollout_is_eff_sample_size"] = float(1.0 / _masked_mean((clamped / (mean + 1e-8)) ** 2, mask))
+    spread = _masked_mean((clamped / (mean + 1e-8)) ** 2, mask)
+    metrics["rollout_is_eff_sample_size"] = float(1.0 / spread) if float(spread) > 0 else 0.0
     weights = raw.clamp(max=upper)
     if config.rollout_is_batch_normalize:
         if config.rollout_is == "token":

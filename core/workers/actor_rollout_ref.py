@@ -26,10 +26,11 @@ from rlplat.workers.config import ActorRolloutRefConfig
 SAMPLING_KEYS = {field.name for field in dataclasses.fields(SamplingParams)}
 
 
-def log_prob_mismatch(batch: DataProto) -> dict[str, float]:
+def log_prob_mismatch(batch: DataProto, mask: torch.Tensor | None = None) -> dict[str, float]:
     """How far the engine's ``old_log_probs`` are from the rollout's ``rollout_log_probs`` on valid
-    response tokens: the health metric of a weight sync (both come from the same weights and tokens)."""
-    mask = batch.batch["response_mask"].bool()
+    response tokens (``mask``, default ``response_mask``): the health metric of a weight sync (both come
+    from the same weights and tokens)."""
+    mask = (batch.batch["response_mask"] if mask is None else mask).bool()
     difference = (batch.batch["old_log_probs"] - batch.batch["rollout_log_probs"]).abs()[mask]
     if difference.numel() == 0:
         return {"rollout/log_prob_diff_max": 0.0, "rollout/log_prob_diff_mean": 0.0}

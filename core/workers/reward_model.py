@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from rlplat.contracts.role import Role, RoleConfig, RunContext
@@ -184,10 +185,14 @@ class RewardModelRole(Role):
 
         config = run.config
         settings = read_reward_model(config)
+        # absolute, so a worker in a pool of its own (another working directory) finds them
+        absolute = lambda path: None if path is None else str(Path(path).resolve())  # noqa: E731
+        settings = dataclasses.replace(settings, path=absolute(settings.path),
+                                       tokenizer_path=absolute(settings.tokenizer_path or settings.path))
         return WorkerSpec(RewardModelWorker, {
             "engine": settings.engine, "engine_config": engine_node(config, settings),
-            "policy_tokenizer_path": config.model.tokenizer_path or config.model.path,
-            "tokenizer_path": settings.tokenizer_path or settings.path,
+            "policy_tokenizer_path": absolute(config.model.tokenizer_path or config.model.path),
+            "tokenizer_path": settings.tokenizer_path,
             "retokenize": settings.retokenize, "max_length": settings.max_length,
             "sleep": settings.sleep and settings.placement == "colocated",
             "template_kwargs": OmegaConf.to_container(config.data.apply_chat_template_kwargs, resolve=True) or {},
