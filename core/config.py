@@ -503,6 +503,8 @@ def plugin_nodes(config: DictConfig, algorithm: Any, total_steps: int) -> list[P
         schema, owner = entry_schema("role", name, f"roles.{name}")
         nodes.append(PluginNode(f"roles.{name}", owner, schema or RoleConfig, node or {}))
     nodes += agent_nodes(config)
+    from rlplat.reward_model import reward_model_nodes
+
     nodes += reward_model_nodes(config)
     return nodes
 
@@ -577,35 +579,6 @@ def check_chat_template(config: DictConfig) -> None:
 
 
 # -- validation -------------------------------------------------------------------------------------------
-
-def reward_model_nodes(config: DictConfig) -> list[PluginNode]:
-    """``reward.model`` itself and, when it names a model, its engine's node."""
-    from rlplat.reward_model import engine_node as reward_engine_node, read_reward_model
-
-    settings = read_reward_model(config)
-    if not settings.enabled:
-        return []
-    path = Path(settings.path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"reward.model.path: {settings.path} is not a local Hugging Face model directory (no config.json there).")
-    tokenizer = Path(settings.tokenizer_path or settings.path)
-    if not tokenizer.is_dir():
-        raise ConfigError(f"reward.model.tokenizer_path: {tokenizer} is not a directory.")
-    if settings.placement == "separate" and config.cluster.backend == "local":
-        raise ConfigError("reward.model.placement=separate needs cluster.backend=ray (the local backend is one process).")
-    metric = OmegaConf.select(config, "algorithm.filter_groups.metric", default=None)
-    if (settings.rule_weight == 0 and OmegaConf.select(config, "algorithm.filter_groups.enable", default=False)
-            and metric not in (None, "seq_reward", "seq_final_reward")):
-        raise ConfigError(f"algorithm.filter_groups.metric={metric!r} is a column the reward manager returns, and with "
-                          "reward.model.rule_weight=0 the manager is not called in training; filter by seq_reward or "
-                          "give the rule a weight.")
-    schema, owner = entry_schema("engine", settings.engine, "reward.model.engine")
-    build = {"model_path": "reward.model.path", "seed": "trainer.seed", "reward_model": "(set by the reward-model role)",
-             "micro_batch_size_per_gpu": "reward.model.micro_batch_size_per_gpu",
-             "use_dynamic_bsz": "reward.model.use_dynamic_bsz", "max_token_len_per_gpu": "reward.model.max_token_len_per_gpu"}
-    return [PluginNode("reward.model.engine_config", owner, schema, reward_engine_node(config, settings), build,
-                       tuple(settings.engine_config))]
-
 
 def validate_config(config: DictConfig) -> None:
     """Raise :class:`ConfigError` for the first problem found (checks that need no worker)."""

@@ -385,6 +385,21 @@ def pad_token_id_of(tokenizer: Any) -> int:
     raise DataError("the tokenizer has neither a pad token nor an EOS token to left-pad prompts with; set tokenizer.pad_token")
 
 
+def left_padded(token_lists: Sequence[Sequence[int]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``attention_mask`` and ``position_ids`` (int64, ``[B, W]``) of ``token_lists`` left-padded
+    to the longest: ``pad_token_id`` on the left, 1 on real tokens, positions
+    ``clamp(cumsum(attention_mask) - 1, 0)`` (0 on the padding and the first real token). What the data
+    loader, the judge and the reward model feed a model."""
+    width = max(len(tokens) for tokens in token_lists)
+    input_ids = torch.full((len(token_lists), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(token_lists), width), dtype=torch.long)
+    for number, tokens in enumerate(token_lists):
+        input_ids[number, width - len(tokens):] = torch.as_tensor(tokens, dtype=torch.long)
+        attention_mask[number, width - len(tokens):] = 1
+    position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+
 def collate(rows: Sequence[Mapping[str, Any]], pad_token_id: int, uid_prefix: str = "") -> DataProto:
     """Rows of an :class:`RLDataset` -> one prompt batch, left-padded to the **longest prompt of the
     batch** (not to ``max_prompt_length``: rollout engines take any width, and narrower batches are
@@ -407,21 +422,12 @@ def collate(rows: Sequence[Mapping[str, Any]], pad_token_id: int, uid_prefix: st
     if len(set(indices)) != len(indices):
         repeated = sorted({index for index in indices if indices.count(index) > 1})
         raise ValueError(f"dataset index(es) {repeated} appear more than once in one batch; their uids would collide")
-    width = max(len(row["input_ids"]) for row in rows)
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for number, row in enumerate(rows):
-        length = len(row["input_ids"])
-        input_ids[number, width - length:] = torch.as_tensor(row["input_ids"], dtype=torch.long)
-        attention_mask[number, width - length:] = 1
-    position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+    tensors = left_padded([row["input_ids"] for row in rows], pad_token_id)
     keys = ("raw_prompt", "data_source", "reward_model", "extra_info") + (("agent_name",) if "agent_name" in rows[0] else ())
     non_tensors = {key: [row.get(key) for row in rows] for key in keys}
     non_tensors["index"] = np.asarray(indices, dtype=np.int64)
     non_tensors["uid"] = [f"{uid_prefix}i{index}" for index in indices]
-    return DataProto.from_dict(
-        {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}, non_tensors
-    )
+    return DataProto.from_dict(tensors, non_tensors)
 
 
 class StatefulLoader:

@@ -363,19 +363,10 @@ class JudgeRewardManager(RewardManager):
 
     def ask(self, prompts: list[list[int]]) -> list[str]:
         """The judge's decoded answers to ``prompts``, through the judge group's ``generate_sequences``."""
-        import torch
-
+        from rlplat.data import left_padded
         from rlplat.protocol import DataProto
 
-        width = max(len(ids) for ids in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, ids in enumerate(prompts):
-            input_ids[row, width - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
-            attention_mask[row, width - len(ids):] = 1
-        position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
-        request = DataProto.from_dict({"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
-                                      meta_info=self.settings.sampling())
+        request = DataProto.from_dict(left_padded(prompts, self.pad_token_id), meta_info=self.settings.sampling())
         output = self.group.generate_sequences(request)
         return decode_through(self.judge_tokenizer, output.batch["responses"], output.batch["response_mask"])
 

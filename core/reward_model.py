@@ -126,6 +126,40 @@ def engine_node(config: Any, settings: RewardModelConfig) -> dict[str, Any]:
     return {**build, **own}
 
 
+def reward_model_nodes(config: Any) -> list:
+    """The run config's plugin nodes (:class:`rlplat.config.PluginNode`) of the reward model: its engine's
+    node when ``reward.model.path`` names one, after the checks that need the whole config."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from rlplat.config import ConfigError, PluginNode, entry_schema
+
+    settings = read_reward_model(config)
+    if not settings.enabled:
+        return []
+    path = Path(settings.path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"reward.model.path: {settings.path} is not a local Hugging Face model directory (no config.json there).")
+    tokenizer = Path(settings.tokenizer_path or settings.path)
+    if not tokenizer.is_dir():
+        raise ConfigError(f"reward.model.tokenizer_path: {tokenizer} is not a directory.")
+    if settings.placement == "separate" and config.cluster.backend == "local":
+        raise ConfigError("reward.model.placement=separate needs cluster.backend=ray (the local backend is one process).")
+    metric = OmegaConf.select(config, "algorithm.filter_groups.metric", default=None)
+    if (settings.rule_weight == 0 and OmegaConf.select(config, "algorithm.filter_groups.enable", default=False)
+            and metric not in (None, "seq_reward", "seq_final_reward")):
+        raise ConfigError(f"algorithm.filter_groups.metric={metric!r} is a column the reward manager returns, and with "
+                          "reward.model.rule_weight=0 the manager is not called in training; filter by seq_reward or "
+                          "give the rule a weight.")
+    schema, owner = entry_schema("engine", settings.engine, "reward.model.engine")
+    build = {"model_path": "reward.model.path", "seed": "trainer.seed", "reward_model": "(set by the reward-model role)",
+             "micro_batch_size_per_gpu": "reward.model.micro_batch_size_per_gpu",
+             "use_dynamic_bsz": "reward.model.use_dynamic_bsz", "max_token_len_per_gpu": "reward.model.max_token_len_per_gpu"}
+    return [PluginNode("reward.model.engine_config", owner, schema, engine_node(config, settings), build,
+                       tuple(settings.engine_config))]
+
+
 def standardised(values: Any) -> Any:
     """``(values - mean) / std`` over the batch (population std); zeros when the values do not vary."""
     centred = values - values.mean()

@@ -105,15 +105,10 @@ def pair_answers(tokenizer: Any, pairs: Sequence[tuple[int, int]], sampled: list
 
 def padded(tokenizer: Any, sequences: list[list[int]]) -> tuple[Any, Any, Any]:
     """``(input_ids, attention_mask, position_ids)`` of ``sequences`` left-padded to one width."""
-    import torch
+    from rlplat.data import left_padded
 
-    width = max(len(sequence) for sequence in sequences)
-    input_ids = torch.full((len(sequences), width), tokenizer.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, sequence in enumerate(sequences):
-        input_ids[row, width - len(sequence):] = torch.as_tensor(sequence)
-        attention_mask[row, width - len(sequence):] = 1
-    return input_ids, attention_mask, (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    tensors = left_padded(sequences, tokenizer.pad_token_id)
+    return tensors["input_ids"], tensors["attention_mask"], tensors["position_ids"]
 
 
 def score_sequences(model: Any, tokenizer: Any, sequences: list[list[int]], *, with_hidden: bool = False) -> Any:

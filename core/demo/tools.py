@@ -620,19 +620,16 @@ def generate_turn(model, tokenizer, contexts: Sequence[Sequence[int]], *, do_sam
     sampling."""
     import torch
 
+    from rlplat.data import left_padded
+
     pad, end = tokenizer.pad_token_id, tokenizer.eos_token_id
     sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if do_sample else dict(do_sample=False)
     turns = []
     for start in range(0, len(contexts), batch_size):
-        chunk = contexts[start: start + batch_size]
-        width = max(len(context) for context in chunk)
-        input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, context in enumerate(chunk):
-            input_ids[row, width - len(context):] = torch.as_tensor(context)
-            attention_mask[row, width - len(context):] = 1
+        inputs = left_padded(contexts[start: start + batch_size], pad)
+        width = inputs["input_ids"].shape[1]
         with torch.no_grad():
-            output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+            output = model.generate(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=max_new_tokens,
                                     eos_token_id=end, pad_token_id=pad, **sampling)
         for row in output[:, width:].tolist():
             turns.append(row[: row.index(end) + 1] if end in row else row)

@@ -15,15 +15,10 @@ OUTPUT_KEYS = ("prompts", "responses", "response_mask", "rollout_log_probs", "in
 
 def left_padded_prompts(token_lists: list[list[int]], pad_token_id: int, uids: list[str] | None = None) -> DataProto:
     """A prompt batch as the data loader makes it: left padding, positions counting real tokens."""
-    width = max(len(tokens) for tokens in token_lists)
-    input_ids = torch.full((len(token_lists), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, tokens in enumerate(token_lists):
-        input_ids[row, width - len(tokens):] = torch.tensor(tokens)
-        attention_mask[row, width - len(tokens):] = 1
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    from rlplat.data import left_padded
+
     uids = uids or [f"prompt-{row}" for row in range(len(token_lists))]
-    return DataProto.from_dict({"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}, {"uid": uids})
+    return DataProto.from_dict(left_padded(token_lists, pad_token_id), {"uid": uids})
 
 
 def assert_same_samples(before: DataProto, after: DataProto) -> None:

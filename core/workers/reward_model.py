@@ -82,7 +82,7 @@ class Retokenizer:
     def __call__(self, batch: DataProto) -> tuple[DataProto, int]:
         """The reward model's ``input_ids``, ``attention_mask``, ``position_ids`` (left padded) and the
         number of rows cut to ``max_length``."""
-        import torch
+        from rlplat.data import left_padded
 
         tensors = batch.batch
         prompts, responses = tensors["prompts"], tensors["responses"]
@@ -97,14 +97,7 @@ class Retokenizer:
             if self.max_length is not None and len(ids) > self.max_length:
                 ids, truncated = ids[-self.max_length:], truncated + 1
             rows.append(ids)
-        longest = max(len(ids) for ids in rows)
-        input_ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, ids in enumerate(rows):
-            input_ids[row, longest - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
-            attention_mask[row, longest - len(ids):] = 1
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        return DataProto.from_dict({"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}), truncated
+        return DataProto.from_dict(left_padded(rows, self.pad_id)), truncated
 
 
 class RewardModelWorker(Worker):
