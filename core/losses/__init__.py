@@ -40,6 +40,7 @@ _LAZY_NAMES: dict[str, str] = {
     "CriticLoss": "rlplat.losses.functions",
     "as_contributions": "rlplat.losses.functions",
     "token_share": "rlplat.losses.functions",
+    "sequence_share": "rlplat.losses.functions",
     "with_global_counts": "rlplat.losses.functions",
     "value_loss": "rlplat.losses.value",
     "kl_estimate": "rlplat.losses.kl",

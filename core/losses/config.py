@@ -15,8 +15,8 @@ from rlplat.config_node import ConfigError
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ENGINE_SET_KEYS = ("global_token_count", "global_sequence_count")
-LOSS_SET_KEYS = (*ENGINE_SET_KEYS, "rollout_is_weights")
-"""Keys of the loss nodes the loss function sets per micro-batch; a user may not set them."""
+LOSS_SET_KEYS = (*ENGINE_SET_KEYS, "rollout_is_weights", "rollout_correction")
+"""Keys of the loss nodes that the loss function (per micro-batch) or the run sets; a user may not set them."""
 
 
 @dataclasses.dataclass
@@ -59,6 +59,10 @@ class PolicyLossConfig:
     """Set per micro-batch by the actor loss (not a user setting): the rollout-correction importance weights
     ``[b, R]`` (``algorithm.rollout_correction``); :func:`rlplat.losses.aggregate_with_settings` multiplies
     each token's policy loss by its weight before aggregating."""
+    rollout_correction: Optional[Dict[str, Any]] = None
+    """Set by the run (not a user setting, which is ``algorithm.rollout_correction``): that node when it is in
+    bypass mode, where the actor loss computes the weights and the rejection of each micro-batch itself
+    (:func:`rlplat.losses.rollout_correction.bypass_correction`) and ``loss_type`` picks its policy loss."""
 
     def __post_init__(self) -> None:
         check_loss_agg_mode(self.loss_agg_mode, "loss_agg_mode")

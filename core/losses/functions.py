@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
-from rlplat.config_node import read_config_node
+from rlplat.config_node import ConfigError, read_config_node
 from rlplat.losses.aggregation import aggregate_with_settings
 from rlplat.losses.config import ENGINE_SET_KEYS, PolicyLossConfig, ValueLossConfig
 from rlplat.losses.kl import kl_loss
@@ -38,6 +38,13 @@ def token_share(response_mask: torch.Tensor, global_token_count: Any) -> float:
     return float(response_mask.sum()) / float(global_token_count)
 
 
+def sequence_share(response_mask: torch.Tensor, global_sequence_count: Any) -> float:
+    """This micro-batch's fraction of the mini-batch's rows with a valid token (1 when no global count is given)."""
+    if not global_sequence_count:
+        return 1.0
+    return float((response_mask.sum(-1) > 0).sum()) / float(global_sequence_count)
+
+
 def as_contributions(metrics: Mapping[str, float], additive: set[str], share: float) -> dict[str, float]:
     """Metrics as the engine sums them over micro-batches and ranks: globally normalised ones
     (``additive``: the loss and its parts) as they are, means over this micro-batch's tokens scaled by
@@ -51,21 +58,42 @@ class ActorLoss:
 
     ``config`` is the ``actor.loss`` node (:class:`PolicyLossConfig`, a mapping or None);
     ``policy_loss`` a callable of kind ``policy_loss`` (default: the registry entry named by
-    ``config.policy_loss["loss_mode"]``, looked up in the process that builds the loss). Reads
+    ``config.policy_loss["loss_mode"]``, or ``reinforce`` for bypass mode's ``loss_type: reinforce``, looked
+    up in the process that builds the loss). Reads
     ``response_mask``, ``old_log_probs``, ``advantages`` and, with ``use_kl_loss``, ``ref_log_prob``
     from the micro-batch; ``log_probs`` and, with ``entropy_coeff != 0``, ``entropy`` from the engine's
     outputs (:attr:`needs_entropy` tells the worker to ask for it). Metrics add ``actor/pg_loss``,
     ``actor/entropy`` and ``actor/kl_loss`` / ``actor/kl_coef`` when used.
+
+    With ``config.rollout_correction`` (set by the run in bypass mode) the policy term is corrected per
+    micro-batch (:func:`rlplat.losses.rollout_correction.bypass_correction`, on ``rollout_log_probs``,
+    which the micro-batch must carry): rejection narrows the policy loss's mask (the entropy and KL terms
+    keep the sampled one; the global token and sequence counts stay those of the sampled mask, as in
+    verl), and the policy loss is the configured one for ``loss_type: ppo_clip`` or the registered
+    ``reinforce`` (``-A * w * log_prob``, ``w`` the detached weights) for ``loss_type: reinforce``, taken
+    against ``rollout_log_probs``. The ``rollout_corr/*`` metrics come as contributions like the others,
+    per-sequence ones scaled by the micro-batch's share of the sequences.
     """
 
     config_schema = PolicyLossConfig
 
     def __init__(self, config: Any = None, policy_loss: Callable[..., Any] | None = None):
         self.config = read_config_node(config, PolicyLossConfig, "actor.loss")
+        self.rollout_correction = None
+        loss_mode = self.config.loss_mode
+        if self.config.rollout_correction is not None:
+            from rlplat.losses.rollout_correction import BYPASS_PG_LOSS, read_rollout_correction
+
+            self.rollout_correction = read_rollout_correction(self.config.rollout_correction)
+            if not self.rollout_correction.bypass_mode:
+                raise ConfigError("actor.loss.rollout_correction: the actor loss corrects in bypass mode only (decoupled "
+                                  "correction weights and rejects the batch before the update); this node has bypass_mode=false")
+            if self.rollout_correction.loss_type == "reinforce":
+                loss_mode = BYPASS_PG_LOSS
         if policy_loss is None:
             from rlplat import registry
 
-            policy_loss = registry.get("policy_loss", self.config.loss_mode)
+            policy_loss = registry.get("policy_loss", loss_mode)
         self.policy_loss = policy_loss
 
     @property
@@ -77,12 +105,16 @@ class ActorLoss:
         settings = with_global_counts(self.config, micro_batch.meta_info)
         batch = micro_batch.batch
         response_mask, log_prob = batch["response_mask"], outputs["log_probs"]
-        weighted = settings
-        if "rollout_is_weights" in batch.keys():  # rollout correction: each token's policy loss times its weight
-            weighted = dataclasses.replace(settings, rollout_is_weights=batch["rollout_is_weights"])
-        loss, metrics = self.policy_loss(
-            batch["old_log_probs"], log_prob, batch["advantages"], response_mask, settings.loss_agg_mode, weighted
-        )
+        correction_metrics: dict[str, float] = {}
+        if self.rollout_correction is not None:
+            loss, metrics, correction_metrics = self.bypass_policy_term(settings, batch, log_prob)
+        else:
+            weighted = settings
+            if "rollout_is_weights" in batch.keys():  # rollout correction: each token's policy loss times its weight
+                weighted = dataclasses.replace(settings, rollout_is_weights=batch["rollout_is_weights"])
+            loss, metrics = self.policy_loss(
+                batch["old_log_probs"], log_prob, batch["advantages"], response_mask, settings.loss_agg_mode, weighted
+            )
         metrics = {**metrics, "actor/pg_loss": float(loss.detach().item())}
         if settings.entropy_coeff != 0:
             entropy = aggregate_with_settings(outputs["entropy"], response_mask, settings.loss_agg_mode, settings)
@@ -94,7 +126,32 @@ class ActorLoss:
             metrics.update(kl_metrics)
             metrics["actor/kl_coef"] = float(settings.kl_loss_coef)
         additive = {"actor/pg_loss", "actor/entropy", "actor/kl_loss"}
-        return loss, as_contributions(metrics, additive, token_share(response_mask, settings.global_token_count))
+        return loss, {**as_contributions(metrics, additive, token_share(response_mask, settings.global_token_count)),
+                      **correction_metrics}
+
+    def bypass_policy_term(self, settings: PolicyLossConfig, batch: Any,
+                           log_prob: torch.Tensor) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
+        """The policy loss of a bypass-mode micro-batch, its metrics, and the ``rollout_corr/*`` metrics
+        as contributions (see the class docstring)."""
+        from rlplat.losses.rollout_correction import bypass_correction, is_per_sequence
+
+        correction = self.rollout_correction
+        keys = batch.keys()
+        if "rollout_log_probs" not in keys:
+            raise ValueError("actor loss: algorithm.rollout_correction in bypass mode corrects each micro-batch against the "
+                             "rollout's log-probs, and this micro-batch has no rollout_log_probs; the rollout must return them")
+        if "rollout_is_weights" in keys:
+            raise ValueError("actor loss: this micro-batch carries rollout_is_weights from decoupled correction, and "
+                             "algorithm.rollout_correction is in bypass mode, which computes its own: use one mode")
+        response_mask, rollout_log_prob = batch["response_mask"], batch["rollout_log_probs"]
+        weights, policy_mask, raw = bypass_correction(log_prob, rollout_log_prob, response_mask, correction)
+        weighted = settings if weights is None else dataclasses.replace(settings, rollout_is_weights=weights)
+        loss, metrics = self.policy_loss(rollout_log_prob, log_prob, batch["advantages"], policy_mask,
+                                         settings.loss_agg_mode, weighted)
+        tokens = token_share(response_mask, settings.global_token_count)
+        sequences = sequence_share(response_mask, settings.global_sequence_count)
+        contributions = {key: value * (sequences if is_per_sequence(key, correction) else tokens) for key, value in raw.items()}
+        return loss, metrics, contributions
 
 
 class CriticLoss:

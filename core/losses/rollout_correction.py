@@ -15,8 +15,14 @@ pi_rollout) over valid response tokens:
   aggregated per sequence (``seq_sum``, ``seq_mean``, ``seq_max``); k1 is kept inside ``[log lower,
   log upper]`` (``"lower_upper"``, or one value ``u`` for ``[1/u, u]``), k2 and k3 below their threshold.
   Rejected tokens (or whole sequences) leave ``response_mask`` (MIS: masked, not truncated).
-* **bypass mode**: the rollout's log-probs serve as ``old_log_probs`` (no forward pass for them); the
-  PPO ratio is then ``pi_theta / pi_rollout`` itself, so no weights are applied.
+* **bypass mode**: the rollout's log-probs serve as ``old_log_probs`` (no forward pass for them), and
+  the actor loss does the correction itself, per micro-batch (:func:`bypass_correction`), on
+  ``l = log pi_theta - log pi_rollout`` from the update's own forward (detached): the same weights and
+  rejection as above, the rejection narrowing only the policy loss's mask. ``loss_type`` picks the loss:
+  ``ppo_clip`` (the configured policy loss, whose ratio is then ``pi_theta / pi_rollout`` itself, so no
+  weights: rejection only) or ``reinforce`` (the policy gradient ``-A * w * log pi_theta``, ``w`` the
+  detached truncated weight, 1 without ``rollout_is``; no ratio, no clipping). The loss reports the
+  ``rollout_corr/*`` metrics of its micro-batches.
 
 :func:`offpolicy_metrics` is the always-on telemetry (KL k1 and k3, log-perplexity difference, chi-squared,
 effective sample size) whenever rollout log-probs exist, correction or not.
@@ -31,7 +37,10 @@ from typing import Any, Optional, Union
 SAFETY_BOUND = 20.0
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
               "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
-LOSS_TYPES = ("ppo_clip",)
+LOSS_TYPES = ("ppo_clip", "reinforce")
+BYPASS_PG_LOSS = "reinforce"
+"""The registered policy loss (kind ``policy_loss``) of ``loss_type: reinforce``: ``-A * log_prob``, each
+token's loss times its ``rollout_is_weights`` through the aggregation."""
 
 
 @dataclasses.dataclass
@@ -42,7 +51,9 @@ class RolloutCorrectionConfig:
     preset: Optional[str] = None
     """A named preset (verl's): ``decoupled_token_is``, ``decoupled_seq_is``, ``decoupled_seq_is_rs``,
     ``decoupled_geo_rs``, ``decoupled_geo_rs_seq_tis``, ``decoupled_geo_rs_token_tis``, ``decoupled_k3_rs``,
-    ``decoupled_k3_rs_seq_tis``, ``decoupled_k3_rs_token_tis``, ``bypass_ppo_clip``, ``disabled``."""
+    ``decoupled_k3_rs_seq_tis``, ``decoupled_k3_rs_token_tis``, ``bypass_ppo_clip``, ``bypass_ppo_clip_geo_rs``,
+    ``bypass_ppo_clip_k3_rs``, ``bypass_pg_is``, ``bypass_pg_geo_rs``, ``bypass_pg_geo_rs_seq_tis``,
+    ``bypass_pg_geo_rs_token_tis``, ``disabled``."""
     rollout_is: Optional[str] = None
     """Importance weights: ``token``, ``sequence`` or None (none)."""
     rollout_is_threshold: float = 2.0
@@ -56,9 +67,12 @@ class RolloutCorrectionConfig:
     (lower 1/upper), a positive number for k2 and k3. Quote ``"lower_upper"`` in YAML and on the command
     line (``'"0.5_2"'``): unquoted, ``1_2`` reads as the number 12."""
     bypass_mode: bool = False
-    """Use the rollout's log-probs as ``old_log_probs`` (one forward pass fewer per step)."""
+    """Use the rollout's log-probs as ``old_log_probs`` (one forward pass fewer per step); weights and
+    rejection are then computed inside the actor loss, per micro-batch, against the current policy."""
     loss_type: str = "ppo_clip"
-    """The loss in bypass mode: ``ppo_clip`` (PPO's clipped ratio against the rollout policy)."""
+    """The loss in bypass mode: ``ppo_clip`` (the configured policy loss, its ratio taken against the
+    rollout policy; rejection only, no weights) or ``reinforce`` (policy gradient ``-A * w * log_prob``
+    with the detached weights ``w``, no ratio, no clipping)."""
 
     def __post_init__(self) -> None:
         if self.preset is not None:
@@ -71,9 +85,12 @@ class RolloutCorrectionConfig:
             problems.append(f"rollout_is_threshold must be > 0, got {self.rollout_is_threshold}")
         if self.loss_type not in LOSS_TYPES:
             problems.append(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
-        if self.bypass_mode and (self.rollout_is is not None or self.rollout_rs is not None):
-            problems.append("bypass_mode applies no weights and no rejection here (the ratio already is pi_theta / "
-                            "pi_rollout): set rollout_is and rollout_rs to null")
+        elif self.loss_type == "reinforce" and not self.bypass_mode:
+            problems.append("loss_type=reinforce is the loss of bypass mode (decoupled mode trains with "
+                            "actor.loss.policy_loss): set bypass_mode to true, or loss_type to ppo_clip")
+        if self.bypass_mode and self.loss_type == "ppo_clip" and self.rollout_is is not None:
+            problems.append("bypass_mode applies no weights with loss_type=ppo_clip (its ratio already is pi_theta / "
+                            "pi_rollout): set rollout_is to null, or loss_type to reinforce")
         if problems:
             raise ValueError("; ".join(problems))
         if self.rollout_rs is not None:
@@ -101,6 +118,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     "decoupled_k3_rs_token_tis": {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k3",
                                   "rollout_rs_threshold": 0.01},
     "bypass_ppo_clip": {"bypass_mode": True, "loss_type": "ppo_clip"},
+    "bypass_ppo_clip_geo_rs": {"bypass_mode": True, "loss_type": "ppo_clip", "rollout_rs": "seq_mean_k1",
+                               "rollout_rs_threshold": "0.999_1.001"},
+    "bypass_ppo_clip_k3_rs": {"bypass_mode": True, "loss_type": "ppo_clip", "rollout_rs": "seq_mean_k3",
+                              "rollout_rs_threshold": 0.01},
+    "bypass_pg_is": {"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "sequence", "rollout_is_threshold": 2.0},
+    "bypass_pg_geo_rs": {"bypass_mode": True, "loss_type": "reinforce", "rollout_rs": "seq_mean_k1",
+                         "rollout_rs_threshold": "0.999_1.001"},
+    "bypass_pg_geo_rs_seq_tis": {"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "sequence",
+                                 "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"},
+    "bypass_pg_geo_rs_token_tis": {"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "token",
+                                   "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"},
     "disabled": {},
 }
 """verl's presets that rlplat implements, as the fields each sets (the others keep their defaults)."""
@@ -255,7 +283,8 @@ def rejection_mask(log_ratio: Any, mask: Any, config: RolloutCorrectionConfig) -
         metrics[f"rollout_rs_{spec.option}_seq_masked_fraction"] = float((rejected.sum(-1)[rows] > 0).float().mean()) if rows.any() else 0.0
     rejected = (1 - keep_all) * valid
     metrics["rollout_rs_masked_fraction"] = float(_masked_mean(1 - keep_all, valid))
-    metrics["rollout_rs_seq_masked_fraction"] = float((rejected.sum(-1) > 0).float().mean()) if len(valid) else 0.0
+    # over the rows with a valid token, like each option's: a micro-batch may hold rows of dispatch padding
+    metrics["rollout_rs_seq_masked_fraction"] = float((rejected.sum(-1)[rows] > 0).float().mean()) if rows.any() else 0.0
     return (mask * keep_all.to(mask.dtype)), {f"rollout_corr/{key}": value for key, value in metrics.items()}
 
 
@@ -310,3 +339,61 @@ def apply(batch: Any, config: RolloutCorrectionConfig) -> dict[str, float]:
     if config.rollout_is is not None:
         tensors["rollout_is_weights"] = weights * mask.to(weights.dtype)
     return metrics
+
+
+def bypass_correction(log_prob: Any, rollout_log_prob: Any, response_mask: Any,
+                      config: RolloutCorrectionConfig) -> tuple[Optional[Any], Any, dict[str, float]]:
+    """Bypass mode's correction of one micro-batch, inside the actor loss: on ``l = log_prob -
+    rollout_log_prob`` (the update's forward, detached, against the rollout's; 0 outside the mask),
+    the importance weights of ``rollout_is`` (None without it; 0 at padding and at rejected tokens) and
+    ``response_mask`` narrowed by ``rollout_rs``, with the ``rollout_corr/*`` metrics: the weights' and
+    the rejection's (:func:`importance_weights`, :func:`rejection_mask`) and the off-policy diagnostics
+    (:func:`offpolicy_metrics`, on the mask before rejection). Returns ``(weights, policy_mask, metrics)``.
+    """
+    import torch
+
+    with torch.no_grad():
+        valid = response_mask.bool()
+        current = torch.where(valid, log_prob.detach(), torch.zeros_like(log_prob))
+        rollout = torch.where(valid, rollout_log_prob.to(current.dtype), torch.zeros_like(current))
+        log_ratio = current - rollout
+        metrics: dict[str, float] = {}
+        weights = None
+        if config.rollout_is is not None:
+            weights, is_metrics = importance_weights(log_ratio, response_mask, config)
+            metrics.update(is_metrics)
+        policy_mask = response_mask
+        if config.rollout_rs is not None:
+            policy_mask, rs_metrics = rejection_mask(log_ratio, response_mask, config)
+            metrics.update(rs_metrics)
+        if weights is not None:
+            weights = weights * policy_mask.to(weights.dtype)
+        metrics.update(offpolicy_metrics(current, rollout, response_mask))
+    return weights, policy_mask, metrics
+
+
+PER_SEQUENCE_DIAGNOSTICS = frozenset(f"rollout_corr/{name}" for name in (
+    "training_log_ppl", "training_ppl", "rollout_log_ppl", "rollout_ppl", "log_ppl_diff", "log_ppl_abs_diff",
+    "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_seq"))
+PER_SEQUENCE_WEIGHT_METRICS = frozenset(f"rollout_corr/rollout_is_{name}" for name in (
+    "max", "min", "ratio_fraction_high", "ratio_fraction_low", "batch_norm_factor"))
+
+
+def is_per_sequence(name: str, config: RolloutCorrectionConfig) -> bool:
+    """Whether the metric ``name`` of :func:`bypass_correction` is a mean over sequences (rows with a valid
+    token) rather than over tokens: the per-sequence diagnostics, the rejection's ``*_seq_masked_fraction``
+    and, with sequence weights, their extremes, fractions out of bounds and batch-normalisation factor."""
+    return (name in PER_SEQUENCE_DIAGNOSTICS or name.endswith("_seq_masked_fraction")
+            or (config.rollout_is == "sequence" and name in PER_SEQUENCE_WEIGHT_METRICS))
+
+
+def actor_loss_node(loss_node: Any, correction_node: Any) -> dict[str, Any]:
+    """The ``actor.loss`` node the actor's loss is built from: ``loss_node`` with ``rollout_correction``
+    set to ``correction_node`` (the ``algorithm.rollout_correction`` node) when that is in bypass mode,
+    where the loss corrects each micro-batch itself; otherwise ``loss_node`` as it is (decoupled
+    correction happens before the update)."""
+    node = dict(loss_node)
+    correction = read_rollout_correction(correction_node)
+    if correction is not None and correction.bypass_mode:
+        node["rollout_correction"] = dict(correction_node)
+    return node
