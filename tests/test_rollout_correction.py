@@ -208,8 +208,9 @@ def test_each_decoupled_preset_gives_the_weights_and_mask_worked_out_by_hand(nam
         close(batch.batch["rollout_is_weights"], weights)
 
 
-def test_the_table_covers_every_preset_but_bypass():
-    assert set(PRESET_TABLE) | {"bypass_ppo_clip"} == set(PRESETS)
+def test_the_tables_cover_every_preset():
+    assert set(PRESET_TABLE) | set(BYPASS_TABLE) == set(PRESETS)
+    assert not set(PRESET_TABLE) & set(BYPASS_TABLE)
 
 
 @pytest.mark.slow
@@ -248,3 +249,182 @@ def test_filtering_dapo_groups_by_a_rule_column_needs_the_rule_in_training(tmp_p
     with pytest.raises(ConfigError, match="filter_groups.metric='acc'.*rule_weight=0"):
         load_config(overrides=[*preset("arith"), f"reward.model.path={reward_model_dir()}", "reward.model.rule_weight=0",
                                "algorithm.filter_groups.metric=acc"], algo="dapo")
+
+
+# -- bypass mode: the actor loss corrects each micro-batch ------------------------------------------------------------
+
+#: the update's log-probs; the rollout's are CURRENT - LOG_RATIO, so log pi_theta - log pi_rollout is LOG_RATIO on the
+#: valid tokens (padding: 7 and 9, which would weigh e^7 and e^9 if they leaked in)
+CURRENT = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-1.5, -0.2, -4.0, -5.0]], dtype=torch.float64)
+ROLLOUT = CURRENT - LOG_RATIO
+#: GRPO-like: one advantage per row (padding's is never read)
+ADVANTAGES = torch.tensor([[1.0] * 4, [-2.0] * 4], dtype=torch.float64)
+TOKENS = 5  # valid tokens: the token-mean normaliser, rejected ones included (the engine counts the sampled mask)
+# ppo_clip (vanilla, clip 0.2, dual clip 3.5) on ratios e^l: row 0 (A = 1) max(-r, -clip(r)) = -1.2, -1, -0.5;
+# row 1 (A = -2) 2r = 6, 3 (above 2 * 1.2, under the dual bound 2 * 3.5)
+PPO_ROW_0, PPO_ROW_1 = -1.2 - 1.0 - 0.5, 6.0 + 3.0
+# reinforce -A * w * log_prob: row 0 with w = 1 gives -(-1 - 2 - 0.5) = 3.5
+PG_ROW_0 = 3.5
+#: name -> (weights, policy mask, loss, d loss / d log_prob)
+BYPASS_TABLE = {
+    "bypass_ppo_clip": (None, MASK.tolist(), (PPO_ROW_0 + PPO_ROW_1) / TOKENS,
+                        # clipped tokens have no gradient; unclipped: -A * r / 5
+                        [[0.0, -0.2, -0.1, 0.0], [0.0, 0.0, 0.0, 0.0]]),
+    "bypass_ppo_clip_geo_rs": (None, ROW_0_KEPT, PPO_ROW_0 / TOKENS, [[0.0, -0.2, -0.1, 0.0], [0.0] * 4]),
+    "bypass_ppo_clip_k3_rs": (None, NONE_KEPT, 0.0, NONE_KEPT),
+    # sequence weights 1 and min(4.5, 2); row 1: -(-2) * 2 * (-1.5 - 0.2) = -6.8; gradient -A * w / 5
+    "bypass_pg_is": (SEQUENCE_W, MASK.tolist(), (PG_ROW_0 - 6.8) / TOKENS, [[-0.2, -0.2, -0.2, 0.0], [0.8, 0.8, 0.0, 0.0]]),
+    "bypass_pg_geo_rs": (None, ROW_0_KEPT, PG_ROW_0 / TOKENS, [[-0.2, -0.2, -0.2, 0.0], [0.0] * 4]),
+    "bypass_pg_geo_rs_seq_tis": (ROW_0_KEPT, ROW_0_KEPT, PG_ROW_0 / TOKENS, [[-0.2, -0.2, -0.2, 0.0], [0.0] * 4]),
+    # token weights 2, 1, 0.5: -(2 * -1 + 1 * -2 + 0.5 * -0.5) = 4.25
+    "bypass_pg_geo_rs_token_tis": ([[2.0, 1.0, 0.5, 0.0], [0.0] * 4], ROW_0_KEPT, 4.25 / TOKENS,
+                                   [[-0.4, -0.2, -0.1, 0.0], [0.0] * 4]),
+}
+# bypass_ppo_clip's row 1: 2r is unclipped (6 and 3 > 2.4), so its gradient is -A * r / 5 = 2 * 3 / 5 and 2 * 1.5 / 5
+BYPASS_TABLE["bypass_ppo_clip"][3][1][:2] = [1.2, 0.6]
+
+
+LOSS_NODE = {"loss_agg_mode": "token-mean", "clip_ratio_c": 3.5}
+
+
+def bypass_loss(name: str, **fields):
+    return ActorLoss({**LOSS_NODE, "rollout_correction": {"preset": name, **fields}})
+
+
+def bypass_batch(rows=slice(None)) -> DataProto:
+    return DataProto.from_dict({"response_mask": MASK[rows], "old_log_probs": ROLLOUT[rows], "rollout_log_probs": ROLLOUT[rows],
+                                "advantages": ADVANTAGES[rows]},
+                               meta_info={"global_token_count": TOKENS, "global_sequence_count": 2})
+
+
+@pytest.mark.parametrize("name", sorted(BYPASS_TABLE))
+def test_each_bypass_preset_weights_and_rejects_against_the_current_policy_as_worked_out_by_hand(name):
+    from rlplat.losses.rollout_correction import bypass_correction
+
+    weights, mask, _, _ = BYPASS_TABLE[name]
+    got_weights, got_mask, _ = bypass_correction(CURRENT, ROLLOUT, MASK, read_rollout_correction({"preset": name}))
+    close(got_mask, mask)
+    if weights is None:
+        assert got_weights is None
+    else:
+        close(got_weights, weights)  # 0 at padding, and at rejected tokens
+
+
+@pytest.mark.parametrize("name", sorted(BYPASS_TABLE))
+def test_each_bypass_preset_gives_the_loss_and_gradient_worked_out_by_hand(name):
+    _, _, loss_value, gradient = BYPASS_TABLE[name]
+    log_probs = CURRENT.clone().requires_grad_(True)
+    loss, _ = bypass_loss(name)({"log_probs": log_probs}, bypass_batch())
+    loss.backward()
+    assert loss.item() == pytest.approx(loss_value, abs=1e-7)
+    close(log_probs.grad, gradient)  # 0 at padding
+
+
+def test_the_policy_gradient_loss_is_minus_advantage_times_detached_weight_times_log_prob():
+    # bypass_pg_is with a threshold that truncates nothing: w = e^0 = 1 (row 0) and e^(ln 4.5) = 4.5 (row 1);
+    # d/d log_prob [-A * w * log_prob / 5] = -A * w / 5, with no term from w (detached), though w depends on log_prob
+    log_probs = CURRENT.clone().requires_grad_(True)
+    loss, _ = bypass_loss("bypass_pg_is", rollout_is_threshold=10.0)({"log_probs": log_probs}, bypass_batch())
+    loss.backward()
+    assert loss.item() == pytest.approx((3.5 + 2 * 4.5 * (-1.5 - 0.2)) / 5, abs=1e-7)
+    close(log_probs.grad, [[-0.2, -0.2, -0.2, 0.0], [1.8, 1.8, 0.0, 0.0]])
+
+
+def test_the_policy_gradient_loss_replaces_the_configured_policy_loss():
+    config = {"loss_agg_mode": "token-mean", "policy_loss": {"loss_mode": "gspo"},
+              "rollout_correction": {"preset": "bypass_pg_geo_rs"}}
+    loss, metrics = ActorLoss(config)({"log_probs": CURRENT}, bypass_batch())
+    assert loss.item() == pytest.approx(PG_ROW_0 / TOKENS, abs=1e-7)
+    assert "actor/pg_clipfrac" not in metrics
+
+
+def test_bypass_ppo_clip_trains_as_before_with_diagnostics_added():
+    batch = bypass_batch()
+    plain_loss, plain_metrics = ActorLoss(LOSS_NODE)({"log_probs": CURRENT}, batch)
+    loss, metrics = bypass_loss("bypass_ppo_clip")({"log_probs": CURRENT}, batch)
+    assert loss.item() == plain_loss.item()
+    assert {key: value for key, value in metrics.items() if not key.startswith("rollout_corr/")} == plain_metrics
+    assert metrics["rollout_corr/kl"] == pytest.approx(-LN(4.5) / TOKENS, abs=1e-7)  # mean of -l on the valid tokens
+
+
+def test_bypass_metrics_are_those_of_the_micro_batch_before_rejection():
+    _, metrics = bypass_loss("bypass_pg_geo_rs_token_tis")({"log_probs": CURRENT}, bypass_batch())
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(2 / 5, abs=1e-7)
+    assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(1 / 2, abs=1e-7)
+    assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(3.0, abs=1e-7)  # before truncation, padding left out
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx((2 + 1 + 0.5 + 3 + 1.5) / 5, abs=1e-7)
+    assert metrics["rollout_corr/k3_kl"] == pytest.approx(float((LOG_RATIO.exp() - LOG_RATIO - 1)[MASK.bool()].mean()), abs=1e-7)
+    assert metrics["rollout_corr/log_ppl_diff"] == pytest.approx((0.0 - (LN(3) + LN(1.5)) / 2) / 2, abs=1e-7)
+
+
+@pytest.mark.parametrize("name", ["bypass_pg_geo_rs_token_tis", "bypass_pg_is", "bypass_ppo_clip_geo_rs"])
+def test_bypass_micro_batches_add_up_to_the_unsplit_batch(name):
+    loss_fn = bypass_loss(name)
+    whole_grad = CURRENT.clone().requires_grad_(True)
+    whole, whole_metrics = loss_fn({"log_probs": whole_grad}, bypass_batch())
+    whole.backward()
+    parts_grad = CURRENT.clone().requires_grad_(True)
+    total, summed = 0.0, {}
+    for row in (0, 1):
+        loss, metrics = loss_fn({"log_probs": parts_grad[row:row + 1]}, bypass_batch(slice(row, row + 1)))
+        loss.backward()
+        total += loss.item()
+        for key, value in metrics.items():
+            summed[key] = summed.get(key, 0.0) + value
+    assert total == pytest.approx(whole.item(), abs=1e-7)
+    close(parts_grad.grad, whole_grad.grad.tolist())
+    for key in ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/log_ppl_diff", "rollout_corr/chi2_seq",
+                "rollout_corr/rollout_rs_masked_fraction", "rollout_corr/rollout_rs_seq_masked_fraction"):
+        if key in whole_metrics:
+            assert summed[key] == pytest.approx(whole_metrics[key], abs=1e-7), key
+
+
+def test_a_bypass_micro_batch_without_the_rollouts_log_probs_is_refused():
+    batch = DataProto.from_dict({"response_mask": MASK, "old_log_probs": ROLLOUT, "advantages": ADVANTAGES})
+    with pytest.raises(ValueError, match="no rollout_log_probs"):
+        bypass_loss("bypass_pg_is")({"log_probs": CURRENT}, batch)
+
+
+def test_the_actor_loss_takes_a_bypass_node_only():
+    with pytest.raises(ConfigError, match="bypass mode only"):
+        ActorLoss({"rollout_correction": {"preset": "decoupled_token_is"}})
+
+
+def test_the_actor_loss_node_carries_the_correction_in_bypass_mode_only():
+    from rlplat.losses.rollout_correction import actor_loss_node
+
+    node = {"loss_agg_mode": "token-mean"}
+    bypass = {"preset": "bypass_pg_geo_rs", "rollout_rs_threshold": "0.9_1.1"}
+    assert actor_loss_node(node, bypass) == {**node, "rollout_correction": bypass}
+    assert actor_loss_node(node, {"preset": "decoupled_seq_is"}) == node
+    assert actor_loss_node(node, None) == node
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"loss_type": "reinforce"}, "loss_type=reinforce is the loss of bypass mode"),
+    ({"bypass_mode": True, "loss_type": "pg"}, "loss_type must be one of ppo_clip, reinforce, got 'pg'"),
+    ({"bypass_mode": True, "rollout_is": "token"}, "bypass_mode applies no weights with loss_type=ppo_clip"),
+])
+def test_a_bad_bypass_node_is_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        RolloutCorrectionConfig(**fields)
+
+
+def test_bypass_takes_rejection_with_either_loss_and_weights_with_the_policy_gradient():
+    assert RolloutCorrectionConfig(bypass_mode=True, rollout_rs="token_k3", rollout_rs_threshold=0.1).enabled
+    assert RolloutCorrectionConfig(bypass_mode=True, loss_type="reinforce", rollout_is="token").enabled
+    assert read_rollout_correction({"preset": "bypass_pg_is", "rollout_is": "token"}).rollout_is == "token"
+
+
+def test_a_bypass_preset_loads_and_a_decoupled_reinforce_is_refused_at_load():
+    with pytest.raises(ConfigError, match="loss_type=reinforce is the loss of bypass mode"):
+        load_config(overrides=[*preset("arith"), "algorithm.rollout_correction.preset=decoupled_seq_is",
+                               "algorithm.rollout_correction.loss_type=reinforce"], algo="grpo")
+
+
+def test_a_bypass_actor_loss_ships_by_value():
+    import pickle
+
+    loss_fn = bypass_loss("bypass_pg_geo_rs_seq_tis")
+    shipped = pickle.loads(pickle.dumps(loss_fn))
+    assert shipped({"log_probs": CURRENT}, bypass_batch())[0].item() == loss_fn({"log_probs": CURRENT}, bypass_batch())[0].item()

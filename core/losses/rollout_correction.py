@@ -22,7 +22,9 @@ pi_rollout) over valid response tokens:
   ``ppo_clip`` (the configured policy loss, whose ratio is then ``pi_theta / pi_rollout`` itself, so no
   weights: rejection only) or ``reinforce`` (the policy gradient ``-A * w * log pi_theta``, ``w`` the
   detached truncated weight, 1 without ``rollout_is``; no ratio, no clipping). The loss reports the
-  ``rollout_corr/*`` metrics of its micro-batches.
+  ``rollout_corr/*`` metrics of its micro-batches. As in verl, every micro-batch of every mini-batch and
+  epoch is measured against the policy of that moment (after the first optimizer step ``l`` includes the
+  update's own move), and ``rollout_is_batch_normalize`` normalises over the micro-batch.
 
 :func:`offpolicy_metrics` is the always-on telemetry (KL k1 and k3, log-perplexity difference, chi-squared,
 effective sample size) whenever rollout log-probs exist, correction or not.
