@@ -29,7 +29,9 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from rlplat.config_node import ConfigError, did_you_mean, read_config_node, resolve_schema
 from rlplat.agent.config import AgentConfig
 from rlplat.data import DataConfig
+from rlplat.pipeline import check_trainer_mode
 from rlplat.reward_model import RewardModelConfig
+from rlplat.losses.config import LOSS_SET_KEYS
 
 __all__ = ["ConfigError", "RLConfig", "load_config", "validate_config", "plugin_nodes", "engine_node",
            "rollout_node", "sampling_node", "to_yaml"]
@@ -191,6 +193,20 @@ class TrainerConfig:
     """Project name for wandb."""
     experiment_name: Optional[str] = None
     """Run name for wandb (default: the output directory's name)."""
+    mode: str = "sync"
+    """``sync`` (generate, then train on it), ``colocate_async`` (the rollout in the actor's processes
+    generates the next batches ahead, while the driver scores and prepares this one) or
+    ``separate_async`` (the rollout in a pool of its own generates while the actor trains; weights move
+    through the object store). See :mod:`rlplat.pipeline`."""
+    max_staleness: int = 1
+    """Asynchronous modes: the most policy versions (updates) a trained sample may lag behind the weights
+    it trains."""
+    staleness_policy: str = "wait"
+    """Asynchronous modes: ``wait`` (the rollout never starts a generation that would be trained beyond
+    ``max_staleness``) or ``drop`` (it runs ``rollout_ahead`` batches ahead; samples beyond the bound are
+    dropped and their prompts generated again from the current weights)."""
+    rollout_ahead: Optional[int] = None
+    """Asynchronous modes: generations kept in flight ahead of the trainer; None: ``max_staleness + 1``."""
 
 
 @dataclasses.dataclass
@@ -480,9 +496,10 @@ def plugin_nodes(config: DictConfig, algorithm: Any, total_steps: int) -> list[P
     nodes.append(PluginNode("reward.config", owner, schema, OmegaConf.to_container(config.reward.config, resolve=True)))
     for role in ("actor", "critic"):
         loss_node = OmegaConf.to_container(config[role].loss, resolve=True)
-        for engine_set in ("global_token_count", "global_sequence_count", "rollout_is_weights"):
+        for engine_set in LOSS_SET_KEYS:
             if loss_node.get(engine_set) is not None:
-                raise ConfigError(f"'{role}.loss.{engine_set}' is set per micro-batch by the loss function; remove it.")
+                raise ConfigError(f"'{role}.loss.{engine_set}' is set by rlplat (per micro-batch, or from "
+                                  "algorithm.rollout_correction); remove it.")
         try:
             schema = algorithm.loss_schema(role)
         except Exception as error:
@@ -603,6 +620,7 @@ def validate_config(config: DictConfig) -> None:
                 raise ConfigError(f"data.{key}: {path} does not exist.")
 
     check_sampling(config)
+    check_trainer_mode(config)
     for node in plugin_nodes(config, algorithm, total_training_steps(config, parquet_rows(data.train_files))):
         node.check()
     check_scorer(config)
@@ -659,7 +677,7 @@ def old_log_prob_pass_reasons(config: DictConfig, algorithm: Any) -> list[str]:
         from rlplat.losses.rollout_correction import read_rollout_correction
 
         correction = read_rollout_correction(OmegaConf.to_container(correction_node, resolve=True))
-        if correction.rollout_is is not None or correction.rollout_rs is not None:
+        if not correction.bypass_mode and (correction.rollout_is is not None or correction.rollout_rs is not None):
             reasons.append("algorithm.rollout_correction weights or rejects tokens by old_log_probs before the update")
     if getattr(algorithm, "reads_old_log_probs", False):
         reasons.append(f"algorithm {algorithm.name!r} reads them before the update (Algorithm.reads_old_log_probs)")

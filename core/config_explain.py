@@ -15,6 +15,7 @@ from typing import Any, Iterator
 from omegaconf import DictConfig, OmegaConf
 
 from rlplat.config_node import describe, field_docs, type_hints
+from rlplat.losses.config import LOSS_SET_KEYS
 
 CORE = "core (rlplat)"
 
@@ -99,8 +100,8 @@ def plugin_keys(item: Any) -> list[KeyDoc]:
             continue
         if item.key == "actor.loss" and name == "policy_loss":
             continue  # listed with the policy loss's own schema (actor.loss.policy_loss)
-        if name in ("global_token_count", "global_sequence_count"):
-            continue  # set per micro-batch, not a user setting
+        if name in LOSS_SET_KEYS:
+            continue  # set per micro-batch or by the run, not a user setting
         found.append(doc)
     return found
 

@@ -3,7 +3,8 @@
 load batch -> generate (n per prompt) -> algorithm.after_generate -> reward -> algorithm.filter_batch
 -> old log-probs (unless the update is strictly on-policy: then its first forward gives them)
 -> reference log-probs (when a KL term reads them) -> values -> KL in the reward -> advantages -> update critic
--> update actor -> sync weights to the rollout -> validate / checkpoint / log.
+-> update actor -> sync weights to the rollout -> validate / checkpoint / log. In the asynchronous modes
+(``trainer.mode``) the generations of the next steps run ahead (:mod:`rlplat.pipeline`).
 
 The heavy work runs in worker groups, one per role (kind ``role``, :mod:`rlplat.placement`); roles take
 part in each step through :meth:`Role.on_stage`. The driver holds the data loader, the reward manager
@@ -34,6 +35,7 @@ from rlplat.contracts.rollout import SamplingParams
 from rlplat.data import build_loaders
 from rlplat.placement import Placement, enabled_roles, place
 from rlplat.losses import rollout_correction
+from rlplat.pipeline import AsyncSettings, RolloutPipeline, TrainedPromptsLog, pop_window, row_versions
 from rlplat.protocol import DataProto
 from rlplat.reward_loop import last_tokens, precomputed_scores
 from rlplat.reward_model import combine, read_reward_model
@@ -121,6 +123,9 @@ class Trainer:
         self.placement: Placement | None = None
         self.actor = self.critic = self.rollout = self.reward_model = None
         self.reward_model_settings = read_reward_model(config)
+        self.async_settings = AsyncSettings.of(config.trainer)
+        self.pipeline: RolloutPipeline | None = None
+        self.trained_prompts: TrainedPromptsLog | None = None
         self.step = 0
 
     # -- set-up --------------------------------------------------------------------------------------
@@ -140,6 +145,13 @@ class Trainer:
         bind = getattr(self.reward, "bind_workers", None)  # a manager served by a worker group (the judge)
         if bind is not None:
             bind(groups)
+        self.pipeline = RolloutPipeline(
+            self.async_settings, self.train_loader, start=lambda prompts: self.rollout.call_async("generate_sequences", prompts),
+            regenerate=self.rollout.generate_sequences, seed_of=self.step_seed)
+
+    def step_seed(self, step: int) -> int:
+        """The sampling seed of step ``step``'s first generation."""
+        return self.config.trainer.seed * 1_000_003 + step
 
     def sync_weights(self) -> dict[str, float]:
         """The actor's weights to the rollout: inside each process when colocated (in place where the
@@ -148,7 +160,11 @@ class Trainer:
         if self.rollout is self.actor:
             reports = self.actor.sync_weights()
             return {key: value for key, value in reports[0].items() if key.startswith("sync/")} if reports else {}
-        self.rollout.load_weights(self.actor.call_async("export_weights"))
+        if self.async_settings.mode == "separate_async" and self.pipeline is not None:
+            # queued behind the generations already started; checked once a later generation finished
+            self.pipeline.add_load(self.rollout.call_async("load_weights", self.actor.call_async("export_weights")))
+        else:
+            self.rollout.load_weights(self.actor.call_async("export_weights"))
         return {}
 
     def stage(self, name: str, batch: DataProto) -> DataProto:
@@ -165,8 +181,10 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.config, resolve=True))
         self.build_workers()
         self.resume()
+        self.actor.set_policy_version(self.step)
         if self.rollout is not self.actor:  # a rollout in its own pool starts from the built or restored weights
             self.sync_weights()
+        self.trained_prompts = TrainedPromptsLog(self.run_dir, self.step + 1)
         metrics: dict[str, float] = {}
         trainer = self.config.trainer
         with Tracker(self.run_dir, trainer.logger, total_steps=self.total_steps, start_step=self.step + 1,
@@ -177,6 +195,7 @@ class Trainer:
             while self.step < self.total_steps:
                 self.step += 1
                 metrics = self.train_step()
+                self.pipeline.fill(self.step, self.total_steps)  # the next generations start before validation
                 if self.val_loader is not None and trainer.test_freq and (self.step % trainer.test_freq == 0 or self.step == self.total_steps):
                     metrics.update(self.validate())
                 tracker.log(metrics, step=self.step)
@@ -200,6 +219,9 @@ class Trainer:
         batch = self.stage("scored", batch)
         if self.config.trainer.balance_batch:
             self.balance(batch, metrics)
+        if self.async_settings.asynchronous:
+            staleness = (self.step - 1) - row_versions(batch)
+            metrics.update({"async/staleness_mean": float(staleness.float().mean()), "async/staleness_max": float(staleness.max())})
         correction = self.rollout_correction
         bypass = correction is not None and correction.bypass_mode
         separate_old_log_prob = not bypass and self.needs_old_log_prob_pass(batch)
@@ -232,7 +254,9 @@ class Trainer:
                 metrics.update(self.critic.update_critic(batch).meta_info["metrics"])
         with timed(timing, "update_actor"):
             updated = self.actor.update_actor(batch)
-        metrics.update(updated.meta_info["metrics"])
+        update_metrics = dict(updated.meta_info["metrics"])
+        self.pipeline.record_update(pop_window(update_metrics, "update"))
+        metrics.update(update_metrics)
         if not separate_old_log_prob and not bypass:  # the update's first forward supplied them
             batch = batch.union(updated.select(batch_keys=["old_log_probs"], meta_info_keys=[]))
         if "rollout_log_probs" in batch.batch.keys() and not bypass:  # bypass: old_log_probs are the rollout's
@@ -242,6 +266,8 @@ class Trainer:
         with timed(timing, "sync_weights"):
             metrics.update(self.sync_weights())
         self.stage("updated", batch)
+        if self.trained_prompts is not None:
+            self.trained_prompts.write(self.step, batch)
         metrics.update(batch_metrics(batch, sampled_mask))
         metrics.update(agent_metrics(batch))
         metrics.update(batch.meta_info.get("reward_metrics", {}))
@@ -286,9 +312,13 @@ class Trainer:
         attempt = 0
         reward_metrics: list[dict[str, float]] = []  # per generation: kept out of meta_info, whose keys must agree to concat
         while True:
-            prompts = self.train_loader.next_batch()
-            prompts = prompts.with_meta_info({**prompts.meta_info, "seed": seed + 7919 * attempt})
-            batch = self.generate(prompts)
+            if attempt == 0 and self.pipeline is not None and (self.pipeline.queue or self.async_settings.asynchronous):
+                batch, async_metrics = self.pipeline.take(self.step, self.total_steps)
+                reward_metrics.append(async_metrics)
+            else:
+                prompts = self.train_loader.next_batch()
+                prompts = prompts.with_meta_info({**prompts.meta_info, "seed": seed + 7919 * attempt})
+                batch = self.generate(prompts)
             batch = self.algorithm.after_generate(batch, self.generate, SamplingParams(**{**self.sampling(), "seed": seed}))
             batch = self.stage("generated", batch)
             with timed(timing, "reward"):
@@ -401,8 +431,11 @@ class Trainer:
             for name, group in self.placement.groups.items():
                 self.placement.roles[name].save_checkpoint(group, str(directory))
 
+            self.pipeline.write(directory)  # waits for the generations in flight: they are part of the state
+
         state = {"data": self.train_loader.state_dict(), "rng": capture_rng_state(),
-                 "kl_coef": self.kl_controller.value if self.kl_controller is not None else None}
+                 "kl_coef": self.kl_controller.value if self.kl_controller is not None else None,
+                 "rollout_buffer": self.pipeline.index()}
         return self.checkpoints.save(self.step, write, state)
 
     def resume(self) -> None:
@@ -413,6 +446,8 @@ class Trainer:
             self.placement.roles[name].load_checkpoint(group, str(path))
         state = self.checkpoints.load_state(path)
         self.train_loader.load_state_dict(state["data"])
+        if state.get("rollout_buffer"):
+            self.pipeline.load(Path(path), state["rollout_buffer"])
         restore_rng_state(state["rng"])
         if self.kl_controller is not None and state.get("kl_coef") is not None:
             self.kl_controller.value = state["kl_coef"]

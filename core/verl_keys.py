@@ -1035,14 +1035,17 @@ off_only("algorithm.use_pf_ppo", "off", "rlplat has no preference-feedback PPO r
 ignore("algorithm.pf_ppo.*", "verl reads it only with use_pf_ppo")
 
 
-@special("algorithm.rollout_correction.*", [], "`rollout_is`, `rollout_rs` unset and `bypass_mode` off accepted; "
-         "otherwise refused (the other keys are read only with them)")
+@special("algorithm.rollout_correction.*", [], "rlplat's node has verl's keys: taken as they are; a key verl's "
+         "`RolloutCorrectionConfig` has and rlplat's lacks is refused")
 def _rollout_correction(item: Item, context: Context) -> Outcome:
-    name = item.key.rsplit(".", 1)[1]
-    if name in ("rollout_is", "rollout_rs", "bypass_mode"):
-        return ignored(item, "off, as in rlplat") if is_off(item.value) else refused(
-            item, "rlplat has no rollout importance-sampling correction")
-    return ignored(item, "verl reads it only with rollout_is or rollout_rs")
+    import dataclasses
+
+    from rlplat.losses.rollout_correction import RolloutCorrectionConfig
+
+    name = item.key[len("algorithm.rollout_correction."):]
+    if name in {field.name for field in dataclasses.fields(RolloutCorrectionConfig)}:
+        return unchanged(item)
+    return refused(item, "rlplat's algorithm.rollout_correction has no such key (see rlplat config explain algorithm.rollout_correction)")
 
 
 # -- trainer ----------------------------------------------------------------------------------------------

@@ -428,3 +428,26 @@ def test_a_bypass_actor_loss_ships_by_value():
     loss_fn = bypass_loss("bypass_pg_geo_rs_seq_tis")
     shipped = pickle.loads(pickle.dumps(loss_fn))
     assert shipped({"log_probs": CURRENT}, bypass_batch())[0].item() == loss_fn({"log_probs": CURRENT}, bypass_batch())[0].item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bypass_pg_geo_rs_token_tis", "bypass_ppo_clip_k3_rs"])
+def test_a_bypass_variant_trains_with_its_correction_inside_the_loss(tmp_path, name):
+    rows = run(tmp_path, name, "actor.ppo_mini_batch_size=16", f"algorithm.rollout_correction.preset={name}", steps=2)
+    for row in rows:
+        assert "timing_s/old_log_prob" not in row
+        assert math.isfinite(row["actor/pg_loss"])
+        assert "rollout_corr/rollout_rs_masked_fraction" in row and "rollout_corr/kl" in row
+
+
+def test_the_correction_inside_the_actor_loss_is_set_by_the_run_not_the_user():
+    with pytest.raises(ConfigError, match="set by rlplat"):
+        load_config(overrides=[*preset("arith"), "actor.loss.rollout_correction.bypass_mode=true"], algo="grpo")
+
+
+def test_bypass_rejection_needs_no_old_log_prob_pass():
+    from rlplat import registry
+    from rlplat.config import old_log_prob_pass_reasons
+
+    config = load_config(overrides=[*preset("arith"), "algorithm.rollout_correction.preset=bypass_pg_geo_rs"], algo="grpo")
+    assert old_log_prob_pass_reasons(config, registry.get("algorithm", "grpo")()) == []

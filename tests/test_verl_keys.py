@@ -442,3 +442,11 @@ def test_run_refuses_verl_keys_without_an_equivalent_before_anything_starts(cli_
     assert result.returncode == 2
     assert result.stderr.startswith("rlplat: config error: 2 verl key(s) with no rlplat equivalent")
     assert "Traceback" not in result.stderr
+
+
+def test_verls_rollout_correction_keys_are_rlplats_and_a_key_rlplat_lacks_is_refused():
+    arguments = ["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0",
+                 "algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=reinforce"]
+    assert translate_overrides(arguments) == (arguments, [])
+    with pytest.raises(ConfigError, match="algorithm.rollout_correction.rollout_token_veto_threshold=1e-4: rlplat's"):
+        translate_overrides(["algorithm.rollout_correction.rollout_token_veto_threshold=1e-4"])

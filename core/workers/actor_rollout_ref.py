@@ -4,6 +4,13 @@ Each role is optional (``config.roles``): all three in one process is HybridFlow
 where weights move from the engine to the rollout inside the process, bucket by bucket. With the rollout
 in its own worker group, the driver chains ``export_weights`` of the actor group into ``load_weights``
 of the rollout group, and the buckets travel through the object store, not through the driver.
+
+**Policy versions.** The worker counts the updates applied to its actor's weights (``actor_version``)
+and knows which of them its rollout holds (``rollout_version``: set when a sync or a load brings
+weights in; always the actor's when the rollout reads the engine's parameters in place). Every
+generated row carries that version on each response token (``policy_version``), and
+``meta_info["metrics"]`` the wall-clock window the generation ran in (``async/generation_start`` and
+``async/generation_end``), which the driver's asynchronous modes read (:mod:`rlplat.pipeline`).
 """
 
 from __future__ import annotations
@@ -92,6 +99,9 @@ class ActorRolloutRefWorker(Worker):
         self.actor_loss = None
         self.rollout_asleep = False
         self.agents = None  # the agent-loop manager, built at the first batch that needs it
+        self.actor_version = 0  # updates applied to the actor's weights
+        self.rollout_version = 0  # the actor version whose weights the rollout holds
+        self.weights_shared = False  # the rollout reads the engine's parameters in place
 
     def has(self, role: str) -> bool:
         return role in self.config.roles
@@ -140,9 +150,10 @@ class ActorRolloutRefWorker(Worker):
         output (see ``RolloutEngine.generate``); sampling from ``config.sampling`` and ``meta_info``."""
         rollout = self.require("rollout", "generate_sequences")
         sampling = self.sampling_for(prompts.meta_info)
-        started = time.perf_counter()
+        started, window_start = time.perf_counter(), time.time()
         if self.rollout_asleep and self.actor is not None:
             self.sync_weights()  # two generations in a row (validation, then a step): wake with the actor's weights
+        version = self.sampling_version()
         if self.uses_agent_loops(prompts):
             output = self.agent_manager().generate(prompts, sampling, sampling.max_new_tokens)
         else:
@@ -150,9 +161,27 @@ class ActorRolloutRefWorker(Worker):
         if self.config.free_rollout_between_phases:
             rollout.sleep()
             self.rollout_asleep = True
+        output.batch["policy_version"] = torch.full(output.batch["responses"].shape, version, dtype=torch.long)
         # the sampling keys were settings of this call: outputs of different calls must concat cleanly
         meta = {key: value for key, value in output.meta_info.items() if key not in SAMPLING_KEYS}
-        return output.with_meta_info({**meta, "metrics": {"timing_s/generate_worker": time.perf_counter() - started}})
+        metrics = {"timing_s/generate_worker": time.perf_counter() - started,
+                   "async/generation_start": window_start, "async/generation_end": time.time()}
+        return output.with_meta_info({**meta, "metrics": metrics})
+
+    def sampling_version(self) -> int:
+        """The policy version the rollout samples from now (see the module docstring)."""
+        return self.actor_version if self.weights_shared and self.actor is not None else self.rollout_version
+
+    @register(Dispatch.ONE_TO_ALL)
+    def set_policy_version(self, version: int) -> None:
+        """Number the actor's current weights ``version`` (the trainer's step, after a resume); a colocated
+        rollout holding them takes the same number."""
+        if self.actor is not None:
+            if self.rollout is not None and self.rollout_version == self.actor_version:
+                self.rollout_version = int(version)
+            self.actor_version = int(version)
+        elif self.rollout is not None:
+            self.rollout_version = int(version)
 
     def uses_agent_loops(self, prompts: DataProto) -> bool:
         """Whether this batch goes through agent loops: ``agent.loop`` is set or the rows name theirs."""
@@ -250,9 +279,12 @@ class ActorRolloutRefWorker(Worker):
             tensors.set(ROW_INDEX, torch.arange(len(batch)))
             batch, loss_fn = DataProto(tensors, batch.non_tensor_batch, batch.meta_info), from_forward
             meta.update(ppo_mini_batch_size=None, ppo_epochs=1)  # one optimizer step: every forward precedes it
+        window_start = time.time()
         metrics = actor.train_batch(batch.with_meta_info(meta), loss_fn)
+        self.actor_version += 1
         metrics = {f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()}
         metrics["timing_s/update_actor_worker"] = time.perf_counter() - started
+        metrics.update({"async/update_start": window_start, "async/update_end": time.time()})
         if from_forward is None:
             return DataProto(meta_info={"metrics": metrics})
         if from_forward.entropy_tokens and "actor/entropy" not in metrics:
@@ -273,33 +305,38 @@ class ActorRolloutRefWorker(Worker):
         if self.config.share_weights:
             shared = actor.shared_weights()
             if shared is not None and rollout.bind_weights(shared):
-                self.rollout_asleep = False
+                self.rollout_asleep, self.weights_shared = False, True
+                self.rollout_version = self.actor_version
                 return {"timing_s/sync_weights": time.perf_counter() - started, "sync/bytes": 0.0, "sync/shared": 1.0}
         rollout.wake_up_weights()
         for bucket in actor.named_weights(self.config.weight_bucket_bytes):
             rollout.update_weights(bucket)
             moved += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
         rollout.wake_up_kv_cache()
-        self.rollout_asleep = False
+        self.rollout_asleep, self.weights_shared = False, False
+        self.rollout_version = self.actor_version
         return {"timing_s/sync_weights": time.perf_counter() - started, "sync/bytes": float(moved), "sync/shared": 0.0}
 
     @register(Dispatch.ONE_TO_ALL)
-    def export_weights(self) -> list[list[tuple[str, torch.Tensor]]] | None:
-        """The actor's full weights as buckets, from rank 0 (every rank takes part in gathering them),
-        for a rollout in another worker group; chain the future into its ``load_weights``."""
+    def export_weights(self) -> dict[str, Any] | None:
+        """The actor's full weights as buckets with their policy version (``{"version": v, "buckets":
+        [...]}``), from rank 0 (every rank takes part in gathering them), for a rollout in another worker
+        group; chain the future into its ``load_weights``."""
         actor = self.require("actor", "export_weights")
         buckets = list(actor.named_weights(self.config.weight_bucket_bytes))
-        return buckets if self.rank == 0 else None
+        return {"version": self.actor_version, "buckets": buckets} if self.rank == 0 else None
 
     @register(Dispatch.ONE_TO_ALL)
     def load_weights(self, exported: list) -> None:
-        """Load what ``export_weights`` produced (the result of a ONE_TO_ALL call: one entry per actor rank)."""
+        """Load what ``export_weights`` produced (the result of a ONE_TO_ALL call: one entry per actor
+        rank); the rollout then samples from the exported policy version."""
         rollout = self.require("rollout", "load_weights")
+        weights = next(part for part in exported if part is not None)
         rollout.wake_up_weights()
-        for bucket in next(part for part in exported if part is not None):
+        for bucket in weights["buckets"]:
             rollout.update_weights(bucket)
         rollout.wake_up_kv_cache()
-        self.rollout_asleep = False
+        self.rollout_asleep, self.rollout_version = False, int(weights["version"])
 
     @register(Dispatch.ONE_TO_ALL)
     def sleep_rollout(self) -> None:

@@ -15,23 +15,34 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from rlplat.config import engine_node, rollout_node, sampling_node, uses_critic
-from rlplat.contracts.role import Role, RunContext
+from rlplat.contracts.role import Role, RoleConfig, RunContext
 from rlplat.controller.host import WorkerSpec
+from rlplat.losses.rollout_correction import actor_loss_node
 
 
 def rollout_separate(run: RunContext) -> bool:
-    """Whether the run's rollout has a resource pool of its own."""
-    return run.role_config("rollout").placement == "separate"
+    """Whether the run's rollout has a resource pool of its own (``roles.rollout.placement=separate``, or
+    ``trainer.mode=separate_async``)."""
+    return RolloutRole().settings(run, "rollout").placement == "separate"
 
 
 def loss_node(run: RunContext, role: str) -> dict[str, Any]:
     return OmegaConf.to_container(run.config[role].loss, resolve=True)
+
+
+def actor_loss_config(run: RunContext) -> dict[str, Any]:
+    """The ``actor.loss`` node the actor's loss is built from: in bypass mode it carries
+    ``algorithm.rollout_correction``, which the loss applies to each micro-batch."""
+    correction = OmegaConf.select(run.config, "algorithm.rollout_correction", default=None)
+    correction = OmegaConf.to_container(correction, resolve=True) if correction is not None else None
+    return actor_loss_node(loss_node(run, "actor"), correction)
 
 
 def actor_rollout_config(run: RunContext, roles: list[str]) -> dict[str, Any]:
@@ -40,7 +51,7 @@ def actor_rollout_config(run: RunContext, roles: list[str]) -> dict[str, Any]:
     return {
         "roles": roles, "engine": config.actor.engine, "engine_config": engine_node(config, "actor", run.total_steps),
         "rollout": config.rollout.name, "algorithm": run.algorithm.name, "sampling": sampling_node(config),
-        "rollout_config": rollout_node(config), "actor": loss_node(run, "actor"),
+        "rollout_config": rollout_node(config), "actor": actor_loss_config(run),
         "free_rollout_between_phases": config.rollout.free_between_phases,
         "share_weights": config.rollout.share_weights,
         "agent": OmegaConf.to_container(config.agent, resolve=True), "tokenizer_path": config.model.tokenizer_path or config.model.path,
@@ -90,6 +101,12 @@ class RolloutRole(Role):
 
     def enabled(self, run: RunContext) -> bool:
         return rollout_separate(run)
+
+    def settings(self, run: RunContext, name: str) -> RoleConfig:
+        settings = super().settings(run, name)
+        if run.config.trainer.get("mode") == "separate_async" and settings.placement != "separate":
+            settings = dataclasses.replace(settings, placement="separate")
+        return settings
 
     def worker(self, run: RunContext) -> WorkerSpec:
         from rlplat.workers.actor_rollout_ref import ActorRolloutRefWorker

@@ -1,0 +1,290 @@
+"""Asynchronous training: the rollout generates the next batches while the trainer works on this one.
+
+``trainer.mode`` (see :class:`rlplat.config.TrainerConfig`):
+
+``sync``
+    Generate a batch, then train on it; every sample is on-policy (staleness 0).
+``colocate_async``
+    The rollout stays in the actor's processes. After each weight sync the driver starts the
+    generations of the next steps without waiting for them, so the rollout works while the driver scores,
+    runs the reward model and computes advantages. Calls on one process run in the order they were
+    made, so the schedule (and the result) does not depend on timing.
+``separate_async``
+    The rollout has a worker group and resource pool of its own (the ``rollout`` role is placed
+    ``separate``) and generates while the actor trains; after each update the actor's weights reach it
+    through the object store, queued behind the generations already started.
+
+**Versions and staleness.** The weights after ``v`` updates are policy version ``v``; step ``s``
+trains version ``s - 1``. Every response token carries the version that sampled it
+(``policy_version``, stamped by the rollout worker itself), and a sample's staleness at step ``s`` is
+``s - 1`` minus the oldest version among its tokens. With ``trainer.max_staleness = K`` the pipeline
+keeps ``trainer.rollout_ahead`` generations in flight (default ``K + 1``), each meant for one step and
+seeded as that step would be in ``sync`` mode, so ``K = 0`` reproduces ``sync`` exactly. A sample older
+than ``K`` when its step comes is never trained: it is dropped and its prompts generated again from the
+current weights (``staleness_policy=drop`` lets the rollout run further ahead than ``K + 1`` at that
+price; ``wait``, the default, never starts a generation that could end up beyond the bound).
+
+**Lossless resume.** A checkpoint waits for the generations in flight and stores them, finished, with
+their versions (``rollout_buffer/`` in the checkpoint); the data loader's position is already past
+their prompts. A resumed run trains exactly the samples the uninterrupted run would have: every prompt
+of an epoch once. ``trained_prompts.jsonl`` in the run directory records each step's prompt uids and
+their staleness (lines past the resumed step are dropped on resume, like the metrics).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+MODES = ("sync", "colocate_async", "separate_async")
+POLICIES = ("wait", "drop")
+BUFFER_DIRECTORY = "rollout_buffer"
+TRAINED_PROMPTS_FILE = "trained_prompts.jsonl"
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncSettings:
+    mode: str
+    max_staleness: int
+    policy: str
+    ahead: int
+
+    @classmethod
+    def of(cls, trainer: Any) -> "AsyncSettings":
+        """The settings of ``trainer``; in ``sync`` mode nothing runs ahead and the bound is 0 (a buffer
+        restored from an asynchronous run's checkpoint is trained first, regenerated where stale)."""
+        if trainer.mode == "sync":
+            return cls("sync", 0, "wait", 0)
+        ahead = trainer.rollout_ahead if trainer.rollout_ahead is not None else trainer.max_staleness + 1
+        return cls(trainer.mode, int(trainer.max_staleness), trainer.staleness_policy, int(ahead))
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.mode != "sync"
+
+
+def check_trainer_mode(config: Any) -> None:
+    """The ``trainer.mode`` keys and how they fit the placement; raises :class:`ConfigError`."""
+    from rlplat.config_node import ConfigError, did_you_mean
+
+    trainer = config.trainer
+    if trainer.mode not in MODES:
+        raise ConfigError(f"trainer.mode must be one of {', '.join(MODES)}, got {trainer.mode!r}.{did_you_mean(str(trainer.mode), MODES)}")
+    if isinstance(trainer.max_staleness, bool) or not isinstance(trainer.max_staleness, int) or trainer.max_staleness < 0:
+        raise ConfigError(f"trainer.max_staleness must be an int >= 0 (policy versions), got {trainer.max_staleness!r}.")
+    if trainer.staleness_policy not in POLICIES:
+        raise ConfigError(f"trainer.staleness_policy must be wait or drop, got {trainer.staleness_policy!r}.")
+    ahead = trainer.rollout_ahead
+    if ahead is not None and (isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1):
+        raise ConfigError(f"trainer.rollout_ahead must be an int >= 1 or null (max_staleness + 1), got {ahead!r}.")
+    if ahead is not None and trainer.staleness_policy == "wait" and ahead > trainer.max_staleness + 1:
+        raise ConfigError(
+            f"trainer.rollout_ahead={ahead} with trainer.staleness_policy=wait: a generation started {ahead} steps "
+            f"ahead would be trained {ahead - 1} versions stale, beyond trainer.max_staleness={trainer.max_staleness}; "
+            "lower rollout_ahead, raise max_staleness, or set staleness_policy=drop (stale samples are then generated again)."
+        )
+    given = ((config.get("roles") or {}).get("rollout") or {}).get("placement")
+    if trainer.mode == "separate_async":
+        if config.cluster.backend != "ray":
+            raise ConfigError("trainer.mode=separate_async gives the rollout a resource pool of its own, which needs "
+                              "cluster.backend=ray (the local backend has one process); use colocate_async or sync.")
+        if given == "colocated":
+            raise ConfigError("trainer.mode=separate_async runs the rollout in a pool of its own, but "
+                              "roles.rollout.placement=colocated; drop that key or use trainer.mode=colocate_async.")
+    if trainer.mode == "colocate_async" and given == "separate":
+        raise ConfigError("trainer.mode=colocate_async keeps the rollout in the actor's processes, but "
+                          "roles.rollout.placement=separate; use trainer.mode=separate_async.")
+
+
+def row_versions(batch: Any) -> Any:
+    """Each row's oldest policy version over its sampled tokens (over the whole row when none is)."""
+    import torch
+
+    versions, mask = batch.batch["policy_version"], batch.batch["response_mask"].bool()
+    big = torch.iinfo(versions.dtype).max
+    oldest = torch.where(mask, versions, torch.full_like(versions, big)).min(dim=-1).values
+    return torch.where(mask.any(dim=-1), oldest, versions.min(dim=-1).values)
+
+
+def merge_windows(windows: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(windows):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def overlap_seconds(window: tuple[float, float], others: list[tuple[float, float]]) -> float:
+    """Seconds of ``window`` covered by the union of ``others``."""
+    return sum(max(0.0, min(window[1], end) - max(window[0], start)) for start, end in merge_windows(others))
+
+
+def pop_window(metrics: dict[str, Any], name: str) -> Optional[tuple[float, float]]:
+    """Remove ``async/{name}_start`` and ``_end`` (one value per rank, or one) from ``metrics``; the
+    window from the earliest start to the latest end."""
+    start, end = metrics.pop(f"async/{name}_start", None), metrics.pop(f"async/{name}_end", None)
+    if start is None or end is None:
+        return None
+    starts = start if isinstance(start, (list, tuple)) else [start]
+    ends = end if isinstance(end, (list, tuple)) else [end]
+    return float(min(starts)), float(max(ends))
+
+
+@dataclasses.dataclass
+class Generation:
+    """A generation started ahead of the trainer, for ``step``."""
+
+    step: int
+    prompts: Any
+    seed: int
+    number: int = 0
+    """Calls made to the rollout before this one (weight loads queued earlier ran before it)."""
+    future: Any = None
+    result: Any = None
+
+    def wait(self) -> Any:
+        if self.result is None:
+            self.result = self.future.get()
+            self.future = None
+        return self.result
+
+
+class RolloutPipeline:
+    """The generations in flight (oldest first) and the schedule that starts them.
+
+    ``start(prompts)`` sends one generation to the rollout without waiting (``call_async``) and returns
+    its future; ``regenerate(prompts)`` generates and waits. ``seed_of(step)`` is the sampling seed of a
+    step's first generation, as ``sync`` mode uses it."""
+
+    def __init__(self, settings: AsyncSettings, loader: Any, start: Callable[[Any], Any], regenerate: Callable[[Any], Any],
+                 seed_of: Callable[[int], int]):
+        self.settings = settings
+        self.loader = loader
+        self.start_generation, self.regenerate = start, regenerate
+        self.seed_of = seed_of
+        self.queue: collections.deque[Generation] = collections.deque()
+        self.update_windows: collections.deque[tuple[float, float]] = collections.deque(maxlen=64)
+        self.calls = 0  # calls made to the rollout, in order
+        self.loads: list[tuple[int, Any]] = []  # weight loads not yet checked: (calls before it, future)
+
+    def add_load(self, future: Any) -> None:
+        """A weight load sent to the rollout without waiting; its outcome is checked once a later call
+        has finished (the rollout runs calls in order), never by waiting for it."""
+        self.loads.append((self.calls, future))
+        self.calls += 1
+
+    def settle_loads(self, finished_calls: int) -> None:
+        """Raise the error of any load sent before the first ``finished_calls`` calls finished."""
+        done = [future for before, future in self.loads if before < finished_calls]
+        self.loads = [(before, future) for before, future in self.loads if before >= finished_calls]
+        for future in done:
+            future.get()
+
+    def next_step(self, current: int) -> int:
+        return self.queue[-1].step + 1 if self.queue else current + 1
+
+    def fill(self, current: int, total_steps: int) -> None:
+        """Start generations for the steps after ``current`` until ``ahead`` are in flight (never past
+        ``total_steps``)."""
+        while len(self.queue) < self.settings.ahead and self.next_step(current) <= total_steps:
+            step = self.next_step(current)
+            prompts = self.loader.next_batch()
+            seed = self.seed_of(step)
+            prompts = prompts.with_meta_info({**prompts.meta_info, "seed": seed})
+            self.queue.append(Generation(step, prompts, seed, self.calls, future=self.start_generation(prompts)))
+            self.calls += 1
+
+    def take(self, step: int, total_steps: int) -> tuple[Any, dict[str, float]]:
+        """The generated batch for ``step`` (which trains policy version ``step - 1``) and its
+        ``async/*`` metrics; a batch beyond ``max_staleness`` is generated again from current weights."""
+        started = time.perf_counter()
+        self.fill(step - 1, total_steps)
+        generation = self.queue.popleft()
+        batch = generation.wait()
+        self.settle_loads(generation.number + 1)
+        waited = time.perf_counter() - started
+        metrics = dict(batch.meta_info.get("metrics") or {})
+        window = pop_window(metrics, "generation")
+        result: dict[str, float] = {"async/wait_s": waited, "async/samples_dropped": 0.0}
+        if window is not None and window[1] > window[0]:
+            overlap = overlap_seconds(window, list(self.update_windows))
+            result["async/overlap_s"] = overlap
+            result["async/overlap_fraction"] = overlap / (window[1] - window[0])
+        attempt = 0
+        while int((step - 1) - row_versions(batch).min()) > self.settings.max_staleness:
+            result["async/samples_dropped"] += len(batch)
+            attempt += 1
+            prompts = generation.prompts.with_meta_info({**generation.prompts.meta_info, "seed": generation.seed + 104_729 * attempt})
+            self.calls += 1
+            batch = self.regenerate(prompts)
+            self.settle_loads(self.calls)
+        batch.meta_info["metrics"] = {key: value for key, value in (batch.meta_info.get("metrics") or {}).items()
+                                      if not key.startswith("async/generation_")}
+        result["async/in_flight"] = float(len(self.queue))
+        return batch, result
+
+    def record_update(self, window: Optional[tuple[float, float]]) -> None:
+        if window is not None:
+            self.update_windows.append(window)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def index(self) -> list[dict[str, Any]]:
+        """What :meth:`write` stores, for the trainer state."""
+        return [{"step": generation.step, "seed": generation.seed, "file": f"step_{generation.step}.pt",
+                 "prompts": f"prompts_{generation.step}.pt"} for generation in self.queue]
+
+    def write(self, directory: Path) -> None:
+        """Wait for every generation in flight and write it, with its prompts, under
+        ``directory/rollout_buffer``."""
+        if not self.queue:
+            return
+        folder = directory / BUFFER_DIRECTORY
+        folder.mkdir()
+        for generation, entry in zip(self.queue, self.index()):
+            generation.wait().save_to_disk(folder / entry["file"])
+            generation.prompts.save_to_disk(folder / entry["prompts"])
+        self.settle_loads(self.calls)
+
+    def load(self, directory: Path, index: list[dict[str, Any]]) -> None:
+        """Restore the generations a checkpoint stored (finished, with their versions)."""
+        from rlplat.protocol import DataProto
+
+        self.queue.clear()
+        for entry in index:
+            folder = directory / BUFFER_DIRECTORY
+            if not (folder / entry["file"]).is_file():
+                raise FileNotFoundError(f"checkpoint {directory}: the stored generation for step {entry['step']} "
+                                        f"({folder / entry['file']}) is missing; the checkpoint is incomplete")
+            self.queue.append(Generation(int(entry["step"]), DataProto.load_from_disk(folder / entry["prompts"]),
+                                         int(entry["seed"]), result=DataProto.load_from_disk(folder / entry["file"])))
+
+
+class TrainedPromptsLog:
+    """``trained_prompts.jsonl``: one line per step with the uids of the prompts trained and the
+    staleness of their samples."""
+
+    def __init__(self, run_dir: Path, start_step: int):
+        from rlplat.tracking import _drop_stale_lines
+
+        self.path = run_dir / TRAINED_PROMPTS_FILE
+        if self.path.exists():
+            _drop_stale_lines(self.path, start_step)
+
+    def write(self, step: int, batch: Any) -> None:
+        import numpy as np
+
+        uids = list(dict.fromkeys(str(uid) for uid in np.asarray(batch.non_tensor_batch["uid"]).tolist()))
+        record: dict[str, Any] = {"step": step, "uids": uids}
+        if "policy_version" in batch.batch.keys():
+            staleness = (step - 1) - row_versions(batch)
+            record["staleness_max"] = int(staleness.max())
+        with self.path.open("a") as out:
+            out.write(json.dumps(record) + "\n")
+            out.flush()

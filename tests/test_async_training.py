@@ -1,0 +1,208 @@
+"""Asynchronous training (``trainer.mode``): the staleness bound, colocate_async at staleness 0 equal to
+sync, dropped samples regenerated, a separate rollout pool, and lossless resume after kills."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlplat.config import load_config
+from rlplat.config_node import ConfigError
+from rlplat.data import write_parquet
+from rlplat.testing.tiny_models import save_tiny_model
+from rlplat.tracking import read_metrics
+from rlplat.trainer import Trainer
+
+pytestmark = pytest.mark.slow  # whole runs, some of them on Ray: left out of `make test-fast`
+
+PROMPTS = 12
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("async_assets")
+    model = save_tiny_model(root / "model", seed=0)
+    rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+             "reward_model": {"ground_truth": str(a + b)}} for a, b in [(i, 3 * i % 7) for i in range(PROMPTS)]]
+    return {"model": model, "train": write_parquet(rows, root / "train.parquet")}
+
+
+def overrides(assets, output_dir, *extra) -> list[str]:
+    return [
+        f"model.path={assets['model']}", f"data.train_files=[{assets['train']}]", "data.train_batch_size=2",
+        "actor.ppo_mini_batch_size=2", "rollout.n=2", "rollout.response_length=3", "actor.optim.lr=1e-3",
+        "actor.micro_batch_size_per_gpu=4", "reward.scorer=exact_match", "cluster.backend=local", "cluster.threads_per_process=1",
+        f"trainer.output_dir={output_dir}", "trainer.logger=[jsonl]", "trainer.val_before_train=false", *extra,
+    ]
+
+
+def fit(config, inspect=None) -> list[dict]:
+    trainer = Trainer(config)
+    try:
+        trainer.fit()
+        if inspect is not None:
+            inspect(trainer)
+    finally:
+        trainer.shutdown()
+    return read_metrics(config.trainer.output_dir)
+
+
+def trained(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
+
+
+def assert_each_prompt_once_per_epoch(records: list[dict], epochs: int) -> None:
+    """Every prompt of epochs ``0 .. epochs - 1`` trained exactly once, none twice after them."""
+    uids = [uid for record in records for uid in record["uids"]]
+    assert len(uids) == len(set(uids)), "a prompt was trained twice"
+    whole = [uid for uid in uids if int(uid.split("-")[0][1:]) < epochs]
+    assert sorted(whole) == sorted(f"e{epoch}-i{index}" for epoch in range(epochs) for index in range(PROMPTS))
+
+
+def comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "perf/", "async/")) and k != "time"}
+
+
+def engine_weights(trainer) -> dict[str, torch.Tensor]:
+    engine = trainer.actor.backend.host.workers["actor"].actor
+    return {name: tensor.clone() for bucket in engine.named_weights() for name, tensor in bucket}
+
+
+def test_overlap_is_the_part_of_a_generation_covered_by_updates():
+    from rlplat.pipeline import merge_windows, overlap_seconds, pop_window
+
+    updates = [(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]
+    assert merge_windows(updates) == [(0.0, 2.0), (3.0, 4.0)]
+    assert overlap_seconds((1.5, 3.5), updates) == pytest.approx(1.0)  # 1.5-2.0 and 3.0-3.5, nothing counted twice
+    assert overlap_seconds((5.0, 6.0), updates) == 0.0
+    metrics = {"async/update_start": [2.0, 1.0], "async/update_end": [3.0, 4.0], "actor/loss": 1.0}
+    assert pop_window(metrics, "update") == (1.0, 4.0) and metrics == {"actor/loss": 1.0}
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("trainer.mode=asynch", "trainer.mode must be one of"),
+    ("trainer.max_staleness=-1", "trainer.max_staleness must be an int >= 0"),
+    ("trainer.staleness_policy=skip", "trainer.staleness_policy must be wait or drop"),
+    ("trainer.rollout_ahead=0", "trainer.rollout_ahead must be an int >= 1"),
+])
+def test_bad_async_keys_are_refused_at_load(assets, tmp_path, bad, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides(assets, tmp_path, "trainer.mode=colocate_async", bad), algo="grpo")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["trainer.mode=colocate_async", "trainer.rollout_ahead=3", "trainer.max_staleness=1"], "would be trained 2 versions stale"),
+    (["trainer.mode=separate_async"], "needs cluster.backend=ray"),
+    (["trainer.mode=separate_async", "cluster.backend=ray", "roles.rollout.placement=colocated"], "drop that key"),
+    (["trainer.mode=colocate_async", "cluster.backend=ray", "roles.rollout.placement=separate"], "use trainer.mode=separate_async"),
+])
+def test_modes_that_contradict_the_placement_are_refused(assets, tmp_path, extra, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides(assets, tmp_path, *extra), algo="grpo")
+
+
+@pytest.mark.parametrize("bound", [0, 1, 2])
+def test_no_trained_sample_is_older_than_the_bound_over_200_steps(assets, tmp_path, bound):
+    run = tmp_path / f"k{bound}"
+    records = fit(load_config(overrides=overrides(assets, run, "trainer.mode=colocate_async", f"trainer.max_staleness={bound}",
+                                                  "trainer.total_training_steps=200"), algo="grpo"))
+    assert [r["step"] for r in records] == list(range(1, 201))
+    assert max(r["async/staleness_max"] for r in records) == bound  # the pipeline runs as far ahead as allowed
+    assert all(r["async/samples_dropped"] == 0 for r in records)
+    lines = trained(run)
+    assert max(line["staleness_max"] for line in lines) == bound
+    assert [line["staleness_max"] for line in lines[bound:]] == [bound] * (200 - bound)
+    assert_each_prompt_once_per_epoch(lines, epochs=200 * 2 // PROMPTS)  # whole epochs only
+    assert lines[-1]["uids"]  # the last step trained
+
+
+def test_colocate_async_at_staleness_0_equals_sync_over_30_steps(assets, tmp_path):
+    weights = {}
+
+    def run(mode):
+        config = load_config(overrides=overrides(assets, tmp_path / mode, f"trainer.mode={mode}", "trainer.max_staleness=0",
+                                                 "trainer.total_training_steps=30"), algo="grpo")
+        return fit(config, inspect=lambda trainer: weights.__setitem__(mode, engine_weights(trainer)))
+
+    sync, asynchronous = run("sync"), run("colocate_async")
+    assert [comparable(r) for r in sync] == [comparable(r) for r in asynchronous]
+    assert all(r["async/staleness_max"] == 0 for r in asynchronous)
+    assert weights["sync"].keys() == weights["colocate_async"].keys()
+    assert all(torch.equal(weights["sync"][name], weights["colocate_async"][name]) for name in weights["sync"])
+    assert trained(tmp_path / "sync") == trained(tmp_path / "colocate_async")
+
+
+def test_drop_regenerates_stale_samples_and_loses_no_prompt(assets, tmp_path):
+    run = tmp_path / "drop"
+    records = fit(load_config(overrides=overrides(assets, run, "trainer.mode=colocate_async", "trainer.max_staleness=0",
+                                                  "trainer.staleness_policy=drop", "trainer.rollout_ahead=2",
+                                                  "trainer.total_training_steps=12"), algo="grpo"))
+    # two generations in flight at version v: the second is one version stale at its step, dropped, redone
+    assert sum(r["async/samples_dropped"] for r in records) == 11 * 4
+    assert all(r["async/staleness_max"] == 0 for r in records)
+    assert_each_prompt_once_per_epoch(trained(run), epochs=2)
+
+
+def test_separate_async_generates_in_its_own_pool_and_resumes_exactly(assets, tmp_path):
+    common = ["trainer.mode=separate_async", "trainer.max_staleness=1", "cluster.backend=ray", "trainer.save_freq=3"]
+    straight = fit(load_config(overrides=overrides(assets, tmp_path / "straight", *common, "trainer.total_training_steps=6"),
+                               algo="grpo"))
+    assert [r["async/staleness_max"] for r in straight] == [0, 1, 1, 1, 1, 1]
+    assert all(r["async/samples_dropped"] == 0 for r in straight)
+    assert all(0.0 <= r["async/overlap_fraction"] <= 1.0 for r in straight)  # how much is timing: the bench measures it
+    stored = tmp_path / "straight" / "checkpoints" / "global_step_3"
+    state = json.loads((stored / "trainer_state.json").read_text())
+    assert [entry["step"] for entry in state["rollout_buffer"]] == [4, 5]  # finished generations, in the checkpoint
+
+    # resume from the middle of the straight run: the stored generations are trained, none is redone
+    resumed = fit(load_config(overrides=overrides(assets, tmp_path / "resumed", *common, "trainer.total_training_steps=6",
+                                                  f"trainer.resume={stored}"), algo="grpo"))
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [comparable(r) for r in resumed] == [comparable(r) for r in straight[3:]]
+    assert trained(tmp_path / "resumed") == trained(tmp_path / "straight")[3:]
+
+
+def test_a_run_killed_ten_times_trains_every_prompt_of_each_epoch_once(assets, tmp_path):
+    """SIGKILL at random points (generation, update, checkpoint), resume each time: the steps kept are
+    exactly those of an uninterrupted run, and each epoch's prompts are trained once."""
+    straight = tmp_path / "straight"
+    settings = ["trainer.mode=colocate_async", "trainer.max_staleness=2", "trainer.save_freq=1", "trainer.total_training_steps=24"]
+    fit(load_config(overrides=overrides(assets, straight, *settings), algo="grpo"))
+
+    run = tmp_path / "killed"
+    arguments = overrides(assets, run, *settings)
+    script = ("from rlplat.config import load_config\nfrom rlplat.trainer import Trainer\n"
+              f"trainer = Trainer(load_config(overrides={arguments!r}, algo='grpo'))\n"
+              "try:\n    trainer.fit()\nfinally:\n    trainer.shutdown()\n")
+    chooser = random.Random(17)
+    kills = 0
+    while kills < 10:
+        process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        started = time.monotonic()
+        progress = len(trained(run)) if (run / "trained_prompts.jsonl").exists() else 0
+        # wait until the run has trained a step beyond where it resumed, then kill at a random moment
+        while process.poll() is None and time.monotonic() - started < 120:
+            now = len(trained(run)) if (run / "trained_prompts.jsonl").exists() else 0
+            if now > progress:
+                break
+            time.sleep(0.02)
+        if process.poll() is not None:
+            assert process.returncode == 0, process.stderr.read().decode()[-3000:]
+            break  # finished before it could be killed
+        time.sleep(chooser.uniform(0.0, 0.4))
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        kills += 1
+    assert kills >= 5, "the run finished too quickly to be killed often"
+    fit(load_config(overrides=arguments, algo="grpo"))
+    assert trained(run) == trained(straight)
+    assert_each_prompt_once_per_epoch(trained(run), epochs=4)
