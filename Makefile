@@ -71,6 +71,7 @@ bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python bench/time_to_accuracy.py --budget 260
 	$(BENCH_VENV)/bin/python bench/packing.py
 	$(BENCH_VENV)/bin/python bench/math_scorers.py
+	$(BENCH_VENV)/bin/python bench/async_training.py
 
 # verl 0.9.1's own DataProto tests (tests/test_protocol_on_cpu.py, from its wheel) run against rlplat's
 # DataProto. verl comes without its dependencies into .verl-compat/ (rlplat's torch, ray and tensordict serve

@@ -207,6 +207,10 @@ class TrainerConfig:
     dropped and their prompts generated again from the current weights)."""
     rollout_ahead: Optional[int] = None
     """Asynchronous modes: generations kept in flight ahead of the trainer; None: ``max_staleness + 1``."""
+    rollout_dispatch: str = "split"
+    """``separate_async``: ``split`` (each generation split over the rollout's processes) or ``replica``
+    (each generation whole on one process, step ``s`` on process ``s % processes``: the processes generate
+    different steps at once, so one batch's slow tail overlaps the next batch's generation)."""
 
 
 @dataclasses.dataclass
@@ -225,6 +229,9 @@ class ClusterConfig:
     """torch threads of each worker process. None: on Ray, each process's share of its machine's cores
     (cores // worker processes of its pool there, at least 1); with the local backend, torch's default
     (every core) for the one process."""
+    cpus_per_process: float = 1.0
+    """Ray CPUs each worker process reserves (below 1 to run more processes than a machine has cores,
+    e.g. a rollout pool beside the actor's on a small CPU machine)."""
     py_modules: List[str] = dataclasses.field(default_factory=list)
     """Your own modules to ship to every Ray worker (a loss, a worker class or a reward defined in a
     module that is not installed): import names (``my_losses``, ``my_package``; a dotted name ships its
@@ -352,6 +359,8 @@ def load_config(
         config = merge_checked(config, file_node, f"--config {config_file}")
     config = merge_checked(config, shortcuts, "command line")
     config = merge_checked(config, override_node, "overrides")
+    if config.trainer.mode == "separate_async" and "placement" not in ((config.get("roles") or {}).get("rollout") or {}):
+        OmegaConf.update(config, "roles.rollout.placement", "separate", force_add=True)  # the mode's pool
     if validate:
         validate_config(config)
     return config
@@ -645,6 +654,8 @@ def validate_config(config: DictConfig) -> None:
         )
     if config.cluster.backend not in ("ray", "local"):
         raise ConfigError(f"cluster.backend must be 'ray' or 'local', got {config.cluster.backend!r}.")
+    if not config.cluster.cpus_per_process > 0:
+        raise ConfigError(f"cluster.cpus_per_process must be > 0, got {config.cluster.cpus_per_process}.")
     if config.cluster.threads_per_process is not None and config.cluster.threads_per_process < 1:
         raise ConfigError(f"cluster.threads_per_process must be >= 1 or null (each process's share of its "
                           f"machine's cores), got {config.cluster.threads_per_process}.")

@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional
 
 MODES = ("sync", "colocate_async", "separate_async")
 POLICIES = ("wait", "drop")
+DISPATCHES = ("split", "replica")
 BUFFER_DIRECTORY = "rollout_buffer"
 TRAINED_PROMPTS_FILE = "trained_prompts.jsonl"
 
@@ -95,6 +96,11 @@ def check_trainer_mode(config: Any) -> None:
         if given == "colocated":
             raise ConfigError("trainer.mode=separate_async runs the rollout in a pool of its own, but "
                               "roles.rollout.placement=colocated; drop that key or use trainer.mode=colocate_async.")
+    if trainer.rollout_dispatch not in DISPATCHES:
+        raise ConfigError(f"trainer.rollout_dispatch must be split or replica, got {trainer.rollout_dispatch!r}.")
+    if trainer.rollout_dispatch == "replica" and trainer.mode != "separate_async":
+        raise ConfigError("trainer.rollout_dispatch=replica runs whole generations on single processes of the rollout's own "
+                          "pool, which only trainer.mode=separate_async has.")
     if trainer.mode == "colocate_async" and given == "separate":
         raise ConfigError("trainer.mode=colocate_async keeps the rollout in the actor's processes, but "
                           "roles.rollout.placement=separate; use trainer.mode=separate_async.")
@@ -143,8 +149,10 @@ class Generation:
     step: int
     prompts: Any
     seed: int
+    replica: int = 0
+    """The rollout process that runs it (``trainer.rollout_dispatch=replica``); 0 otherwise."""
     number: int = 0
-    """Calls made to the rollout before this one (weight loads queued earlier ran before it)."""
+    """Calls made to that process before this one (weight loads queued earlier ran before it)."""
     future: Any = None
     result: Any = None
 
@@ -158,33 +166,46 @@ class Generation:
 class RolloutPipeline:
     """The generations in flight (oldest first) and the schedule that starts them.
 
-    ``start(prompts)`` sends one generation to the rollout without waiting (``call_async``) and returns
-    its future; ``regenerate(prompts)`` generates and waits. ``seed_of(step)`` is the sampling seed of a
-    step's first generation, as ``sync`` mode uses it."""
+    ``start(prompts, replica)`` sends one generation to the rollout without waiting and returns its
+    future; ``regenerate(prompts, replica)`` generates and waits. With ``replicas`` > 1 each generation
+    runs whole on one rollout process, step ``s`` on process ``s % replicas`` (so a resumed run uses the
+    same one), and several run at once; otherwise every call goes to the whole group. ``seed_of(step)``
+    is the sampling seed of a step's first generation, as ``sync`` mode uses it."""
 
-    def __init__(self, settings: AsyncSettings, loader: Any, start: Callable[[Any], Any], regenerate: Callable[[Any], Any],
-                 seed_of: Callable[[int], int]):
+    def __init__(self, settings: AsyncSettings, loader: Any, start: Callable[[Any, int], Any],
+                 regenerate: Callable[[Any, int], Any], seed_of: Callable[[int], int], replicas: int = 1):
         self.settings = settings
         self.loader = loader
         self.start_generation, self.regenerate = start, regenerate
         self.seed_of = seed_of
+        self.replicas = replicas
         self.queue: collections.deque[Generation] = collections.deque()
         self.update_windows: collections.deque[tuple[float, float]] = collections.deque(maxlen=64)
-        self.calls = 0  # calls made to the rollout, in order
-        self.loads: list[tuple[int, Any]] = []  # weight loads not yet checked: (calls before it, future)
+        self.calls = [0] * replicas  # calls made to each rollout process, in order
+        self.finished = [0] * replicas  # of those, how many are known to have finished
+        self.loads: list[tuple[tuple[int, ...], Any]] = []  # weight loads not yet checked: (calls before it, future)
+
+    def replica_of(self, step: int) -> int:
+        return step % self.replicas
 
     def add_load(self, future: Any) -> None:
-        """A weight load sent to the rollout without waiting; its outcome is checked once a later call
-        has finished (the rollout runs calls in order), never by waiting for it."""
-        self.loads.append((self.calls, future))
-        self.calls += 1
+        """A weight load sent to every rollout process without waiting; its outcome is checked once a
+        later call has finished on each of them (a process runs its calls in order), never by waiting."""
+        self.loads.append((tuple(self.calls), future))
+        self.calls = [count + 1 for count in self.calls]
 
-    def settle_loads(self, finished_calls: int) -> None:
-        """Raise the error of any load sent before the first ``finished_calls`` calls finished."""
-        done = [future for before, future in self.loads if before < finished_calls]
-        self.loads = [(before, future) for before, future in self.loads if before >= finished_calls]
+    def settle_loads(self) -> None:
+        """Raise the error of any load that every process has run by now."""
+        done = [future for before, future in self.loads if all(b < f for b, f in zip(before, self.finished))]
+        self.loads = [(before, future) for before, future in self.loads if not all(b < f for b, f in zip(before, self.finished))]
         for future in done:
             future.get()
+
+    def submit(self, step: int, prompts: Any, seed: int) -> Generation:
+        replica = self.replica_of(step)
+        generation = Generation(step, prompts, seed, replica, self.calls[replica], future=self.start_generation(prompts, replica))
+        self.calls[replica] += 1
+        return generation
 
     def next_step(self, current: int) -> int:
         return self.queue[-1].step + 1 if self.queue else current + 1
@@ -197,8 +218,7 @@ class RolloutPipeline:
             prompts = self.loader.next_batch()
             seed = self.seed_of(step)
             prompts = prompts.with_meta_info({**prompts.meta_info, "seed": seed})
-            self.queue.append(Generation(step, prompts, seed, self.calls, future=self.start_generation(prompts)))
-            self.calls += 1
+            self.queue.append(self.submit(step, prompts, seed))
 
     def take(self, step: int, total_steps: int) -> tuple[Any, dict[str, float]]:
         """The generated batch for ``step`` (which trains policy version ``step - 1``) and its
@@ -207,7 +227,9 @@ class RolloutPipeline:
         self.fill(step - 1, total_steps)
         generation = self.queue.popleft()
         batch = generation.wait()
-        self.settle_loads(generation.number + 1)
+        if generation.number >= 0:  # not one restored from a checkpoint
+            self.finished[generation.replica] = max(self.finished[generation.replica], generation.number + 1)
+            self.settle_loads()
         waited = time.perf_counter() - started
         metrics = dict(batch.meta_info.get("metrics") or {})
         window = pop_window(metrics, "generation")
@@ -221,9 +243,11 @@ class RolloutPipeline:
             result["async/samples_dropped"] += len(batch)
             attempt += 1
             prompts = generation.prompts.with_meta_info({**generation.prompts.meta_info, "seed": generation.seed + 104_729 * attempt})
-            self.calls += 1
-            batch = self.regenerate(prompts)
-            self.settle_loads(self.calls)
+            replica = self.replica_of(step)
+            self.calls[replica] += 1
+            batch = self.regenerate(prompts, replica)
+            self.finished[replica] = self.calls[replica]
+            self.settle_loads()
         batch.meta_info["metrics"] = {key: value for key, value in (batch.meta_info.get("metrics") or {}).items()
                                       if not key.startswith("async/generation_")}
         result["async/in_flight"] = float(len(self.queue))
@@ -250,7 +274,9 @@ class RolloutPipeline:
         for generation, entry in zip(self.queue, self.index()):
             generation.wait().save_to_disk(folder / entry["file"])
             generation.prompts.save_to_disk(folder / entry["prompts"])
-        self.settle_loads(self.calls)
+        for _, future in self.loads:
+            future.get()
+        self.loads, self.finished = [], list(self.calls)
 
     def load(self, directory: Path, index: list[dict[str, Any]]) -> None:
         """Restore the generations a checkpoint stored (finished, with their versions)."""
@@ -262,8 +288,9 @@ class RolloutPipeline:
             if not (folder / entry["file"]).is_file():
                 raise FileNotFoundError(f"checkpoint {directory}: the stored generation for step {entry['step']} "
                                         f"({folder / entry['file']}) is missing; the checkpoint is incomplete")
-            self.queue.append(Generation(int(entry["step"]), DataProto.load_from_disk(folder / entry["prompts"]),
-                                         int(entry["seed"]), result=DataProto.load_from_disk(folder / entry["file"])))
+            step = int(entry["step"])
+            self.queue.append(Generation(step, DataProto.load_from_disk(folder / entry["prompts"]), int(entry["seed"]),
+                                         self.replica_of(step), number=-1, result=DataProto.load_from_disk(folder / entry["file"])))
 
 
 class TrainedPromptsLog:

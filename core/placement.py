@@ -64,11 +64,12 @@ def place(roles: dict[str, Role], run: RunContext) -> Placement:
     start_ray(cluster.address, py_modules=cluster.py_modules, runtime_env=cluster.runtime_env,
               ship_driver_modules=cluster.ship_driver_modules)
     pool = ResourcePool([cluster.devices_per_node] * cluster.nnodes, use_gpu=cluster.use_gpu,
-                        threads_per_process=cluster.threads_per_process)
+                        cpus_per_process=cluster.cpus_per_process, threads_per_process=cluster.threads_per_process)
     placement = Placement(RayWorkerGroup.colocated(pool, specs), roles, [pool])
     for name, (spec, settings) in separate.items():
         own = ResourcePool([settings.devices_per_node or cluster.devices_per_node] * (settings.nnodes or cluster.nnodes),
-                           use_gpu=cluster.use_gpu, name_prefix=f"rlplat_{name}", threads_per_process=cluster.threads_per_process)
+                           use_gpu=cluster.use_gpu, cpus_per_process=cluster.cpus_per_process, name_prefix=f"rlplat_{name}",
+                           threads_per_process=cluster.threads_per_process)
         placement.pools.append(own)
         placement.groups[name] = RayWorkerGroup(own, spec, role=name)
     return placement

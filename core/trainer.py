@@ -145,9 +145,16 @@ class Trainer:
         bind = getattr(self.reward, "bind_workers", None)  # a manager served by a worker group (the judge)
         if bind is not None:
             bind(groups)
-        self.pipeline = RolloutPipeline(
-            self.async_settings, self.train_loader, start=lambda prompts: self.rollout.call_async("generate_sequences", prompts),
-            regenerate=self.rollout.generate_sequences, seed_of=self.step_seed)
+        replicas = self.rollout.world_size if self.config.trainer.rollout_dispatch == "replica" else 1
+
+        def start(prompts: DataProto, replica: int) -> Any:
+            if replicas > 1:
+                return self.rollout.call_rank(replica, "generate_sequences", prompts)
+            return self.rollout.call_async("generate_sequences", prompts)
+
+        self.pipeline = RolloutPipeline(self.async_settings, self.train_loader, start=start,
+                                        regenerate=lambda prompts, replica: start(prompts, replica).get(),
+                                        seed_of=self.step_seed, replicas=replicas)
 
     def step_seed(self, step: int) -> int:
         """The sampling seed of step ``step``'s first generation."""
@@ -197,7 +204,9 @@ class Trainer:
                 metrics = self.train_step()
                 self.pipeline.fill(self.step, self.total_steps)  # the next generations start before validation
                 if self.val_loader is not None and trainer.test_freq and (self.step % trainer.test_freq == 0 or self.step == self.total_steps):
+                    started = time.perf_counter()
                     metrics.update(self.validate())
+                    metrics["timing_s/validate"] = time.perf_counter() - started
                 tracker.log(metrics, step=self.step)
                 if (trainer.save_freq and self.step % trainer.save_freq == 0) or self.step == self.total_steps or interrupt.requested:
                     self.save()

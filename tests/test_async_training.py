@@ -100,6 +100,8 @@ def test_bad_async_keys_are_refused_at_load(assets, tmp_path, bad, message):
 
 
 @pytest.mark.parametrize("extra, message", [
+    (["trainer.rollout_dispatch=replica", "trainer.mode=colocate_async"], "only trainer.mode=separate_async has"),
+    (["cluster.cpus_per_process=0"], "cluster.cpus_per_process must be > 0"),
     (["trainer.mode=colocate_async", "trainer.rollout_ahead=3", "trainer.max_staleness=1"], "would be trained 2 versions stale"),
     (["trainer.mode=separate_async"], "needs cluster.backend=ray"),
     (["trainer.mode=separate_async", "cluster.backend=ray", "roles.rollout.placement=colocated"], "drop that key"),
@@ -153,7 +155,9 @@ def test_drop_regenerates_stale_samples_and_loses_no_prompt(assets, tmp_path):
 
 
 def test_separate_async_generates_in_its_own_pool_and_resumes_exactly(assets, tmp_path):
-    common = ["trainer.mode=separate_async", "trainer.max_staleness=1", "cluster.backend=ray", "trainer.save_freq=3"]
+    # two rollout processes, each generating whole batches (step s on process s % 2), beside the actor's
+    common = ["trainer.mode=separate_async", "trainer.max_staleness=1", "cluster.backend=ray", "trainer.save_freq=3",
+              "roles.rollout.devices_per_node=2", "trainer.rollout_dispatch=replica", "cluster.cpus_per_process=0.5"]
     straight = fit(load_config(overrides=overrides(assets, tmp_path / "straight", *common, "trainer.total_training_steps=6"),
                                algo="grpo"))
     assert [r["async/staleness_max"] for r in straight] == [0, 1, 1, 1, 1, 1]

@@ -69,6 +69,21 @@ def test_ten_rows_over_four_ray_workers_come_back_as_exactly_those_rows(four_wor
     assert result.batch["rank"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
 
 
+def test_one_rank_takes_a_whole_call_and_the_others_stay_free(four_workers, tmp_path):
+    stalled = four_workers.call_rank(1, "stall", str(tmp_path))  # rank 1 busy until released
+    started = time.monotonic()
+    while not (tmp_path / "rank1").exists():
+        assert time.monotonic() - started < 30
+        time.sleep(0.02)
+    whole = four_workers.call_rank(2, "tag", rows(10)).get()  # rank 2 answers at once, with all ten rows
+    assert whole.batch["row"].tolist() == list(range(10)) and whole.batch["rank"].tolist() == [2] * 10
+    assert not (tmp_path / "rank0").exists()
+    (tmp_path / "release").touch()
+    assert stalled.get() == 1
+    with pytest.raises(ValueError, match="rank 4 is out of range"):
+        four_workers.call_rank(4, "tag", rows(2))
+
+
 def test_workers_share_a_gloo_process_group(four_workers):
     assert four_workers.all_reduce_rank() == [10.0] * 4  # 1 + 2 + 3 + 4
 

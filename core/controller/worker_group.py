@@ -82,6 +82,18 @@ class WorkerGroup:
             raise AttributeError(f"{self.worker_class.__name__} has no registered method {name!r}; it has {self.method_names}")
         return self._submit(name, self._methods[name], args, kwargs)
 
+    def call_rank(self, rank: int, name: str, *args: Any, **kwargs: Any) -> DataFuture:
+        """Call a registered method on rank ``rank`` alone with the whole arguments, without waiting: each
+        process of the group serving as a replica of its own (e.g. a rollout generating one batch while
+        another process generates the next). The result is that rank's output."""
+        if name not in self._methods:
+            raise AttributeError(f"{self.worker_class.__name__} has no registered method {name!r}; it has {self.method_names}")
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"{self.role}: rank {rank} is out of range for a group of {self.world_size} process(es)")
+        plan = CallPlan([RankCall(rank, args, kwargs, 0)], merge=lambda outputs: outputs[0], shard_positions=[0])
+        results, pads = self.backend.submit(self.role, name, plan.calls, True)
+        return DataFuture(self.backend, plan, results, pads, f"{self.role}.{name}")
+
     def _submit(self, name: str, spec: MethodSpec, args: tuple, kwargs: dict) -> DataFuture:
         mode = dispatch_mode(spec.dispatch_mode)
         needs_declared_layout = spec.dispatch_mode == Dispatch.DP_MESH.value or getattr(mode, "needs_layout", False)
