@@ -29,7 +29,9 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from rlplat.config_node import ConfigError, did_you_mean, read_config_node, resolve_schema
 from rlplat.agent.config import AgentConfig
 from rlplat.data import DataConfig
+from rlplat.lora import check_lora
 from rlplat.pipeline import check_trainer_mode
+from rlplat.sync_probe import SyncProbeConfig
 from rlplat.reward_model import RewardModelConfig
 from rlplat.losses.config import LOSS_SET_KEYS
 
@@ -96,6 +98,9 @@ OLD_LOG_PROB_MODES = ("auto", "always", "never")
 
 @dataclasses.dataclass
 class ActorConfig(EngineRoleConfig):
+    lora: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    """LoRA adapters (:class:`rlplat.lora.LoraConfig`: ``rank``, ``alpha``, ``dropout``,
+    ``target_modules``, ``exclude_modules``, ``adapter_path``, ``sync``); rank 0 or empty: full fine-tuning."""
     recompute_old_log_prob: str = "auto"
     """Whether ``old_log_probs`` come from a forward pass of their own before the update: ``always``;
     ``never`` (the update's first forward supplies them: only for a strictly on-policy update, one
@@ -135,6 +140,8 @@ class RolloutConfig:
     sync then copies nothing and the model is held once. Elsewhere weights are copied bucket by bucket."""
     config: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """The rollout's own keys, checked against the schema the rollout registers."""
+    sync_probe: SyncProbeConfig = dataclasses.field(default_factory=SyncProbeConfig)
+    """After weight syncs, check that the rollout serves the trainer's weights (:mod:`rlplat.sync_probe`)."""
 
 
 @dataclasses.dataclass
@@ -378,6 +385,7 @@ ENGINE_BUILD_SOURCES = {
     "ppo_epochs": "{role}.ppo_epochs", "micro_batch_size_per_gpu": "{role}.micro_batch_size_per_gpu",
     "use_dynamic_bsz": "{role}.use_dynamic_bsz", "max_token_len_per_gpu": "{role}.max_token_len_per_gpu",
     "value_model": "the role (true for the critic)", "reward_model": "the role (true for the reward model's engine)",
+    "lora": "actor.lora (when its rank is above 0)",
 }
 ROLLOUT_BUILD_SOURCES = {"model_path": "model.path", "load_weights": "the trainer (false: the engine syncs its weights in)"}
 
@@ -396,6 +404,8 @@ def engine_node(config: DictConfig, role: str, total_steps: int) -> dict[str, An
         "micro_batch_size_per_gpu": node.micro_batch_size_per_gpu, "use_dynamic_bsz": node.use_dynamic_bsz,
         "max_token_len_per_gpu": node.max_token_len_per_gpu, "value_model": role == "critic",
     }
+    if role == "actor" and OmegaConf.to_container(node.lora, resolve=True).get("rank"):
+        build["lora"] = OmegaConf.to_container(node.lora, resolve=True)
     return {**build, **OmegaConf.to_container(node.engine_config, resolve=True)}
 
 
@@ -630,6 +640,8 @@ def validate_config(config: DictConfig) -> None:
 
     check_sampling(config)
     check_trainer_mode(config)
+    check_lora(config)
+    read_config_node(OmegaConf.to_container(config.rollout.sync_probe, resolve=True), SyncProbeConfig, "rollout.sync_probe")
     for node in plugin_nodes(config, algorithm, total_training_steps(config, parquet_rows(data.train_files))):
         node.check()
     check_scorer(config)

@@ -39,6 +39,7 @@ from rlplat.pipeline import AsyncSettings, RolloutPipeline, TrainedPromptsLog, p
 from rlplat.protocol import DataProto
 from rlplat.reward_loop import last_tokens, precomputed_scores
 from rlplat.reward_model import combine, read_reward_model
+from rlplat.sync_probe import SyncProbe, SyncProbeConfig
 from rlplat.tracking import Tracker
 from rlplat.workers.actor_rollout_ref import log_prob_mismatch
 
@@ -125,6 +126,9 @@ class Trainer:
         self.reward_model_settings = read_reward_model(config)
         self.async_settings = AsyncSettings.of(config.trainer)
         self.pipeline: RolloutPipeline | None = None
+        probe_set = self.val_loader.dataset if self.val_loader is not None else self.train_loader.dataset
+        self.sync_probe = SyncProbe(read_config_node(self.node["rollout"]["sync_probe"], SyncProbeConfig, "rollout.sync_probe"),
+                                    probe_set, self.train_loader.pad_token_id, config.trainer.seed, config.rollout.temperature)
         self.trained_prompts: TrainedPromptsLog | None = None
         self.step = 0
 
@@ -274,6 +278,8 @@ class Trainer:
                                                                 sampled_mask))
         with timed(timing, "sync_weights"):
             metrics.update(self.sync_weights())
+        if self.sync_probe.due(self.step):
+            metrics.update(self.sync_probe.run(self.rollout, self.actor, self.step))
         self.stage("updated", batch)
         if self.trained_prompts is not None:
             self.trained_prompts.write(self.step, batch)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Any, Iterator, List, Mapping, NamedTuple, Optional, Protocol
+import contextlib
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterator, List, Mapping, NamedTuple, Optional, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -67,6 +68,9 @@ class EngineBuildConfig:
     ``AutoModelForSequenceClassification``); ``forward`` returns ``rm_scores`` [B], the head's output at
     each row's last token with ``attention_mask`` 1, and reads only ``input_ids``, ``attention_mask`` and
     ``position_ids`` (no ``responses``)."""
+    lora: Optional[Dict[str, Any]] = None
+    """``actor.lora`` when its rank is above 0 (:class:`rlplat.lora.LoraConfig`), else None: train
+    adapters only; engines with ``supports_lora`` take it, the others are refused at load."""
 
 
 class DataParallelInfo(NamedTuple):
@@ -111,7 +115,16 @@ class TrainingEngine(abc.ABC):
 
     Built by the registry factory from ``(config, **kwargs)``; the constructor only records the config.
     :meth:`init_model` runs inside the worker process after ``torch.distributed`` is set up.
+
+    **LoRA** (optional, ``supports_lora = True``): with ``EngineBuildConfig.lora`` the engine trains
+    adapters only; :meth:`named_weights` and :meth:`export_hf` give the weights with the adapter merged in,
+    :meth:`adapter_weights` and :meth:`export_adapter` the adapter alone, :meth:`adapter_disabled` the
+    base model (the reference policy), and :meth:`save` / :meth:`load` hold the adapter and its optimizer
+    state only.
     """
+
+    supports_lora: ClassVar[bool] = False
+    """Whether the engine takes ``EngineBuildConfig.lora`` (checked at load)."""
 
     @abc.abstractmethod
     def init_model(self) -> None:
@@ -189,6 +202,22 @@ class TrainingEngine(abc.ABC):
         if dist.is_available() and dist.is_initialized():
             return DataParallelInfo(dist.get_rank(), dist.get_world_size(), True)
         return DataParallelInfo(0, 1, True)
+
+    def adapter_disabled(self) -> "contextlib.AbstractContextManager[None]":
+        """A context in which :meth:`forward` runs the base model, adapters off (the reference policy
+        of a LoRA run). Engines without LoRA have no adapters to switch off: they refuse."""
+        raise RuntimeError(f"{type(self).__name__} has no LoRA adapters to disable (TrainingEngine.supports_lora)")
+
+    def adapter_weights(self) -> "tuple[dict[str, Any], list[tuple[str, torch.Tensor]]] | None":
+        """The LoRA adapter for a rollout that loads adapters: ``(peft adapter config as a dict, [(name,
+        full tensor)])`` in ``peft``'s naming (``base_model.model.<module>.lora_A.weight``); None without
+        LoRA."""
+        return None
+
+    def export_adapter(self, path: str) -> None:
+        """Write the adapter as a folder ``peft.PeftModel.from_pretrained`` loads (``adapter_config.json``
+        and ``adapter_model.safetensors``). Engines without LoRA refuse."""
+        raise RuntimeError(f"{type(self).__name__} has no LoRA adapter to export (TrainingEngine.supports_lora)")
 
     def state(self) -> Mapping[str, Any]:
         """Small facts for logging (``step``, ``lr``, parameter count); override to add more."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Optional, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -124,3 +124,13 @@ class RolloutEngine(abc.ABC):
         :meth:`update_weights`. An engine that binds must keep the tensors untouched (no in-place
         writes, not freed by :meth:`sleep`) and take its own copy again before :meth:`update_weights`."""
         return False
+
+    supports_adapters: ClassVar[bool] = False
+    """Whether :meth:`load_adapter` works (``actor.lora.sync=adapter`` is checked against it at load)."""
+
+    def load_adapter(self, config: Mapping[str, Any], named_tensors: Sequence[tuple[str, "torch.Tensor"]]) -> None:
+        """Serve the base model with this LoRA adapter from now on (replacing the previous one): ``config``
+        is ``peft``'s adapter config as a dict (``r``, ``lora_alpha``, ``target_modules``, ...), the tensors
+        are in ``peft``'s naming (:meth:`TrainingEngine.adapter_weights`). Rollouts without adapters refuse."""
+        raise RuntimeError(f"{type(self).__name__} cannot load LoRA adapters (RolloutEngine.supports_adapters); "
+                           "use actor.lora.sync=merged")

@@ -1,0 +1,102 @@
+"""LoRA: low-rank adapters on the actor's training engine (``actor.lora.*``).
+
+With ``actor.lora.rank > 0`` the actor's engine wraps its model with ``peft`` adapters on the
+``target_modules`` (less ``exclude_modules``) and trains only them: the optimizer holds the adapter
+parameters alone. The reference policy is the same model with the adapter switched off
+(:meth:`rlplat.contracts.engine.TrainingEngine.adapter_disabled`), so no second copy of the base weights
+is built. Weights reach the rollout as ``sync``: ``merged`` (full weights with the adapter merged in,
+for any rollout: :meth:`TrainingEngine.named_weights`) or ``adapter`` (the adapter tensors alone,
+:meth:`TrainingEngine.adapter_weights`, for a rollout that loads adapters:
+:meth:`rlplat.contracts.rollout.RolloutEngine.load_adapter`). Checkpoints hold the adapter and its
+optimizer state only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, List, Optional, Union
+
+SYNC_MODES = ("merged", "adapter")
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    """The ``actor.lora`` node."""
+
+    rank: int = 0
+    """Adapter rank ``r`` (0: no LoRA, full fine-tuning)."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter's update is ``(alpha / rank) * B @ A``."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input in training."""
+    target_modules: Union[str, List[str]] = "all-linear"
+    """Modules that get adapters: ``all-linear`` (every linear layer but the output head) or a list of
+    module-name suffixes (``[q_proj, v_proj]``)."""
+    exclude_modules: List[str] = dataclasses.field(default_factory=list)
+    """Module-name suffixes left without adapters."""
+    adapter_path: Optional[str] = None
+    """A ``peft`` adapter folder to start from (``adapter_config.json`` and weights) instead of a fresh one."""
+    sync: str = "merged"
+    """How weights reach the rollout: ``merged`` (full weights, adapter merged in; any rollout) or
+    ``adapter`` (adapter tensors only; a rollout that loads adapters: hf, vllm, sglang)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            problems.append(f"rank must be an int >= 0 (0: off), got {self.rank!r}")
+        if not self.alpha > 0:
+            problems.append(f"alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            problems.append(f"dropout must be in [0, 1), got {self.dropout}")
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            problems.append(f"target_modules must be 'all-linear' or a list of module names, got {self.target_modules!r}")
+        if isinstance(self.target_modules, (list, tuple)) and not self.target_modules:
+            problems.append("target_modules is an empty list: no module would get an adapter")
+        if self.sync not in SYNC_MODES:
+            problems.append(f"sync must be merged or adapter, got {self.sync!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank if self.rank else 0.0
+
+
+def read_lora(node: Any, where: str = "actor.lora") -> LoraConfig:
+    """The node typed (defaults when None)."""
+    from rlplat.config_node import read_config_node
+
+    return read_config_node(dict(node) if node is not None else {}, LoraConfig, where)
+
+
+def check_lora(config: Any) -> None:
+    """Load-time checks of ``actor.lora`` against the rest of the run; raises :class:`ConfigError`."""
+    from pathlib import Path
+
+    from rlplat import registry
+    from rlplat.config_node import ConfigError
+
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.select(config, "actor.lora")
+    try:
+        lora = read_lora(OmegaConf.to_container(node, resolve=True) if node is not None else None)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(str(error) if "actor.lora" in str(error) else f"actor.lora: {error}") from None
+    if not lora.enabled:
+        return
+    engine = registry.get("engine", config.actor.engine)
+    if not getattr(engine, "supports_lora", False):
+        raise ConfigError(f"actor.lora.rank={lora.rank}: engine {config.actor.engine!r} has no LoRA adapters "
+                          "(TrainingEngine.supports_lora); use the fsdp2 engine or actor.lora.rank=0.")
+    if lora.adapter_path is not None and not (Path(lora.adapter_path) / "adapter_config.json").is_file():
+        raise ConfigError(f"actor.lora.adapter_path: {lora.adapter_path} has no adapter_config.json (a peft adapter folder is expected).")
+    if lora.sync == "adapter":
+        rollout = registry.get("rollout", config.rollout.name)
+        if not getattr(rollout, "supports_adapters", False):
+            raise ConfigError(f"actor.lora.sync=adapter: rollout {config.rollout.name!r} cannot load adapters "
+                              "(RolloutEngine.supports_adapters); use actor.lora.sync=merged.")

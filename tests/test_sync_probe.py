@@ -1,0 +1,84 @@
+"""The weight-sync probe: it passes while the rollout serves the trainer's weights and stops the run,
+naming the step, when a sync did not arrive."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlplat.config import load_config
+from rlplat.config_node import ConfigError
+from rlplat.data import write_parquet
+from rlplat.sync_probe import SyncProbeError
+from rlplat.testing.tiny_models import save_tiny_model
+from rlplat.tracking import read_metrics
+from rlplat.trainer import Trainer
+
+pytestmark = pytest.mark.slow  # whole runs: left out of `make test-fast`
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("probe_assets")
+    rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{a}+{a}="}],
+             "reward_model": {"ground_truth": str(2 * a)}} for a in range(8)]
+    return {"model": save_tiny_model(root / "model", seed=0), "train": write_parquet(rows, root / "train.parquet")}
+
+
+def overrides(assets, run, *extra):
+    return [f"model.path={assets['model']}", f"data.train_files=[{assets['train']}]", "data.train_batch_size=2",
+            "actor.ppo_mini_batch_size=2", "rollout.n=2", "rollout.response_length=3", "actor.optim.lr=1e-2",
+            "actor.micro_batch_size_per_gpu=4", "reward.scorer=exact_match", "cluster.backend=local",
+            "cluster.threads_per_process=1", f"trainer.output_dir={run}", "trainer.logger=[jsonl]",
+            "trainer.val_before_train=false", "trainer.total_training_steps=4", *extra]
+
+
+class SkippedSync(Trainer):
+    """A run whose rollout never receives the trained weights: the rollout's ``update_weights`` does
+    nothing once the workers are built (a weight push that got lost)."""
+
+    def build_workers(self) -> None:
+        super().build_workers()
+        rollout = self.actor.backend.host.workers["actor"].rollout
+        rollout.update_weights = lambda named_tensors: None
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+def test_the_probe_passes_after_every_sync_when_the_weights_arrive(assets, tmp_path, mode):
+    config = load_config(overrides=overrides(assets, tmp_path, "rollout.sync_probe.freq=1", "rollout.sync_probe.tolerance=1e-5",
+                                             f"trainer.mode={mode}", "trainer.max_staleness=0"), algo="grpo")
+    trainer = Trainer(config)
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(r["sync_probe/mean_abs_diff"] < 1e-6 and r["timing_s/sync_probe"] > 0 for r in records)
+
+
+def test_a_sync_that_did_not_arrive_stops_the_run_at_the_first_probe(assets, tmp_path):
+    config = load_config(overrides=overrides(assets, tmp_path, "rollout.share_weights=false", "rollout.sync_probe.tolerance=1e-5"),
+                         algo="grpo")
+    trainer = SkippedSync(config)
+    try:
+        with pytest.raises(SyncProbeError, match=r"step 1: after the weight sync the rollout's log-probs differ") as raised:
+            trainer.fit()
+    finally:
+        trainer.shutdown()
+    assert "probe prompt" in str(raised.value) and "did not arrive" in str(raised.value)
+    assert [r["step"] for r in read_metrics(tmp_path)] == []  # stopped before step 1 was logged
+
+
+def test_the_probe_runs_on_step_1_and_every_freq_th_step_by_default(assets, tmp_path):
+    config = load_config(overrides=overrides(assets, tmp_path, "rollout.sync_probe.freq=2"), algo="grpo")
+    trainer = Trainer(config)
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    assert [r["step"] for r in read_metrics(tmp_path) if "sync_probe/mean_abs_diff" in r] == [1, 2, 4]
+
+
+def test_a_bad_probe_node_is_refused_at_load(assets, tmp_path):
+    with pytest.raises(ConfigError, match="rollout.sync_probe needs"):
+        load_config(overrides=overrides(assets, tmp_path, "rollout.sync_probe.tolerance=0"), algo="grpo")
