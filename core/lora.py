@@ -96,6 +96,11 @@ def check_lora(config: Any) -> None:
     if lora.adapter_path is not None and not (Path(lora.adapter_path) / "adapter_config.json").is_file():
         raise ConfigError(f"actor.lora.adapter_path: {lora.adapter_path} has no adapter_config.json (a peft adapter folder is expected).")
     if lora.sync == "adapter":
+        separate = config.trainer.mode == "separate_async" or ((config.get("roles") or {}).get("rollout") or {}).get("placement") == "separate"
+        if separate and config.rollout.free_between_phases:
+            raise ConfigError("actor.lora.sync=adapter with a rollout in its own pool and rollout.free_between_phases: a "
+                              "rollout that frees its weights needs the base weights again, which only a colocated one can "
+                              "take from the actor; set rollout.free_between_phases=false or actor.lora.sync=merged.")
         rollout = registry.get("rollout", config.rollout.name)
         if not getattr(rollout, "supports_adapters", False):
             raise ConfigError(f"actor.lora.sync=adapter: rollout {config.rollout.name!r} cannot load adapters "

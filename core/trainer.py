@@ -164,7 +164,7 @@ class Trainer:
         """The sampling seed of step ``step``'s first generation."""
         return self.config.trainer.seed * 1_000_003 + step
 
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, full: bool = False) -> dict[str, float]:
         """The actor's weights to the rollout: inside each process when colocated (in place where the
         engine and rollout allow it), else through the object store (the rollout group fetches the
         actor's buckets itself). Returns the first process's ``sync/*`` metrics when colocated."""
@@ -173,9 +173,9 @@ class Trainer:
             return {key: value for key, value in reports[0].items() if key.startswith("sync/")} if reports else {}
         if self.async_settings.mode == "separate_async" and self.pipeline is not None:
             # queued behind the generations already started; checked once a later generation finished
-            self.pipeline.add_load(self.rollout.call_async("load_weights", self.actor.call_async("export_weights")))
+            self.pipeline.add_load(self.rollout.call_async("load_weights", self.actor.call_async("export_weights", full)))
         else:
-            self.rollout.load_weights(self.actor.call_async("export_weights"))
+            self.rollout.load_weights(self.actor.call_async("export_weights", full))
         return {}
 
     def stage(self, name: str, batch: DataProto) -> DataProto:
@@ -194,7 +194,7 @@ class Trainer:
         self.resume()
         self.actor.set_policy_version(self.step)
         if self.rollout is not self.actor:  # a rollout in its own pool starts from the built or restored weights
-            self.sync_weights()
+            self.sync_weights(full=True)
         self.trained_prompts = TrainedPromptsLog(self.run_dir, self.step + 1)
         metrics: dict[str, float] = {}
         trainer = self.config.trainer

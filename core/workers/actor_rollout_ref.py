@@ -102,6 +102,8 @@ class ActorRolloutRefWorker(Worker):
         self.actor_version = 0  # updates applied to the actor's weights
         self.rollout_version = 0  # the actor version whose weights the rollout holds
         self.weights_shared = False  # the rollout reads the engine's parameters in place
+        self.reference_from_actor = False  # LoRA: the reference policy is the actor with its adapter off
+        self.base_synced = False  # LoRA adapter sync: the rollout holds the base weights
 
     def has(self, role: str) -> bool:
         return role in self.config.roles
@@ -127,8 +129,11 @@ class ActorRolloutRefWorker(Worker):
             actor_node = config.actor if config.actor is not None else algorithm.default_nodes()["actor"]["loss"]
             self.actor_loss = algorithm.build_loss("actor", actor_node)
         if self.has("ref"):
-            self.reference = EngineRegistry("engine").build(config.engine, config.reference_engine_config or config.engine_config)
-            self.reference.init_model()
+            if self.actor is not None and self.lora_sync() is not None and config.reference_engine_config is None:
+                self.reference_from_actor = True  # the base model is the actor's with the adapter off: no second copy
+            else:
+                self.reference = EngineRegistry("engine").build(config.engine, config.reference_engine_config or config.engine_config)
+                self.reference.init_model()
         if self.has("rollout"):
             self.rollout = EngineRegistry("rollout").build(config.rollout, config.rollout_config)
             if self.actor is not None:
@@ -160,7 +165,7 @@ class ActorRolloutRefWorker(Worker):
             output = rollout.generate(prompts, sampling)
         if self.config.free_rollout_between_phases:
             rollout.sleep()
-            self.rollout_asleep = True
+            self.rollout_asleep, self.base_synced = True, False
         output.batch["policy_version"] = torch.full(output.batch["responses"].shape, version, dtype=torch.long)
         # the sampling keys were settings of this call: outputs of different calls must concat cleanly
         meta = {key: value for key, value in output.meta_info.items() if key not in SAMPLING_KEYS}
@@ -249,9 +254,18 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.DP_MESH)
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
         """``ref_log_prob`` [B, R] of ``responses`` under the reference model."""
-        reference = self.require("ref", "compute_ref_log_prob")
-        outputs = reference.forward(batch, temperature=self.temperature(batch))
+        if self.reference_from_actor:
+            actor = self.require("actor", "compute_ref_log_prob")
+            with actor.adapter_disabled():
+                outputs = actor.forward(batch, temperature=self.temperature(batch))
+        else:
+            outputs = self.require("ref", "compute_ref_log_prob").forward(batch, temperature=self.temperature(batch))
         return DataProto.from_dict({"ref_log_prob": outputs.batch["log_probs"]})
+
+    def lora_sync(self) -> str | None:
+        """``actor.lora.sync`` (``merged`` or ``adapter``) when the actor trains LoRA adapters, else None."""
+        lora = dict(self.config.engine_config).get("lora")
+        return (lora.get("sync") or "merged") if lora and lora.get("rank") else None
 
     # -- training ----------------------------------------------------------------------------------
 
@@ -302,6 +316,8 @@ class ActorRolloutRefWorker(Worker):
         flight). Returns ``sync/bytes`` copied and ``sync/shared``."""
         actor, rollout = self.require("actor", "sync_weights"), self.require("rollout", "sync_weights")
         started, moved = time.perf_counter(), 0
+        if self.lora_sync() == "adapter":
+            return self.sync_adapter(actor, rollout, started)
         if self.config.share_weights:
             shared = actor.shared_weights()
             if shared is not None and rollout.bind_weights(shared):
@@ -317,14 +333,41 @@ class ActorRolloutRefWorker(Worker):
         self.rollout_version = self.actor_version
         return {"timing_s/sync_weights": time.perf_counter() - started, "sync/bytes": float(moved), "sync/shared": 0.0}
 
+    def sync_adapter(self, actor: Any, rollout: Any, started: float) -> dict[str, float]:
+        """LoRA with ``sync=adapter``: the base weights once (the adapter off), then the adapter alone."""
+        moved = 0
+        rollout.wake_up_weights()
+        if not self.base_synced:
+            with actor.adapter_disabled():
+                for bucket in actor.named_weights(self.config.weight_bucket_bytes):
+                    rollout.update_weights(bucket)
+                    moved += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+            self.base_synced = True
+        adapter_config, tensors = actor.adapter_weights()
+        rollout.load_adapter(adapter_config, tensors)
+        moved += sum(tensor.numel() * tensor.element_size() for _, tensor in tensors)
+        rollout.wake_up_kv_cache()
+        self.rollout_asleep, self.weights_shared = False, False
+        self.rollout_version = self.actor_version
+        return {"timing_s/sync_weights": time.perf_counter() - started, "sync/bytes": float(moved), "sync/shared": 0.0}
+
     @register(Dispatch.ONE_TO_ALL)
-    def export_weights(self) -> dict[str, Any] | None:
-        """The actor's full weights as buckets with their policy version (``{"version": v, "buckets":
-        [...]}``), from rank 0 (every rank takes part in gathering them), for a rollout in another worker
-        group; chain the future into its ``load_weights``."""
+    def export_weights(self, full: bool = False) -> dict[str, Any] | None:
+        """The actor's weights with their policy version, from rank 0 (every rank takes part in
+        gathering them), for a rollout in another worker group; chain the future into its
+        ``load_weights``. ``{"version": v, "buckets": [...]}``: full weights (the adapter merged in), or
+        with LoRA ``sync=adapter`` the adapter alone (``"adapter": (config, tensors)``), preceded by the
+        base weights in ``buckets`` when ``full`` (the first sync of that rollout)."""
         actor = self.require("actor", "export_weights")
-        buckets = list(actor.named_weights(self.config.weight_bucket_bytes))
-        return {"version": self.actor_version, "buckets": buckets} if self.rank == 0 else None
+        payload: dict[str, Any] = {"version": self.actor_version, "buckets": []}
+        if self.lora_sync() == "adapter":
+            if full:
+                with actor.adapter_disabled():
+                    payload["buckets"] = list(actor.named_weights(self.config.weight_bucket_bytes))
+            payload["adapter"] = actor.adapter_weights()
+        else:
+            payload["buckets"] = list(actor.named_weights(self.config.weight_bucket_bytes))
+        return payload if self.rank == 0 else None
 
     @register(Dispatch.ONE_TO_ALL)
     def load_weights(self, exported: list) -> None:
@@ -335,13 +378,15 @@ class ActorRolloutRefWorker(Worker):
         rollout.wake_up_weights()
         for bucket in weights["buckets"]:
             rollout.update_weights(bucket)
+        if weights.get("adapter") is not None:
+            rollout.load_adapter(*weights["adapter"])
         rollout.wake_up_kv_cache()
         self.rollout_asleep, self.rollout_version = False, int(weights["version"])
 
     @register(Dispatch.ONE_TO_ALL)
     def sleep_rollout(self) -> None:
         self.require("rollout", "sleep_rollout").sleep()
-        self.rollout_asleep = True
+        self.rollout_asleep, self.base_synced = True, False
 
     # -- checkpoints -------------------------------------------------------------------------------
 
