@@ -29,7 +29,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from rlplat.config_node import ConfigError, did_you_mean, read_config_node, resolve_schema
 from rlplat.agent.config import AgentConfig
 from rlplat.data import DataConfig
-from rlplat.lora import check_lora
+from rlplat.lora import LoraConfig, check_lora
 from rlplat.pipeline import check_trainer_mode
 from rlplat.sync_probe import SyncProbeConfig
 from rlplat.reward_model import RewardModelConfig
@@ -98,9 +98,8 @@ OLD_LOG_PROB_MODES = ("auto", "always", "never")
 
 @dataclasses.dataclass
 class ActorConfig(EngineRoleConfig):
-    lora: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    """LoRA adapters (:class:`rlplat.lora.LoraConfig`: ``rank``, ``alpha``, ``dropout``,
-    ``target_modules``, ``exclude_modules``, ``adapter_path``, ``sync``); rank 0 or empty: full fine-tuning."""
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    """LoRA adapters (:mod:`rlplat.lora`); rank 0: full fine-tuning."""
     recompute_old_log_prob: str = "auto"
     """Whether ``old_log_probs`` come from a forward pass of their own before the update: ``always``;
     ``never`` (the update's first forward supplies them: only for a strictly on-policy update, one

@@ -29,9 +29,9 @@ class LoraConfig:
     """Scale numerator: the adapter's update is ``(alpha / rank) * B @ A``."""
     dropout: float = 0.0
     """Dropout on the adapter's input in training."""
-    target_modules: Union[str, List[str]] = "all-linear"
-    """Modules that get adapters: ``all-linear`` (every linear layer but the output head) or a list of
-    module-name suffixes (``[q_proj, v_proj]``)."""
+    target_modules: List[str] = dataclasses.field(default_factory=lambda: ["all-linear"])
+    """Modules that get adapters: ``[all-linear]`` (every linear layer but the output head) or module-name
+    suffixes (``[q_proj, v_proj]``); a plain string is read as a one-item list."""
     exclude_modules: List[str] = dataclasses.field(default_factory=list)
     """Module-name suffixes left without adapters."""
     adapter_path: Optional[str] = None
@@ -41,6 +41,9 @@ class LoraConfig:
     ``adapter`` (adapter tensors only; a rollout that loads adapters: hf, vllm, sglang)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.target_modules, str):
+            self.target_modules = [self.target_modules]
+        self.target_modules = list(self.target_modules)
         problems = []
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             problems.append(f"rank must be an int >= 0 (0: off), got {self.rank!r}")
@@ -48,10 +51,10 @@ class LoraConfig:
             problems.append(f"alpha must be > 0, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout must be in [0, 1), got {self.dropout}")
-        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
-            problems.append(f"target_modules must be 'all-linear' or a list of module names, got {self.target_modules!r}")
-        if isinstance(self.target_modules, (list, tuple)) and not self.target_modules:
+        if not self.target_modules:
             problems.append("target_modules is an empty list: no module would get an adapter")
+        elif "all-linear" in self.target_modules and len(self.target_modules) > 1:
+            problems.append(f"target_modules: all-linear stands alone, got {self.target_modules}")
         if self.sync not in SYNC_MODES:
             problems.append(f"sync must be merged or adapter, got {self.sync!r}")
         if problems:
@@ -60,6 +63,11 @@ class LoraConfig:
     @property
     def enabled(self) -> bool:
         return self.rank > 0
+
+    @property
+    def peft_target_modules(self) -> Union[str, List[str]]:
+        """``target_modules`` as ``peft.LoraConfig`` takes it (the string ``all-linear`` or names)."""
+        return "all-linear" if self.target_modules == ["all-linear"] else list(self.target_modules)
 
     @property
     def scale(self) -> float:
