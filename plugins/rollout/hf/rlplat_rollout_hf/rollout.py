@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -13,6 +13,7 @@ from rlplat.contracts.rollout import RolloutEngine, SamplingParams, TokenOutput
 from rlplat.protocol import DataProto
 from rlplat.rollout_batch import check_single_request
 from rlplat.config_node import read_config_node
+from rlplat_rollout_hf.adapters import AdapterError, read_adapter
 from rlplat_rollout_hf.batching import TokenBatcher, TokenRequest
 from rlplat_rollout_hf.config import HFRolloutConfig
 from rlplat_rollout_hf.sampling import choose, choose_per_row, stream_keys
@@ -72,8 +73,15 @@ class HFRollout(RolloutEngine):
     ``config.seed``. Concurrent ``generate_tokens`` calls are batched continuously (up to
     ``max_batch_rows`` rows): a request with a seed draws from the stream of row 0 of its seed, so it
     samples what it would alone and what ``generate`` samples for its prompt alone; weight changes
-    (``update_weights``, ``sleep``, ...) wait for the decoding step in progress.
+    (``update_weights``, ``load_adapter``, ``sleep``, ...) wait for the decoding step in progress.
+
+    **LoRA adapters** (:meth:`load_adapter`) are merged into the served weights of their modules; the
+    weights those modules had when last loaded in full are kept aside (``adapter_base``) so the next
+    adapter replaces this one exactly, and full weights loaded later become the new base (the adapter is
+    then off until loaded again).
     """
+
+    supports_adapters = True
 
     def __init__(self, config: Any = None, **_: Any):
         self.config = read_config_node(config, HFRolloutConfig, "rollout.config")
@@ -96,6 +104,9 @@ class HFRollout(RolloutEngine):
         self.model_lock = threading.RLock()
         self.batcher = TokenBatcher(self, self.config.max_batch_rows)
         self.vocabulary_size = self.model.get_input_embeddings().num_embeddings
+        # weight name -> that weight as last loaded in full, for the modules an adapter targeted
+        self.adapter_base: dict[str, torch.Tensor] = {}
+        self.adapter_weights: tuple[str, ...] = ()  # weights served with the adapter merged in
 
     # -- generation ------------------------------------------------------------------------------------
 
@@ -207,7 +218,10 @@ class HFRollout(RolloutEngine):
     @holding_model_lock
     def bind_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
         """Make every parameter a view of the given tensor of the same name (see the contract): only
-        when all of them are there, on this device, in this dtype and shape; else False, nothing bound."""
+        when all of them are there, on this device, in this dtype and shape, and no adapter is in use
+        (merging it would write into the training engine's tensors); else False, nothing bound."""
+        if self.adapter_weights:
+            return False
         given = dict(named_tensors)
         parameters = dict(self.model.named_parameters())  # tied weights once, as the engine names them
         for name, parameter in parameters.items():
@@ -221,6 +235,7 @@ class HFRollout(RolloutEngine):
         for name, parameter in parameters.items():
             parameter.data = given[name]
         self.missing_weights = set()
+        self.adapter_base = {}  # bound weights change with every optimizer step: no base to keep
         self.bound = True
         return True
 
@@ -238,6 +253,7 @@ class HFRollout(RolloutEngine):
         if self.asleep:
             raise RuntimeError("hf rollout is asleep: call wake_up() before update_weights()")
         self.unbind_weights()  # never write into the training engine's parameters
+        self.remove_adapter()  # full weights are a new base: the adapter is off until loaded again
         with torch.no_grad():
             for name, tensor in named_tensors:
                 target = self.targets.get(name)
@@ -247,6 +263,48 @@ class HFRollout(RolloutEngine):
                     raise ValueError(f"hf rollout: weight {name!r} has shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
                 target.data.copy_(tensor.to(device=target.device, dtype=target.dtype, non_blocking=True))
                 self.missing_weights.discard(id(target))
+                base = self.adapter_base.get(name)
+                if base is not None:
+                    base.copy_(target.data)
+
+    @holding_model_lock
+    def load_adapter(self, config: Mapping[str, Any], named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Serve the base weights with this LoRA adapter merged in, replacing the previous adapter (see
+        :mod:`rlplat_rollout_hf.adapters` for what is accepted). Everything is checked before any weight
+        changes: a refused adapter leaves the rollout serving what it served."""
+        if self.asleep or self.missing_weights:
+            raise RuntimeError("hf rollout: load_adapter needs the base weights loaded: call wake_up() and "
+                               "update_weights() with the full weights first")
+        modules = dict(self.model.named_modules())
+        updates = read_adapter(config, named_tensors, modules)
+        owners: dict[int, list[str]] = {}
+        for name, parameter in self.model.named_parameters(remove_duplicate=False):
+            owners.setdefault(id(parameter), []).append(name)
+        for update in updates:
+            names = owners[id(modules[update.module].weight)]
+            if len(names) > 1:
+                raise AdapterError(f"hf rollout: adapter module {update.module!r} has its weight tied to "
+                                   f"{[name for name in names if name != update.module + '.weight']}; merging the "
+                                   "adapter would change those too")
+        self.unbind_weights()  # never write into the training engine's parameters
+        self.remove_adapter()
+        with torch.no_grad():
+            for update in updates:
+                weight = modules[update.module].weight
+                name = f"{update.module}.weight"
+                base = self.adapter_base.get(name)
+                if base is None:
+                    base = self.adapter_base[name] = weight.detach().clone()
+                weight.copy_((base.float() + update.delta(weight.device)).to(weight.dtype))
+        self.adapter_weights = tuple(f"{update.module}.weight" for update in updates)
+
+    @holding_model_lock
+    def remove_adapter(self) -> None:
+        """Serve the base weights again (those last loaded in full); nothing to do without an adapter."""
+        with torch.no_grad():
+            for name in self.adapter_weights:
+                self.targets[name].copy_(self.adapter_base[name])
+        self.adapter_weights = ()
 
     @holding_model_lock
     def sleep(self) -> None:
@@ -256,6 +314,7 @@ class HFRollout(RolloutEngine):
         stay."""
         if self.asleep or self.bound:
             return
+        self.adapter_base, self.adapter_weights = {}, ()  # weights come back with update_weights, adapter off
         self.saved_buffers = {name: buffer.detach().to("cpu", copy=True) for name, buffer in self.model.named_buffers()}
         self.model.to_empty(device="meta")
         if self.device.type == "cuda":
