@@ -21,6 +21,7 @@ COMMANDS = {
     "config": ("rlplat.cli.config:app", "Inspect the resolved run config and what its keys mean."),
     "plugins": ("rlplat.cli.plugins:app", "List the installed plugins and what they register."),
     "plot": ("rlplat.cli.plot:plot", "Write a run's metrics as PNG charts."),
+    "export": ("rlplat.cli.export:export", "Write a run's checkpoint as a Hugging Face model (LoRA merged) or its adapter."),
     "check-template": ("rlplat.cli.check_template:check_template",
                        "Check that a chat template only appends across turns (multi-turn training needs it)."),
 }
