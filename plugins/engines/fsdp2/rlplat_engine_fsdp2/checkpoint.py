@@ -7,6 +7,12 @@ and numpy; tensors and plain values only, read back with ``weights_only=True``),
 ``checkpoint.json``, written last. Everything goes into ``<path>.partial`` first and is renamed to
 ``<path>`` once every rank has finished, so an interrupted save never looks complete. ``path`` must be
 on a filesystem every rank sees.
+
+A LoRA engine saves ``adapter_only``: the parameters that train (the adapter) and their optimizer
+state, never the frozen base weights, which the engine rebuilds from ``model_path`` (or its config and
+seed) before loading. ``checkpoint.json`` records which kind a checkpoint is, and loading it into an
+engine of the other kind is refused; it also records a fingerprint of the frozen weights (the sum of
+their squares), and an adapter is not loaded onto other base weights.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -60,12 +67,39 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
 
 
-def save_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, engine_state: dict[str, Any], facts: dict[str, Any]) -> None:
+#: Relative difference of two frozen-weight fingerprints that still counts as the same base weights: the
+#: sums differ only by the order of float64 additions (another world size shards them otherwise).
+FINGERPRINT_TOLERANCE = 1e-9
+
+
+def frozen_fingerprint(model: torch.nn.Module) -> float:
+    """Sum of the squares of every frozen parameter, in float64, over every rank's shards (a collective)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for parameter in model.parameters():
+        if not parameter.requires_grad:
+            local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
+            total += local.detach().double().square().sum().cpu()
+    if dist.get_world_size() > 1:
+        device = dist.distributed_c10d._get_pg_default_device()
+        total = total.to(device)
+        dist.all_reduce(total)
+    return float(total)
+
+
+def state_dict_options(adapter_only: bool) -> StateDictOptions:
+    # Loading leaves the frozen parameters out as saving did, so the load is not strict about them.
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if adapter_only else StateDictOptions()
+
+
+def save_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, engine_state: dict[str, Any], facts: dict[str, Any],
+                    adapter_only: bool = False) -> None:
     """Write the checkpoint described in the module docstring; every rank calls it.
 
     ``engine_state`` (this rank's LR schedule and step) is stored with the RNG states; ``facts`` go
-    into ``checkpoint.json`` for people and for :func:`load_checkpoint`'s checks.
+    into ``checkpoint.json`` for people and for :func:`load_checkpoint`'s checks. ``adapter_only``:
+    only the parameters that require gradients, and their optimizer state.
     """
+    options = state_dict_options(adapter_only)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     target = Path(path).absolute()
     partial = target.with_name(target.name + ".partial")
@@ -76,16 +110,20 @@ def save_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
     # Reading the state dict of an optimizer that has not stepped would create its state (a zero-lr
     # step), changing what the next real step does; such an optimizer is saved as "no state" instead.
     optimizer_started = bool(optimizer.state)
+    fingerprint = frozen_fingerprint(model) if adapter_only else None
     if optimizer_started:
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
         state = {"model": model_state, "optimizer": optimizer_state}
     else:
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": get_model_state_dict(model, options=options)}
     dcp.save(state, checkpoint_id=str(partial))
     torch.save({**engine_state, "rng": rng_state()}, rank_state_file(partial, rank))
     dist.barrier()
     if rank == 0:
-        facts = {**facts, "format_version": FORMAT_VERSION, "world_size": world_size, "optimizer_started": optimizer_started}
+        facts = {**facts, "format_version": FORMAT_VERSION, "world_size": world_size, "optimizer_started": optimizer_started,
+                 "adapter_only": adapter_only}
+        if adapter_only:
+            facts["base_weights_fingerprint"] = fingerprint
         (partial / MARKER).write_text(json.dumps(facts, indent=2, sort_keys=True) + "\n")
         previous = target.with_name(target.name + ".previous")
         if target.exists():
@@ -96,25 +134,38 @@ def save_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
     dist.barrier()
 
 
-def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, adapter_only: bool = False) -> dict[str, Any]:
     """Restore model and optimizer shards and this rank's RNG states from ``path``; returns this rank's
-    engine state (LR schedule, step). Raises ``FileNotFoundError`` for a missing or incomplete checkpoint."""
+    engine state (LR schedule, step). Raises ``FileNotFoundError`` for a missing or incomplete checkpoint,
+    ``ValueError`` for one of the other kind (``adapter_only`` or not)."""
     target = Path(path).absolute()
     marker = target / MARKER
     if not marker.is_file():
         reason = "does not exist" if not target.exists() else f"has no {MARKER}, so its save did not finish"
         raise FileNotFoundError(f"fsdp2 checkpoint {str(target)!r} {reason}; give a directory FSDP2Engine.save wrote")
     facts = json.loads(marker.read_text())
+    saved_adapter_only = bool(facts.get("adapter_only", False))
+    if saved_adapter_only != adapter_only:
+        kinds = {True: "a LoRA adapter and its optimizer state (actor.lora.rank > 0)", False: "full weights (no LoRA)"}
+        raise ValueError(f"fsdp2 checkpoint {str(target)!r} holds {kinds[saved_adapter_only]}, but this engine trains "
+                         f"{kinds[adapter_only]}; resume with the actor.lora settings the checkpoint was written with")
+    if adapter_only:
+        saved, here = facts.get("base_weights_fingerprint"), frozen_fingerprint(model)
+        if saved is not None and abs(saved - here) > FINGERPRINT_TOLERANCE * max(abs(saved), abs(here)):
+            raise ValueError(f"fsdp2 checkpoint {str(target)!r} holds a LoRA adapter trained on other base weights "
+                             f"(fingerprint {saved!r}, this engine's {here!r}); build the engine from the model_path "
+                             "(or model_config and seed) the checkpoint was written with")
+    options = state_dict_options(adapter_only)
     rank = dist.get_rank()
     if facts.get("optimizer_started"):
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=str(target))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
     else:
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": get_model_state_dict(model, options=options)}
         dcp.load(state, checkpoint_id=str(target))
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=options)
         optimizer.state.clear()
     own = rank_state_file(target, rank)
     if own.is_file():
@@ -135,6 +186,12 @@ def export_hf(path: str, model: torch.nn.Module, hf_config: Any, model_class: An
     """Gather the full state dict on rank 0 and write a ``save_pretrained`` directory (and the tokenizer,
     when one is known); every rank calls it."""
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    write_hf(path, full_state, hf_config, model_class, tokenizer_path)
+
+
+def write_hf(path: str, full_state: dict[str, torch.Tensor], hf_config: Any, model_class: Any, tokenizer_path: str | None) -> None:
+    """Write ``full_state`` (Hugging Face names, whole tensors; read on rank 0 only) as a
+    ``save_pretrained`` directory, with the tokenizer when one is known; every rank calls it."""
     if dist.get_rank() == 0:
         with torch.device("meta"):
             plain = model_class.from_config(hf_config, dtype=torch.float32)

@@ -147,8 +147,25 @@ class FSDP2EngineConfig(EngineBuildConfig):
                 problems.append(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         if self.grad_clip is not None and self.grad_clip <= 0:
             problems.append(f"grad_clip must be positive or None, got {self.grad_clip}")
+        if self.lora is not None:
+            problems += lora_problems(self)
         if problems:
             raise ValueError("invalid fsdp2 engine config: " + "; ".join(problems))
+
+
+def lora_problems(config: FSDP2EngineConfig) -> list[str]:
+    """What is wrong with ``lora`` (an ``actor.lora`` node, :class:`rlplat.lora.LoraConfig`) in ``config``."""
+    from rlplat.lora import read_lora
+
+    try:
+        lora = read_lora(config.lora, "lora")
+    except (ValueError, TypeError) as error:
+        return [str(error)]
+    if not lora.enabled:
+        return ["lora is given with rank 0; leave it out (None) to train full weights"]
+    if config.value_model or config.reward_model:
+        return ["lora trains a policy's adapters: a value model or reward model cannot take it"]
+    return []
 
 
 def read_engine_config(config: Any) -> FSDP2EngineConfig:

@@ -15,13 +15,22 @@ collective). The result is the gradient of the unsplit mini-batch, however it wa
 Micro-batches run as padded rows, or with ``use_remove_padding`` as one pack of their valid tokens
 (:mod:`rlplat_engine_fsdp2.packing`); the loss function gets the same ``[B, R]`` outputs either way.
 
+LoRA (``lora``, :mod:`rlplat_engine_fsdp2.lora`): ``peft`` puts adapters into the Hugging Face model
+before it is sharded; the base weights are frozen and the optimizer holds only the adapter. The engine
+calls the same Hugging Face module either way, so every forward path is the same code.
+:meth:`adapter_disabled` switches the adapter off for the reference policy; :meth:`named_weights` and
+:meth:`export_hf` give the weights with the adapter merged in, computed as they are read; checkpoints
+hold the adapter and its optimizer state only.
+
 Every collective-bearing method (``init_model``, ``forward``, ``train_batch``, ``named_weights``,
-``save``, ``load``, ``export_hf``) must be called on every rank of the group, with batches of the same
-number of rows (the worker group's data-parallel dispatch guarantees both).
+``adapter_weights``, ``save``, ``load``, ``export_hf``, ``export_adapter``) must be called on every rank
+of the group, with batches of the same number of rows (the worker group's data-parallel dispatch
+guarantees both).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -35,8 +44,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rlplat.contracts.engine import LossFunction, TrainingEngine
+from rlplat.lora import LoraConfig, read_lora
 from rlplat.protocol import DataProto
-from rlplat_engine_fsdp2 import checkpoint, modeling
+from rlplat_engine_fsdp2 import checkpoint, lora, modeling
 from rlplat_engine_fsdp2.config import FSDP2EngineConfig, read_engine_config
 from rlplat_engine_fsdp2.micro_batches import fixed_size_partition, token_budget_partition
 from rlplat_engine_fsdp2.schedule import WarmupSchedule
@@ -49,6 +59,8 @@ class FSDP2Engine(TrainingEngine):
     """See the module docstring. ``FSDP2Engine(config, **overrides)``: ``config`` is an
     :class:`~rlplat_engine_fsdp2.config.FSDP2EngineConfig`, a mapping or an OmegaConf node; keyword
     arguments override its fields (``FSDP2Engine(config, lr=1e-5)``)."""
+
+    supports_lora = True
 
     def __init__(self, config: Any, **overrides: Any):
         config = read_engine_config(config)
@@ -65,6 +77,10 @@ class FSDP2Engine(TrainingEngine):
         self.remove_padding = False
         self.sharded = True
         self.sharded_parameters: dict[str, torch.nn.Parameter] = {}
+        self.lora: LoraConfig | None = read_lora(config.lora, "lora") if config.lora is not None else None
+        self.peft_model: Any = None
+        self.adapter_off = False
+        self.trainable_params = 0
 
     # -- building ----------------------------------------------------------------------------------
 
@@ -87,6 +103,9 @@ class FSDP2Engine(TrainingEngine):
             )
         if config.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora is not None:
+            # peft changes the Hugging Face module in place; the PeftModel around it is kept for its switches.
+            self.peft_model = lora.attach_adapter(model, self.lora, config.seed, config.model_path)
         reduce_dtype = modeling.TORCH_DTYPES[config.reduce_dtype]
         self.sharded = self.world_size > 1 or config.shard_one_rank or (self.compute_dtype(), reduce_dtype) != (torch.float32, torch.float32)
         if self.sharded:
@@ -102,9 +121,11 @@ class FSDP2Engine(TrainingEngine):
         # and its backward FSDP2 registers gathered copies on the module in their place, so shared_weights
         # reads them from here.
         self.sharded_parameters = dict(model.named_parameters())
+        trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+        self.trainable_params = sum(parameter.numel() for parameter in trainable)
         implementation = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay,
+            trainable, lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay,
             **implementation[config.optimizer_implementation],
         )
         schedule = WarmupSchedule(config.lr_scheduler_type, config.lr_warmup_steps, config.total_training_steps, config.min_lr_ratio)
@@ -113,6 +134,13 @@ class FSDP2Engine(TrainingEngine):
         torch.manual_seed(config.seed + self.rank)
         if config.param_offload:
             self.offload_parameters()
+
+    def require_lora(self, method: str) -> Any:
+        self.require_model(method)
+        if self.peft_model is None:
+            raise RuntimeError(f"FSDP2Engine.{method}(): this engine trains full weights (its config has no lora); "
+                               "LoRA adapters exist only with actor.lora.rank > 0")
+        return self.peft_model
 
     def compute_dtype(self) -> torch.dtype:
         if self.config.dtype == "auto":
@@ -145,6 +173,22 @@ class FSDP2Engine(TrainingEngine):
         restore[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
         columns = {key: torch.cat([piece[key] for piece in pieces])[restore].cpu() for key in self.output_keys(calculate_entropy)}
         return DataProto.from_dict(columns)
+
+    @contextlib.contextmanager
+    def adapter_disabled(self) -> Iterator[None]:
+        """Inside, :meth:`forward` runs the base model with the adapter switched off (peft's
+        ``disable_adapter``): the reference policy of a LoRA run. Training inside is refused. Raises
+        without LoRA."""
+        peft_model = self.require_lora("adapter_disabled")
+        if self.adapter_off:
+            yield
+            return
+        with peft_model.disable_adapter():
+            self.adapter_off = True
+            try:
+                yield
+            finally:
+                self.adapter_off = False
 
     def model_inputs(self) -> tuple[str, ...]:
         return REWARD_MODEL_INPUTS if self.config.reward_model else MODEL_INPUTS
@@ -222,6 +266,9 @@ class FSDP2Engine(TrainingEngine):
 
     def train_batch(self, batch: DataProto, loss_fn: LossFunction) -> dict[str, float]:
         model = self.require_model("train_batch")
+        if self.adapter_off:
+            raise RuntimeError("FSDP2Engine.train_batch() inside adapter_disabled(): the base model is the frozen reference "
+                               "policy; leave the context to train the adapter")
         self.check_inputs(batch, "train_batch")
         meta = batch.meta_info
         mini_batch_rows = self.local_mini_batch_rows(batch)
@@ -236,7 +283,18 @@ class FSDP2Engine(TrainingEngine):
                 steps.append(self.optimizer_step(mini_batch, loss_fn, temperature, calculate_entropy))
         self.offload_parameters_if_configured()
         keys = sorted({key for step in steps for key in step})
-        return {key: sum(step[key] for step in steps if key in step) / sum(key in step for step in steps) for key in keys}
+        metrics = {key: sum(step[key] for step in steps if key in step) / sum(key in step for step in steps) for key in keys}
+        return {**metrics, "trainable_params": float(self.trainable_params), "optimizer_state_bytes": float(self.optimizer_state_bytes())}
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of this rank's optimizer state (its shards of AdamW's moments and the step counters)."""
+        total = 0
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    local = value.to_local() if isinstance(value, DTensor) else value
+                    total += local.numel() * local.element_size()
+        return total
 
     def local_mini_batch_rows(self, batch: DataProto) -> int:
         """Rows of this rank's shard per optimizer step: ``ppo_mini_batch_size / dp``.
@@ -327,15 +385,14 @@ class FSDP2Engine(TrainingEngine):
 
     def named_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Every parameter (tied ones once) and persistent buffer, full and detached, in HF naming.
+        With LoRA: the base weights with the adapter merged in (``W + (B @ A) * scale``, computed here,
+        the training model unchanged), under their plain names, and no adapter tensors.
         A collective: every rank must consume the whole generator."""
-        model = self.require_model("named_weights")
+        self.require_model("named_weights")
         self.onload_parameters()
-        persistent = set(model.state_dict().keys())
-        named = list(model.named_parameters()) + [(name, buffer) for name, buffer in model.named_buffers() if name in persistent]
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
-        for name, tensor in named:
-            full = full_tensor(tensor).detach()
+        for name, full in self.full_weights():
             nbytes = full.numel() * full.element_size()
             if bucket and size + nbytes > bucket_bytes:
                 yield bucket
@@ -346,11 +403,53 @@ class FSDP2Engine(TrainingEngine):
             yield bucket
         self.offload_parameters_if_configured()
 
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(Hugging Face name, full detached tensor)`` of every parameter and persistent buffer, one at a
+        time (LoRA: merged, see :meth:`named_weights`). A collective."""
+        model = self.module
+        persistent = set(model.state_dict().keys())
+        named = list(model.named_parameters()) + [(name, buffer) for name, buffer in model.named_buffers() if name in persistent]
+        layers = lora.adapter_layers(model) if self.peft_model is not None else {}
+        for name, tensor in named:
+            if layers and lora.is_adapter_parameter(name):
+                continue
+            full = full_tensor(tensor).detach()
+            owner = lora.base_weight_owner(name) if layers else None
+            if owner in layers:
+                layer = layers[owner]
+                full = lora.merged_weight(
+                    full, full_tensor(layer.lora_A[lora.ADAPTER].weight).detach(), full_tensor(layer.lora_B[lora.ADAPTER].weight).detach(),
+                    layer.scaling[lora.ADAPTER], layer.fan_in_fan_out,
+                )
+            yield (lora.hf_name(name) if layers else name), full
+
+    def adapter_weights(self) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]] | None:
+        """``(the adapter's peft config as JSON values, [(peft state-dict name, full tensor)])``; None
+        without LoRA. A collective."""
+        if self.peft_model is None:
+            return None
+        self.require_model("adapter_weights")
+        self.onload_parameters()
+        tensors = [(lora.peft_name(name), full_tensor(parameter).detach())
+                   for name, parameter in self.module.named_parameters() if lora.is_adapter_parameter(name)]
+        self.offload_parameters_if_configured()
+        return lora.adapter_config_dict(self.peft_model), tensors
+
+    def export_adapter(self, path: str) -> None:
+        """Write ``adapter_config.json`` and ``adapter_model.safetensors`` (rank 0), the folder
+        ``peft.PeftModel.from_pretrained(base, path)`` loads. A collective; raises without LoRA."""
+        self.require_lora("export_adapter")
+        config, tensors = self.adapter_weights()
+        if self.rank == 0:
+            lora.write_adapter(path, config, tensors)
+        dist.barrier()
+
     def shared_weights(self) -> list[tuple[str, torch.Tensor]] | None:
         """The model's full weights under the names :meth:`named_weights` gives (tied parameters once,
         then persistent buffers), as tensors that share storage with the engine's own: views, no copy.
         None when no such views exist: more than one rank (each holds a shard), ``param_offload``
-        (parameters move between devices), or any parameter whose local tensor is not the whole of it.
+        (parameters move between devices), any parameter whose local tensor is not the whole of it, or
+        LoRA (the merged weights are computed, not stored).
 
         They are the float32 master weights the optimizer updates in place (not the compute-dtype copies
         a forward gathers), so after ``train_batch`` they hold the new weights with no call. They stay
@@ -358,7 +457,7 @@ class FSDP2Engine(TrainingEngine):
         replaces storage): a caller keeps them across syncs only while each ``data_ptr()`` is unchanged,
         or calls again at every sync. Not a collective; callers must not write to them."""
         model = self.require_model("shared_weights")
-        if self.world_size > 1 or self.config.param_offload or self.params_offloaded:
+        if self.peft_model is not None or self.world_size > 1 or self.config.param_offload or self.params_offloaded:
             return None
         shared = []
         for name, parameter in self.sharded_parameters.items():
@@ -378,7 +477,7 @@ class FSDP2Engine(TrainingEngine):
         self.onload_optimizer()
         facts = {"engine": "fsdp2", "global_step": self.global_step, "config": dataclasses.asdict(self.config)}
         engine_state = {"lr_scheduler": self.lr_scheduler.state_dict(), "global_step": self.global_step}
-        checkpoint.save_checkpoint(path, self.module, self.optimizer, engine_state, facts)
+        checkpoint.save_checkpoint(path, self.module, self.optimizer, engine_state, facts, adapter_only=self.peft_model is not None)
         self.offload_optimizer_if_configured()
         self.offload_parameters_if_configured()
 
@@ -386,7 +485,7 @@ class FSDP2Engine(TrainingEngine):
         self.require_model("load")
         self.onload_parameters()
         self.onload_optimizer()
-        engine_state = checkpoint.load_checkpoint(path, self.module, self.optimizer)
+        engine_state = checkpoint.load_checkpoint(path, self.module, self.optimizer, adapter_only=self.peft_model is not None)
         self.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
         self.global_step = int(engine_state["global_step"])
         self.offload_optimizer_if_configured()
@@ -395,7 +494,14 @@ class FSDP2Engine(TrainingEngine):
     def export_hf(self, path: str) -> None:
         self.require_model("export_hf")
         self.onload_parameters()
-        checkpoint.export_hf(path, self.module, self.hf_config, modeling.model_class(self.config), self.tokenizer_path())
+        if self.peft_model is None:
+            checkpoint.export_hf(path, self.module, self.hf_config, modeling.model_class(self.config), self.tokenizer_path())
+        else:
+            merged = {}
+            for name, tensor in self.full_weights():  # a collective: every rank reads, rank 0 keeps
+                if self.rank == 0:
+                    merged[name] = tensor.cpu()
+            checkpoint.write_hf(path, merged, self.hf_config, modeling.model_class(self.config), self.tokenizer_path())
         self.offload_parameters_if_configured()
 
     def tokenizer_path(self) -> str | None:
@@ -463,6 +569,8 @@ class FSDP2Engine(TrainingEngine):
             "reward_model": self.config.reward_model,
             "remove_padding": self.remove_padding,
             "sharded": self.sharded,
+            "trainable_parameters": self.trainable_params,
+            "lora_rank": self.lora.rank if self.lora is not None else 0,
         }
 
 
