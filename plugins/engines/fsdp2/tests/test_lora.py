@@ -124,6 +124,17 @@ def test_optimizer_state_on_the_demo_model_is_under_5_percent_of_full_fine_tunin
     assert ratio <= 0.05
 
 
+def test_activation_checkpointing_does_not_change_the_adapter_gradient(tiny_config, batch_of):
+    gradients = []
+    for checkpointing in (False, True):
+        engine = built(tiny_config, lora=lora(), grad_clip=None, enable_gradient_checkpointing=checkpointing)
+        engine.train_batch(batch_of(8), policy_gradient)  # moves lora_B off zero, so lora_A gets a gradient too
+        engine.train_batch(batch_of(8, seed=1), policy_gradient)
+        gradients.append({name: parameter.grad for name, parameter in engine.module.named_parameters() if parameter.grad is not None})
+    plain, checkpointed = gradients
+    assert plain.keys() == checkpointed.keys() and len(plain) == 28
+    assert max(float((plain[name] - checkpointed[name]).abs().max()) for name in plain) <= 1e-6
+
 # -- the reference policy -------------------------------------------------------------------------------
 
 
@@ -277,6 +288,12 @@ def test_a_checkpoint_of_the_other_kind_is_refused(tiny_config, tmp_path):
         built(tiny_config).load(str(tmp_path / "adapter"))
 
 
+def test_an_adapter_checkpoint_is_not_loaded_onto_other_base_weights(tiny_config, tmp_path):
+    built(tiny_config, lora=lora()).save(str(tmp_path / "adapter"))
+    with pytest.raises(ValueError, match="trained on other base weights"):
+        built({**tiny_config, "seed": 8}, lora=lora()).load(str(tmp_path / "adapter"))  # another seed draws another base
+
+
 # -- config ----------------------------------------------------------------------------------------------
 
 
@@ -296,8 +313,3 @@ def test_target_modules_that_match_nothing_or_the_head_are_refused(tiny_config):
     with pytest.raises(ValueError, match="other than the output head"):
         built(untied, lora=lora(target_modules=["q_proj", "lm_head"]))
 
-
-def test_an_adapter_checkpoint_is_not_loaded_onto_other_base_weights(tiny_config, tmp_path):
-    built(tiny_config, lora=lora()).save(str(tmp_path / "adapter"))
-    with pytest.raises(ValueError, match="trained on other base weights"):
-        built({**tiny_config, "seed": 8}, lora=lora()).load(str(tmp_path / "adapter"))  # another seed draws another base
