@@ -80,8 +80,7 @@ def frozen_fingerprint(model: torch.nn.Module) -> float:
             local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
             total += local.detach().double().square().sum().cpu()
     if dist.get_world_size() > 1:
-        device = dist.distributed_c10d._get_pg_default_device()
-        total = total.to(device)
+        total = total.to(torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(total)
     return float(total)
 

@@ -426,7 +426,7 @@ class FSDP2Engine(TrainingEngine):
     def adapter_weights(self) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]] | None:
         """``(the adapter's peft config as JSON values, [(peft state-dict name, full tensor)])``; None
         without LoRA. A collective."""
-        if self.peft_model is None:
+        if self.lora is None:
             return None
         self.require_model("adapter_weights")
         self.onload_parameters()
