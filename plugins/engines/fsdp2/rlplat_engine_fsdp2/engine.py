@@ -386,8 +386,9 @@ class FSDP2Engine(TrainingEngine):
     def named_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Every parameter (tied ones once) and persistent buffer, full and detached, in HF naming.
         With LoRA: the base weights with the adapter merged in (``W + (B @ A) * scale``, computed here,
-        the training model unchanged), under their plain names, and no adapter tensors.
-        A collective: every rank must consume the whole generator."""
+        the training model unchanged), under their plain names, and no adapter tensors; inside
+        :meth:`adapter_disabled`, the base weights alone under the same names (for a rollout that then
+        loads the adapter separately). A collective: every rank must consume the whole generator."""
         self.require_model("named_weights")
         self.onload_parameters()
         bucket: list[tuple[str, torch.Tensor]] = []
@@ -405,7 +406,7 @@ class FSDP2Engine(TrainingEngine):
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(Hugging Face name, full detached tensor)`` of every parameter and persistent buffer, one at a
-        time (LoRA: merged, see :meth:`named_weights`). A collective."""
+        time (LoRA: merged unless the adapter is off, see :meth:`named_weights`). A collective."""
         model = self.module
         persistent = set(model.state_dict().keys())
         named = list(model.named_parameters()) + [(name, buffer) for name, buffer in model.named_buffers() if name in persistent]
@@ -415,7 +416,7 @@ class FSDP2Engine(TrainingEngine):
                 continue
             full = full_tensor(tensor).detach()
             owner = lora.base_weight_owner(name) if layers else None
-            if owner in layers:
+            if owner in layers and not self.adapter_off:
                 layer = layers[owner]
                 full = lora.merged_weight(
                     full, full_tensor(layer.lora_A[lora.ADAPTER].weight).detach(), full_tensor(layer.lora_B[lora.ADAPTER].weight).detach(),

@@ -196,6 +196,17 @@ def test_named_weights_are_the_merged_model_in_plain_names_and_equal_peft_merge_
     assert max(float((merged[name] - base[name]).abs().max()) for name in merged) > 1e-3  # the adapter moved the weights
 
 
+def test_named_weights_inside_adapter_disabled_are_the_base_weights_in_plain_names(model_dir, batch_of):
+    from transformers import AutoModelForCausalLM
+
+    engine = trained(model_dir, batch_of)
+    with engine.adapter_disabled():
+        base = named_weights_of(engine)
+    expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    assert base.keys() <= expected.keys() and all(torch.equal(base[name], expected[name]) for name in base)
+    assert not all(torch.equal(merged, base[name]) for name, merged in named_weights_of(engine).items())
+
+
 def test_the_merged_export_loads_in_plain_transformers_and_reproduces_the_engine(model_dir, batch_of, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
