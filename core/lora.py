@@ -78,7 +78,10 @@ def read_lora(node: Any, where: str = "actor.lora") -> LoraConfig:
     """The node typed (defaults when None)."""
     from rlplat.config_node import read_config_node
 
-    return read_config_node(dict(node) if node is not None else {}, LoraConfig, where)
+    values = dict(node) if node is not None else {}
+    if isinstance(values.get("target_modules"), str):  # ``target_modules: q_proj`` in YAML: a one-item list
+        values["target_modules"] = [values["target_modules"]]
+    return read_config_node(values, LoraConfig, where)
 
 
 def check_lora(config: Any) -> None:
