@@ -1,7 +1,8 @@
 """The two ways the ``vllm`` rollout reaches vLLM: a ``vllm.LLM`` in this process, or a vLLM server over
-HTTP. Both offer the same methods: generation, sleep/wake, prefix-cache reset, and the four calls of
+HTTP. Both offer the same methods: generation, sleep/wake, prefix-cache reset, the four calls of
 vLLM's weight-sync client protocol (``init_weight_transfer_engine``, ``start_weight_update``,
-``update_weights``, ``finish_weight_update``).
+``update_weights``, ``finish_weight_update``), and one LoRA adapter served with every request
+(``load_adapter``, ``drop_adapter``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from rlplat_rollout_vllm.translate import (
 INSECURE_SERIALIZATION = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 # /sleep, /wake_up, /reset_prefix_cache and the weight-transfer routes exist only in dev mode.
 SERVER_ENV = {**INSECURE_SERIALIZATION, "VLLM_SERVER_DEV_MODE": "1"}
+# /v1/load_lora_adapter and /v1/unload_lora_adapter exist only with runtime LoRA updating on.
+LORA_SERVER_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 
 
 # The worker's own torch.distributed rendezvous (set for the training engine). vLLM's engine processes,
@@ -63,6 +66,7 @@ class InProcessBackend:
         with without_distributed_env():
             self.llm = vllm.LLM(**engine_kwargs(config))
         self.owner_pid = os.getpid()
+        self.adapter: Any = None  # the LoRARequest every generation uses, if any
         self.lock = threading.Lock()
         self.generation_open = threading.Event()
         self.generation_open.set()
@@ -76,7 +80,8 @@ class InProcessBackend:
                 built[sampling] = self.vllm.SamplingParams(**sampling_kwargs(sampling, eos_token_ids))
         params = [built[sampling] for sampling in sampling_list]
         with self.lock:
-            outputs = self.llm.generate([{"prompt_token_ids": list(tokens)} for tokens in token_lists], params, use_tqdm=False)
+            outputs = self.llm.generate([{"prompt_token_ids": list(tokens)} for tokens in token_lists], params, use_tqdm=False,
+                                        lora_request=self.adapter)
         samples = []
         for request, sampling in zip(outputs, sampling_list):
             completions = sorted(request.outputs, key=lambda completion: completion.index)
@@ -133,6 +138,27 @@ class InProcessBackend:
         with self.lock:
             self.llm.finish_weight_update(weight_version=weight_version)
 
+    def load_adapter(self, name: str, adapter_id: int, path: str) -> None:
+        """Load the adapter folder ``path`` now (a bad adapter fails here, not at the next generation)
+        and serve it from now on; the previous adapter is unloaded."""
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(lora_name=name, lora_int_id=adapter_id, lora_path=path)
+        with self.lock:
+            if not self.llm.llm_engine.add_lora(request):
+                raise RuntimeError(f"vllm rollout: vLLM did not load the LoRA adapter in {path}")
+        previous, self.adapter = self.adapter, request
+        if previous is not None:
+            with self.lock:
+                self.llm.llm_engine.remove_lora(previous.lora_int_id)
+
+    def drop_adapter(self) -> None:
+        """Serve the base weights again (the adapter is unloaded)."""
+        previous, self.adapter = self.adapter, None
+        if previous is not None:
+            with self.lock:
+                self.llm.llm_engine.remove_lora(previous.lora_int_id)
+
     def close(self) -> None:
         engine_core = getattr(self.llm.llm_engine, "engine_core", None)
         if engine_core is not None:
@@ -147,9 +173,10 @@ class ServerBackend:
     def __init__(self, config: VLLMRolloutConfig):
         self.config = config
         self.owner_pid = os.getpid()
+        self.adapter: str | None = None  # the LoRA adapter's name, sent as the model of every completion
         self.base_url, self.server = config.start_or_attach(
             "vllm.entrypoints.cli.main", lambda host, port: server_arguments(config, host, port),
-            health_path="/health", env=SERVER_ENV, name="vllm server",
+            health_path="/health", env={**SERVER_ENV, **(LORA_SERVER_ENV if config.max_lora_rank else {})}, name="vllm server",
         )
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
@@ -160,7 +187,7 @@ class ServerBackend:
         return request_json(url, payload, method="POST", timeout=self.config.request_timeout_s)
 
     def generate(self, token_lists: Sequence[Sequence[int]], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> list[TokenOutput]:
-        response = self.post("/v1/completions", completion_payload(token_lists, sampling, eos_token_ids, None))
+        response = self.post("/v1/completions", completion_payload(token_lists, sampling, eos_token_ids, self.adapter))
         stop = set(sampling.stop_token_ids) | set(eos_token_ids)
         samples = samples_from_completion_response(response, len(token_lists), samples_per_request(sampling), stop, sampling.max_new_tokens)
         return repeat_greedy(samples, sampling)
@@ -196,6 +223,19 @@ class ServerBackend:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.weights.finish_weight_update(weight_version)
+
+    def load_adapter(self, name: str, adapter_id: int, path: str) -> None:
+        """Load the adapter folder ``path`` into the server (which reads it from this node's disk) under
+        ``name``, serve it from now on and unload the previous one."""
+        self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        previous, self.adapter = self.adapter, name
+        if previous is not None:
+            self.post("/v1/unload_lora_adapter", {"lora_name": previous})
+
+    def drop_adapter(self) -> None:
+        previous, self.adapter = self.adapter, None
+        if previous is not None:
+            self.post("/v1/unload_lora_adapter", {"lora_name": previous})
 
     def close(self) -> None:
         if self.server is not None:

@@ -9,6 +9,8 @@ from rlplat.rollout_server import ServerSettings
 
 MODES = ("hybrid", "server")
 SLEEP_LEVELS = (1, 2)
+#: the ranks vLLM 0.33 accepts as ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclasses.dataclass
@@ -70,6 +72,11 @@ class VLLMRolloutConfig(ServerSettings):
     """vLLM weight-transfer backend for ``update_weights``. ``ipc`` hands CUDA tensors of the same GPU
     to the engine without a copy through the host (the colocated case)."""
 
+    max_lora_rank: int = 0
+    """LoRA adapters (``load_adapter``, for ``actor.lora.sync=adapter``): the largest adapter rank served,
+    one of vLLM's sizes (1, 8, 16, 32, 64, 128, 256, 320, 512) at or above ``actor.lora.rank``; 0 (the
+    default) starts vLLM without LoRA support, and ``load_adapter`` is refused."""
+
     engine_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """More ``vllm.EngineArgs`` fields, passed as they are (e.g. ``kv_cache_dtype``, ``max_logprobs``)."""
 
@@ -85,6 +92,8 @@ class VLLMRolloutConfig(ServerSettings):
             # weights reach the engine as CUDA-IPC handles of this worker's one GPU; a second GPU's
             # tensor-parallel rank would find no handle for itself
             problems.append(f"tensor_parallel_size must be 1 (one vLLM engine per GPU worker; weights travel by CUDA IPC from that GPU), got {self.tensor_parallel_size}")
+        if self.max_lora_rank != 0 and self.max_lora_rank not in LORA_RANKS:
+            problems.append(f"max_lora_rank must be 0 (no LoRA) or one of vLLM's sizes {LORA_RANKS}, got {self.max_lora_rank}")
         problems += self.server_problems(self.mode, self.model_path)
         if problems:
             raise ValueError("vllm rollout config: " + "; ".join(problems))

@@ -5,11 +5,20 @@ Weights move with vLLM's own weight-transfer API (``init_weight_transfer_engine`
 mode: each bucket is copied into one IPC buffer of the bucket's size and loaded before the next, so the
 trainer never holds a second full copy of the model. Memory is freed with vLLM's sleep mode and woken
 in two stages, weights then KV cache.
+
+LoRA adapters (``rollout.config.max_lora_rank`` above 0) go through vLLM's LoRA support: each
+:meth:`load_adapter` writes the adapter as a peft folder and loads it (``LLMEngine.add_lora`` with a
+``LoRARequest``; server: ``/v1/load_lora_adapter``), every later generation uses it, and the previous one
+is unloaded. Full weights loaded later are the new base: the adapter is dropped until loaded again.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -19,7 +28,7 @@ from rlplat.protocol import DataProto
 from rlplat.rollout_batch import BackendRolloutEngine, assemble_rollout, check_single_request, pad_and_eos_token_ids, prompt_token_lists, transfer_copy
 from rlplat_rollout_vllm.backends import InProcessBackend, ServerBackend
 from rlplat_rollout_vllm.config import VLLMRolloutConfig
-from rlplat_rollout_vllm.translate import packed_update_info
+from rlplat_rollout_vllm.translate import packed_update_info, write_adapter
 
 AWAKE, WEIGHTS_ONLY, ASLEEP = "awake", "weights only", "asleep"
 
@@ -33,6 +42,8 @@ class VLLMRollout(BackendRolloutEngine):
     next :meth:`wake_up_kv_cache`, :meth:`generate` or :meth:`sleep`.
     """
 
+    supports_adapters = True
+
     def __init__(self, config: Any = None, **_: Any):
         self.config = read_config_node(config, VLLMRolloutConfig, "rollout.config")
         self.pad_token_id, self.eos_token_ids = pad_and_eos_token_ids(self.config.model_path, self.config.pad_token_id, self.config.eos_token_ids, "vllm")
@@ -43,6 +54,9 @@ class VLLMRollout(BackendRolloutEngine):
         self.updating = False
         self.paused = False
         self.weight_version = 0
+        self.adapters_loaded = 0
+        self.adapter_root: Path | None = None
+        self.adapter_folder: Path | None = None
 
     # -- generation ------------------------------------------------------------------------------------
 
@@ -74,6 +88,7 @@ class VLLMRollout(BackendRolloutEngine):
         if not bucket:
             return
         if not self.updating:
+            self.backend.drop_adapter()  # full weights are a new base: the adapter is off until loaded again
             if self.state == AWAKE:
                 # parameters are meta tensors between start and finish: no generation may run meanwhile
                 self.backend.pause_generation()
@@ -97,6 +112,34 @@ class VLLMRollout(BackendRolloutEngine):
         # vLLM released the previous bucket's buffer on importing this one; let torch reuse that memory
         torch.cuda.ipc_collect()
         self.needs_weights = False
+
+    def load_adapter(self, config: Mapping[str, Any], named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Serve the base weights with this LoRA adapter (see the module docstring); vLLM checks the
+        adapter's features (no DoRA, no biases, ...) and refuses what it cannot serve."""
+        rank = config.get("r")
+        if not self.config.max_lora_rank:
+            raise RuntimeError(f"vllm rollout: load_adapter needs vLLM's LoRA support: set rollout.config.max_lora_rank "
+                               f"to one of vLLM's sizes at or above the adapter's rank r={rank}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 < rank <= self.config.max_lora_rank:
+            raise ValueError(f"vllm rollout: adapter rank r={rank!r} is not in [1, rollout.config.max_lora_rank="
+                             f"{self.config.max_lora_rank}]")
+        if self.state == ASLEEP:
+            raise RuntimeError("vllm rollout is asleep: call wake_up() and update_weights() before load_adapter()")
+        self.finish_weight_update()
+        if self.adapter_root is None:  # the folders vLLM reads adapters from, removed with the engine
+            self.adapter_root = Path(tempfile.mkdtemp(prefix="rlplat-vllm-adapters-"))
+            weakref.finalize(self, shutil.rmtree, self.adapter_root, True)
+        self.adapters_loaded += 1
+        folder = self.adapter_root / f"adapter-{self.adapters_loaded}"
+        write_adapter(folder, config, named_tensors)
+        try:
+            self.backend.load_adapter(f"rlplat-adapter-{self.adapters_loaded}", self.adapters_loaded, str(folder))
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        previous, self.adapter_folder = self.adapter_folder, folder
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
 
     def for_transfer(self, tensor: torch.Tensor) -> torch.Tensor:
         """On this GPU (the IPC handles are this GPU's), in the rollout's dtype."""

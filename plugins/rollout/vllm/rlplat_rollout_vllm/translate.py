@@ -6,6 +6,9 @@ Every keyword below is checked against the installed vLLM by ``tests/test_api_co
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
@@ -73,6 +76,9 @@ def engine_kwargs(config: VLLMRolloutConfig) -> dict[str, Any]:
         # say) to what rlplat asks for; its EOS ids still end generation
         "generation_config": "vllm",
     }
+    if config.max_lora_rank:
+        # one adapter at a time: the policy's, replaced at every sync
+        values.update(enable_lora=True, max_lora_rank=config.max_lora_rank, max_loras=1)
     values = {key: value for key, value in values.items() if value is not None}
     return {**values, **dict(config.engine_kwargs)}
 
@@ -88,8 +94,6 @@ def server_arguments(config: VLLMRolloutConfig, host: str, port: int) -> list[st
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + key.replace("_", "-"))
         elif isinstance(value, (dict, list)):
-            import json
-
             flags += [flag, json.dumps(value)]
         else:
             flags += [flag, str(value)]
@@ -151,3 +155,44 @@ def packed_update_info(chunk: Any) -> dict[str, Any]:
         "ipc_handles": chunk.ipc_handle,
         "tensor_sizes": list(chunk.tensor_sizes),
     }
+
+
+# '...q_proj.lora_A.default.weight' (peft's full state dict names the adapter) -> '...q_proj.lora_A.weight'
+ADAPTER_NAME_SEGMENT = re.compile(r"\.(lora_A|lora_B)\.[^.]+\.weight$")
+ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+def json_value(value: Any) -> Any:
+    """A peft config value as JSON (sets become sorted lists, enums their value)."""
+    if isinstance(value, Mapping):
+        return {str(key): json_value(item) for key, item in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(json_value(item) for item in value)
+    if isinstance(value, (list, tuple)):
+        return [json_value(item) for item in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return getattr(value, "value", str(value))  # an enum (peft_type, task_type)
+
+
+def adapter_tensor_name(name: str) -> str:
+    """A peft tensor name as vLLM parses it (``<module>.lora_A.weight``), without an adapter name."""
+    return ADAPTER_NAME_SEGMENT.sub(r".\1.weight", name)
+
+
+def write_adapter(folder: Path, config: Mapping[str, Any], named_tensors: Iterable[tuple[str, Any]]) -> None:
+    """A peft adapter folder (``adapter_config.json``, ``adapter_model.safetensors``), the form vLLM's
+    ``LoRARequest`` and ``/v1/load_lora_adapter`` load from."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, tensor in named_tensors:
+        stored = adapter_tensor_name(name)
+        if stored in tensors:
+            raise ValueError(f"vllm rollout: adapter tensors name {stored!r} twice (one adapter is loaded at a time)")
+        tensors[stored] = tensor.detach().to("cpu").contiguous()
+    if not tensors:
+        raise ValueError("vllm rollout: load_adapter got no adapter tensors")
+    folder.mkdir(parents=True)
+    (folder / ADAPTER_CONFIG_FILE).write_text(json.dumps(json_value(dict(config)), indent=2, sort_keys=True))
+    save_file(tensors, str(folder / ADAPTER_WEIGHTS_FILE))

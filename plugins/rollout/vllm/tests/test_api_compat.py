@@ -46,17 +46,21 @@ def call_targets():
     """Receivers in the plugin's source -> the vLLM object their methods must exist on."""
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.v1.engine.core_client import EngineCoreClient
+    from vllm.v1.engine.llm_engine import LLMEngine
 
-    return {"self.llm": vllm.LLM, "self.weights": HTTPVLLMWeightSyncClient, "engine_core": EngineCoreClient}
+    return {"self.llm": vllm.LLM, "self.weights": HTTPVLLMWeightSyncClient, "engine_core": EngineCoreClient,
+            "self.llm.llm_engine": LLMEngine}
 
 
 def call_functions():
     """Callables the plugin's source names directly."""
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.packed_tensor import packed_ipc_producer
+    from vllm.lora.request import LoRARequest
 
     return {
         "packed_ipc_producer": packed_ipc_producer,
+        "LoRARequest": LoRARequest,
         "HTTPVLLMWeightSyncClient": HTTPVLLMWeightSyncClient,
         "vllm.LLM": vllm.LLM,
         "self.vllm.SamplingParams": vllm.SamplingParams,
@@ -103,7 +107,8 @@ def test_every_vllm_method_the_plugin_calls_exists_and_accepts_its_arguments():
             pytest.fail(f"{where}: a vllm call this test does not know; add it to call_functions()")
     assert {"self.llm.generate", "self.llm.sleep", "self.llm.wake_up", "self.llm.update_weights", "self.llm.start_weight_update",
             "self.llm.finish_weight_update", "self.llm.init_weight_transfer_engine", "self.llm.reset_prefix_cache",
-            "packed_ipc_producer", "vllm.LLM", "engine_core.shutdown", "self.weights.update_weights"} <= set(checked)
+            "packed_ipc_producer", "vllm.LLM", "engine_core.shutdown", "self.weights.update_weights",
+            "self.llm.llm_engine.add_lora", "self.llm.llm_engine.remove_lora", "LoRARequest"} <= set(checked)
 
 
 def test_the_llm_engine_keeps_its_engine_core_client():
@@ -134,6 +139,24 @@ def test_the_server_request_samples_as_the_in_process_engine_does(sampling):
     assert request.return_token_ids is True and request.prompt == [[1, 2, 3], [4]]
 
 
+def test_the_lora_engine_arguments_make_a_lora_config_vllm_accepts():
+    kwargs = engine_kwargs(VLLMRolloutConfig(model_path="/models/tiny", max_lora_rank=8))
+    inspect.signature(vllm.LLM.__init__).bind(object(), **kwargs)
+    engine_args = vllm.EngineArgs(**kwargs)
+    assert engine_args.enable_lora is True and (engine_args.max_lora_rank, engine_args.max_loras) == (8, 1)
+    lora_config = vllm.config.LoRAConfig(max_lora_rank=engine_args.max_lora_rank, max_loras=engine_args.max_loras)
+    assert lora_config.max_cpu_loras == 1
+
+
+def test_every_lora_rank_the_config_accepts_is_one_vllm_accepts():
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+    from rlplat_rollout_vllm.config import LORA_RANKS
+
+    assert set(LORA_RANKS) == set(get_args(MaxLoRARanks))
+
+
 def test_the_engine_arguments_are_engine_args_fields_and_keep_their_values():
     config = VLLMRolloutConfig(model_path="/models/tiny", load_weights=False, max_model_len=256, engine_kwargs={"max_logprobs": 4})
     kwargs = engine_kwargs(config)
@@ -144,11 +167,13 @@ def test_the_engine_arguments_are_engine_args_fields_and_keep_their_values():
     assert engine_args.weight_transfer_config.backend == "ipc"
 
 
-def test_vllm_serve_parses_the_server_arguments_to_the_same_engine_arguments():
+@pytest.mark.parametrize("max_lora_rank", [0, 8], ids=["no-lora", "lora"])
+def test_vllm_serve_parses_the_server_arguments_to_the_same_engine_arguments(max_lora_rank):
     from vllm.entrypoints.common.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    config = VLLMRolloutConfig(mode="server", model_path="/models/tiny", load_weights=False, enable_prefix_caching=False, max_model_len=300)
+    config = VLLMRolloutConfig(mode="server", model_path="/models/tiny", load_weights=False, enable_prefix_caching=False, max_model_len=300,
+                               max_lora_rank=max_lora_rank)
     argv = server_arguments(config, "127.0.0.1", 8011)
     assert argv[0] == "serve"
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[1:])
@@ -200,6 +225,35 @@ def test_the_http_routes_the_server_mode_uses_exist():
     assert 'query_params.getlist("tags")' in wake_source
 
 
+def test_the_lora_routes_exist_with_the_servers_environment_and_take_the_requests_sent(monkeypatch):
+    from fastapi import FastAPI
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.serve.lora import api_router
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+
+    for name, value in backends.LORA_SERVER_ENV.items():
+        monkeypatch.setenv(name, value)
+    assert vllm.envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING is True
+    app = FastAPI()
+    api_router.attach_router(app)
+    routes = {(route.path, method) for route in app.routes for method in getattr(route, "methods", ())}
+    assert {("/v1/load_lora_adapter", "POST"), ("/v1/unload_lora_adapter", "POST")} <= routes
+    server = object.__new__(backends.ServerBackend)
+    server.adapter, posted = None, []
+    server.post = lambda path, payload=None, query=None: posted.append((path, payload))
+    server.load_adapter("rlplat-adapter-1", 1, "/tmp/adapter-1")
+    server.load_adapter("rlplat-adapter-2", 2, "/tmp/adapter-2")
+    server.drop_adapter()
+    assert [path for path, _ in posted] == ["/v1/load_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/unload_lora_adapter"]
+    loads = [LoadLoRAAdapterRequest.model_validate(payload) for path, payload in posted if path == "/v1/load_lora_adapter"]
+    assert [(load.lora_name, load.lora_path, load.load_inplace) for load in loads] == [
+        ("rlplat-adapter-1", "/tmp/adapter-1", False), ("rlplat-adapter-2", "/tmp/adapter-2", False)]
+    unloads = [UnloadLoRAAdapterRequest.model_validate(payload).lora_name for path, payload in posted if path == "/v1/unload_lora_adapter"]
+    assert unloads == ["rlplat-adapter-1", "rlplat-adapter-2"]
+    request = CompletionRequest.model_validate(completion_payload([[1, 2]], SamplingParams(), (2,), "rlplat-adapter-2"))
+    assert request.model == "rlplat-adapter-2"  # the served model is the adapter
+
+
 def test_a_real_completion_response_parses():
     from vllm.entrypoints.openai.completion.protocol import CompletionLogProbs, CompletionResponse, CompletionResponseChoice
     from vllm.entrypoints.serve.engine.protocol import UsageInfo
@@ -223,7 +277,7 @@ class RecordingLLM:
 
     def __init__(self, *args, **kwargs):
         self.calls = [("__init__", args, kwargs)]
-        self.llm_engine = type("Engine", (), {"engine_core": self})()
+        self.llm_engine = RecordingLLMEngine(self)
 
     def __getattr__(self, name):
         def record(*args, **kwargs):
@@ -234,7 +288,7 @@ class RecordingLLM:
 
         return record
 
-    def outputs(self, prompts, params, use_tqdm=True):
+    def outputs(self, prompts, params, use_tqdm=True, lora_request=None):
         from vllm.logprobs import Logprob
         from vllm.outputs import CompletionOutput, RequestOutput
 
@@ -250,6 +304,21 @@ class RecordingLLM:
         return answers
 
 
+class RecordingLLMEngine:
+    """Stands in for ``LLM.llm_engine``: its calls go to the LLM's record as ``llm_engine.<name>``
+    (answering True, as ``add_lora`` does on success); ``engine_core`` is the LLM itself."""
+
+    def __init__(self, llm):
+        self.engine_core = llm
+
+    def __getattr__(self, name):
+        def record(*args, **kwargs):
+            self.engine_core.calls.append((f"llm_engine.{name}", args, kwargs))
+            return True
+
+        return record
+
+
 @pytest.fixture
 def hybrid(monkeypatch, tmp_path):
     monkeypatch.setattr(vllm, "LLM", RecordingLLM)
@@ -262,6 +331,10 @@ def check_recorded_calls(calls):
     for name, args, kwargs in calls:
         if name == "__init__":
             inspect.signature(vllm.EngineArgs).bind(**kwargs)
+        elif name.startswith("llm_engine."):
+            from vllm.v1.engine.llm_engine import LLMEngine
+
+            inspect.signature(getattr(LLMEngine, name.split(".", 1)[1])).bind(object(), *args, **kwargs)
         elif name == "shutdown":
             from vllm.v1.engine.core_client import EngineCoreClient
 
@@ -341,3 +414,76 @@ def test_a_run_with_this_rollout_and_no_gpus_is_refused_at_config_validation():
 
     with pytest.raises(ConfigError, match=r"rollout 'vllm' runs on GPUs only: set cluster.use_gpu=true"):
         load_config(None, demo_overrides(), algo="grpo", engine="fsdp2", rollout="vllm")
+
+
+# -- LoRA adapters -----------------------------------------------------------------------------------------
+
+def peft_adapter(**settings):
+    """peft's LoRA on the tiny model, lora_B random (peft starts it at zero): (config dict, tensors named
+    as peft's full state dict names them, with the adapter name '.default.')."""
+    import peft
+    from rlplat.testing.tiny_models import tiny_causal_lm
+
+    model = peft.get_peft_model(tiny_causal_lm(0), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **settings))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    tensors = [(name, tensor.clone()) for name, tensor in model.state_dict().items() if ".lora_" in name]
+    return model.peft_config["default"].to_dict(), tensors
+
+
+@pytest.fixture
+def lora_hybrid(monkeypatch, tmp_path):
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    engine = rollout_module.VLLMRollout({"model_path": save_tiny_model(tmp_path / "model"), "load_weights": False, "max_lora_rank": 8})
+    yield engine
+    engine.backend.close()
+
+
+def test_load_adapter_writes_a_folder_vllms_own_loader_reads_with_peft_scaling(lora_hybrid):
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.request import LoRARequest
+
+    config, tensors = peft_adapter(use_rslora=True)  # scale 8 / sqrt(4) = 4
+    lora_hybrid.load_adapter(config, tensors)
+    name, args, kwargs = lora_hybrid.backend.llm.calls[-1]
+    assert name == "llm_engine.add_lora" and not kwargs
+    request = args[0]
+    assert isinstance(request, LoRARequest) and (request.lora_name, request.lora_int_id) == ("rlplat-adapter-1", 1)
+    helper = PEFTHelper.from_local_dir(request.lora_path, max_position_embeddings=None)
+    helper.validate_legal(vllm.config.LoRAConfig(max_lora_rank=8, max_loras=1))
+    modules = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    loaded = LoRAModel.from_local_checkpoint(request.lora_path, modules, helper, lora_model_id=1, device="cpu", dtype=torch.float32)
+    given = dict(tensors)
+    assert len(loaded.loras) == len(given) // 2 == 14
+    for module, weights in loaded.loras.items():
+        lora_A = given[f"base_model.model.{module}.lora_A.default.weight"]
+        lora_B = given[f"base_model.model.{module}.lora_B.default.weight"]
+        assert torch.equal(weights.lora_a, lora_A)
+        assert torch.allclose(weights.lora_b * weights.scaling, lora_B * 4.0)
+
+
+def test_generation_uses_the_adapter_and_the_next_one_replaces_it(lora_hybrid):
+    config, tensors = peft_adapter()
+    lora_hybrid.load_adapter(config, tensors)
+    first_folder = lora_hybrid.adapter_folder
+    lora_hybrid.load_adapter(config, tensors)
+    prompts = left_padded_prompts([[1, 5, 6]], pad_token_id=0)
+    lora_hybrid.generate(prompts, SamplingParams(max_new_tokens=4, stop_token_ids=(2,)))
+    calls = lora_hybrid.backend.llm.calls
+    check_recorded_calls(calls)
+    assert [(name, args[0] if name == "llm_engine.remove_lora" else None) for name, args, _ in calls[2:5]] == [
+        ("llm_engine.add_lora", None), ("llm_engine.add_lora", None), ("llm_engine.remove_lora", 1)]
+    assert calls[-1][0] == "generate" and calls[-1][2]["lora_request"].lora_int_id == 2
+    assert not first_folder.exists() and lora_hybrid.adapter_folder.is_dir()
+
+
+def test_load_adapter_without_vllms_lora_support_or_above_its_rank_is_refused(hybrid, lora_hybrid):
+    config, tensors = peft_adapter()
+    with pytest.raises(RuntimeError, match="set rollout.config.max_lora_rank"):
+        hybrid.load_adapter(config, tensors)
+    with pytest.raises(ValueError, match=r"rank r=16 is not in \[1, rollout.config.max_lora_rank=8\]"):
+        lora_hybrid.load_adapter({**config, "r": 16}, tensors)

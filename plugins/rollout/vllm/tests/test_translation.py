@@ -20,6 +20,7 @@ from rlplat_rollout_vllm.translate import (
     samples_from_completion_response,
     sampling_kwargs,
     server_arguments,
+    write_adapter,
 )
 
 
@@ -80,6 +81,48 @@ class TestEngineKwargs:
         assert argv[argv.index("--max-model-len") + 1] == "512"
         assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "ipc"}
         assert argv[-4:] == ["--host", "127.0.0.1", "--port", "8123"]
+
+
+class TestLoraSupport:
+    def test_a_max_lora_rank_turns_on_vllms_lora_for_one_adapter(self):
+        kwargs = engine_kwargs(VLLMRolloutConfig(model_path="/m", max_lora_rank=8))
+        assert (kwargs["enable_lora"], kwargs["max_lora_rank"], kwargs["max_loras"]) == (True, 8, 1)
+        assert "enable_lora" not in engine_kwargs(VLLMRolloutConfig(model_path="/m"))  # 0: off
+
+    def test_the_server_is_started_with_lora_on(self):
+        argv = server_arguments(VLLMRolloutConfig(model_path="/m", mode="server", max_lora_rank=16), "127.0.0.1", 8123)
+        assert "--enable-lora" in argv and argv[argv.index("--max-lora-rank") + 1] == "16"
+        assert argv[argv.index("--max-loras") + 1] == "1"
+
+    def test_a_rank_vllm_has_no_size_for_is_refused(self):
+        with pytest.raises(ValueError, match=r"max_lora_rank must be 0 \(no LoRA\) or one of vLLM's sizes \(1, 8, 16"):
+            read_config_node({"model_path": "/m", "max_lora_rank": 4}, VLLMRolloutConfig)
+
+    def test_the_adapter_folder_holds_peft_names_without_the_adapter_name_and_a_json_config(self, tmp_path):
+        import torch
+        from safetensors.torch import load_file
+
+        lora_A, lora_B = torch.arange(6.0).reshape(2, 3), torch.ones(4, 2)
+        config = {"r": 2, "lora_alpha": 4, "target_modules": {"v_proj", "q_proj"}, "peft_type": types.SimpleNamespace(value="LORA")}
+        write_adapter(tmp_path / "adapter", config, [
+            ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight", lora_A),
+            ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight", lora_B),
+        ])
+        written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+        assert written == {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA"}
+        tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+        assert sorted(tensors) == ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+                                   "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+        assert torch.equal(tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"], lora_A)
+
+    def test_an_adapter_without_tensors_or_naming_one_twice_is_refused(self, tmp_path):
+        import torch
+
+        with pytest.raises(ValueError, match="no adapter tensors"):
+            write_adapter(tmp_path / "empty", {"r": 2}, [])
+        twice = [("m.q_proj.lora_A.default.weight", torch.ones(2, 3)), ("m.q_proj.lora_A.other.weight", torch.ones(2, 3))]
+        with pytest.raises(ValueError, match=r"name 'm\.q_proj\.lora_A\.weight' twice"):
+            write_adapter(tmp_path / "twice", {"r": 2}, twice)
 
 
 class TestConfig:
