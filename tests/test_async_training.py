@@ -18,9 +18,8 @@ import torch
 from rlplat.config import load_config
 from rlplat.config_node import ConfigError
 from rlplat.data import write_parquet
+from rlplat.testing.runs import fit_run
 from rlplat.testing.tiny_models import save_tiny_model
-from rlplat.tracking import read_metrics
-from rlplat.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # whole runs, some of them on Ray: left out of `make test-fast`
 
@@ -46,14 +45,7 @@ def overrides(assets, output_dir, *extra) -> list[str]:
 
 
 def fit(config, inspect=None) -> list[dict]:
-    trainer = Trainer(config)
-    try:
-        trainer.fit()
-        if inspect is not None:
-            inspect(trainer)
-    finally:
-        trainer.shutdown()
-    return read_metrics(config.trainer.output_dir)
+    return fit_run(config, inspect=inspect)
 
 
 def trained(run_dir: Path) -> list[dict]:

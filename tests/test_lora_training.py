@@ -9,8 +9,8 @@ import pytest
 from rlplat.config import load_config
 from rlplat.data import write_parquet
 from rlplat.sync_probe import SyncProbeError
+from rlplat.testing.runs import fit_run
 from rlplat.testing.tiny_models import save_tiny_model
-from rlplat.tracking import read_metrics
 from rlplat.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # whole runs: left out of `make test-fast`
@@ -45,14 +45,7 @@ def overrides(assets, run, *extra):
 
 
 def fit(config, trainer_class=None, inspect=None):
-    trainer = (trainer_class or Trainer)(config)
-    try:
-        trainer.fit()
-        if inspect is not None:
-            inspect(trainer)
-    finally:
-        trainer.shutdown()
-    return read_metrics(config.trainer.output_dir)
+    return fit_run(config, trainer_class=trainer_class, inspect=inspect)
 
 
 def worker(trainer):

@@ -9,6 +9,7 @@ from rlplat.config import load_config
 from rlplat.config_node import ConfigError
 from rlplat.data import write_parquet
 from rlplat.sync_probe import SyncProbeError
+from rlplat.testing.runs import fit_run
 from rlplat.testing.tiny_models import save_tiny_model
 from rlplat.tracking import read_metrics
 from rlplat.trainer import Trainer
@@ -46,12 +47,7 @@ class SkippedSync(Trainer):
 def test_the_probe_passes_after_every_sync_when_the_weights_arrive(assets, tmp_path, mode):
     config = load_config(overrides=overrides(assets, tmp_path, "rollout.sync_probe.freq=1", "rollout.sync_probe.tolerance=1e-5",
                                              f"trainer.mode={mode}", "trainer.max_staleness=0"), algo="grpo")
-    trainer = Trainer(config)
-    try:
-        trainer.fit()
-    finally:
-        trainer.shutdown()
-    records = read_metrics(tmp_path)
+    records = fit_run(config)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(r["sync_probe/mean_abs_diff"] < 1e-6 and r["timing_s/sync_probe"] > 0 for r in records)
 
@@ -71,12 +67,7 @@ def test_a_sync_that_did_not_arrive_stops_the_run_at_the_first_probe(assets, tmp
 
 def test_the_probe_runs_on_step_1_and_every_freq_th_step_by_default(assets, tmp_path):
     config = load_config(overrides=overrides(assets, tmp_path, "rollout.sync_probe.freq=2"), algo="grpo")
-    trainer = Trainer(config)
-    try:
-        trainer.fit()
-    finally:
-        trainer.shutdown()
-    assert [r["step"] for r in read_metrics(tmp_path) if "sync_probe/mean_abs_diff" in r] == [1, 2, 4]
+    assert [r["step"] for r in fit_run(config) if "sync_probe/mean_abs_diff" in r] == [1, 2, 4]
 
 
 def test_a_bad_probe_node_is_refused_at_load(assets, tmp_path):

@@ -6,13 +6,12 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from rlplat.config import load_config
 from rlplat.data import write_parquet
+from rlplat.testing.runs import fit_run
 from rlplat.testing.tiny_models import save_tiny_model
 from rlplat.tracking import read_metrics
-from rlplat.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # starts processes or clusters: left out of `make test-fast`
 
@@ -133,14 +132,7 @@ def comparable(record: dict) -> dict:
 
 
 def train(config, inspect=None) -> list[dict]:
-    trainer = Trainer(config)
-    try:
-        trainer.fit()
-        if inspect is not None:
-            inspect(trainer)
-    finally:
-        trainer.shutdown()
-    return read_metrics(config.trainer.output_dir)
+    return fit_run(config, inspect=inspect)
 
 
 def largest_weight_change(trainer, model_dir) -> float:

@@ -25,6 +25,7 @@ from rlplat.lazy_names import lazy_names
 
 _LAZY_NAMES = {
     "RewardScorerConformance": "rlplat.testing.scorers",
+    "fit_run": "rlplat.testing.runs",
     "AgentLoopConformance": "rlplat.testing.agents",
     "ToolConformance": "rlplat.testing.agents",
     "ToolCase": "rlplat.testing.agents",
