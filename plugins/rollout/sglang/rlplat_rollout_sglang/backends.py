@@ -1,6 +1,7 @@
 """The two ways the ``sglang`` rollout reaches SGLang: an ``sglang.Engine`` in this process, or an SGLang
 HTTP server. Both offer the same methods: batched generation, weight updates from tensors, release and
-resume of tagged GPU memory, a radix-cache flush, and close.
+resume of tagged GPU memory, a radix-cache flush, one LoRA adapter loaded from tensors and used by every
+request (``load_adapter``, ``drop_adapter``), and close.
 """
 
 from __future__ import annotations
@@ -47,13 +48,14 @@ def share_by_device_uuid(named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     reductions.init_reductions()
 
 
-def serialized_named_tensors(named_tensors: list[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
-    """``UpdateWeightsFromTensorReqInput.serialized_named_tensors`` for HTTP: the bucket pickled by
-    SGLang's ``MultiprocessingSerializer`` (CUDA IPC handles, not the data) once per TP rank, each as
-    base64 text because JSON has no bytes (the route decodes it with ``Base64Bytes``)."""
+def serialized_named_tensors(named_tensors: list[tuple[str, torch.Tensor]] | dict[str, torch.Tensor], tp_size: int) -> list[str]:
+    """``serialized_named_tensors`` of ``UpdateWeightsFromTensorReqInput`` (a list of pairs) or
+    ``LoadLoRAAdapterFromTensorsReqInput`` (a dict) for HTTP: pickled by SGLang's
+    ``MultiprocessingSerializer`` (CUDA IPC handles, not the data) once per TP rank, each as base64 text
+    because JSON has no bytes (the routes decode it with ``Base64Bytes``)."""
     from sglang.srt.utils import MultiprocessingSerializer
 
-    share_by_device_uuid(named_tensors)
+    share_by_device_uuid(list(named_tensors.items()) if isinstance(named_tensors, Mapping) else named_tensors)
     return [MultiprocessingSerializer.serialize(named_tensors, output_str=True) for _ in range(tp_size)]
 
 
@@ -86,13 +88,14 @@ class InProcessBackend:
             if start_method is not None:
                 multiprocessing.set_start_method(start_method, force=True)
         self.owner_pid = os.getpid()
+        self.adapter: str | None = None  # the loaded LoRA adapter every request uses
         self.lock = threading.Lock()
         self.batcher = RequestBatcher(self.run_pending, "sglang-rollout-batcher")
         self.closed = False
 
     def generate(self, token_lists: Sequence[Sequence[int]], params: Sequence[Mapping[str, Any]]) -> list[dict]:
         with self.lock:
-            return self.engine.generate(**generate_request(token_lists, params))
+            return self.engine.generate(**generate_request(token_lists, params, self.adapter))
 
     async def generate_one(self, token_ids: list[int], params: Mapping[str, Any]) -> dict:
         return await self.batcher.submit((token_ids, params))
@@ -120,6 +123,30 @@ class InProcessBackend:
             success, message = self.engine.update_weights_from_tensor(named_tensors=named_tensors, flush_cache=flush_cache)
         if not success:
             raise RuntimeError(f"sglang update_weights_from_tensor failed: {message}")
+
+    def load_adapter(self, name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Load the adapter now (SGLang checks it here, not at the next generation), serve it from now on
+        and unload the previous one."""
+        share_by_device_uuid(list(tensors.items()))
+        with self.lock:
+            result = self.engine.load_lora_adapter_from_tensors(lora_name=name, tensors=tensors, config_dict=config)
+        if not getattr(result, "success", False):
+            raise RuntimeError(f"sglang refused the LoRA adapter: {getattr(result, 'error_message', None) or result}")
+        previous, self.adapter = self.adapter, name
+        if previous is not None:
+            self.unload(previous)
+
+    def drop_adapter(self) -> None:
+        """Serve the base weights again (the adapter is unloaded)."""
+        previous, self.adapter = self.adapter, None
+        if previous is not None:
+            self.unload(previous)
+
+    def unload(self, name: str) -> None:
+        with self.lock:
+            result = self.engine.unload_lora_adapter(lora_name=name)
+        if not getattr(result, "success", False):
+            raise RuntimeError(f"sglang could not unload LoRA adapter {name!r}: {getattr(result, 'error_message', None) or result}")
 
     def release_memory(self, tags: list[str]) -> None:
         with self.lock:
@@ -151,6 +178,7 @@ class ServerBackend:
     def __init__(self, config: SGLangRolloutConfig):
         self.config = config
         self.owner_pid = os.getpid()
+        self.adapter: str | None = None  # the loaded LoRA adapter every request uses
         self.base_url, self.server = config.start_or_attach(
             "sglang.launch_server", lambda host, port: server_argv(config, host, port), health_path=HEALTH_PATH, name="sglang server",
         )
@@ -159,7 +187,7 @@ class ServerBackend:
         return request_json(self.base_url + path, payload, method="POST", timeout=self.config.request_timeout_s)
 
     def generate(self, token_lists: Sequence[Sequence[int]], params: Sequence[Mapping[str, Any]]) -> list[dict]:
-        return self.post("/generate", generate_request(token_lists, params))
+        return self.post("/generate", generate_request(token_lists, params, self.adapter))
 
     async def generate_one(self, token_ids: list[int], params: Mapping[str, Any]) -> dict:
         # concurrent requests are batched by the server itself
@@ -177,6 +205,26 @@ class ServerBackend:
         answer = self.post("/update_weights_from_tensor", payload)
         if not (isinstance(answer, Mapping) and answer.get("success")):
             raise ServerError(f"sglang server {self.base_url} refused the weight update: {answer}")
+
+    def load_adapter(self, name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        payload = {"lora_name": name, "config_dict": config,
+                   "serialized_named_tensors": serialized_named_tensors(tensors, self.config.tp_size)}
+        answer = self.post("/load_lora_adapter_from_tensors", payload)
+        if not (isinstance(answer, Mapping) and answer.get("success")):
+            raise ServerError(f"sglang server {self.base_url} refused the LoRA adapter: {answer}")
+        previous, self.adapter = self.adapter, name
+        if previous is not None:
+            self.unload(previous)
+
+    def drop_adapter(self) -> None:
+        previous, self.adapter = self.adapter, None
+        if previous is not None:
+            self.unload(previous)
+
+    def unload(self, name: str) -> None:
+        answer = self.post("/unload_lora_adapter", {"lora_name": name})
+        if not (isinstance(answer, Mapping) and answer.get("success")):
+            raise ServerError(f"sglang server {self.base_url} could not unload LoRA adapter {name!r}: {answer}")
 
     def release_memory(self, tags: list[str]) -> None:
         self.post("/release_memory_occupation", {"tags": tags})

@@ -71,6 +71,15 @@ class SGLangRolloutConfig(ServerSettings):
     eos_token_ids: tuple[int, ...] | None = None
     """Tokens that end a response besides a call's ``stop_token_ids`` (default: the model config's EOS)."""
 
+    max_lora_rank: int = 0
+    """LoRA adapters (``load_adapter``, for ``actor.lora.sync=adapter``): the largest adapter rank served,
+    at or above ``actor.lora.rank``; 0 (the default) starts SGLang without LoRA support, and
+    ``load_adapter`` is refused."""
+
+    lora_target_modules: tuple[str, ...] = ("all",)
+    """With ``max_lora_rank``: the modules adapters may target, for which SGLang reserves LoRA buffers
+    (``all``: every module SGLang supports; or names such as ``q_proj``, ``v_proj``)."""
+
     engine_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """More ``sglang.srt.server_args.ServerArgs`` fields, passed as they are and winning over the keys
     above (e.g. ``attention_backend``, ``kv_cache_dtype``, ``chunked_prefill_size``). In server mode
@@ -88,6 +97,10 @@ class SGLangRolloutConfig(ServerSettings):
             problems.append(f"hybrid mode runs one SGLang engine per GPU worker: tp_size must be 1 (use mode=server for more), got {self.tp_size}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             problems.append(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+        if isinstance(self.max_lora_rank, bool) or not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 0:
+            problems.append(f"max_lora_rank must be an int >= 0 (0: no LoRA), got {self.max_lora_rank!r}")
+        if not self.lora_target_modules:
+            problems.append("lora_target_modules is empty: name the modules adapters may target, or ('all',)")
         problems += self.server_problems(self.mode, self.model_path)
         if not isinstance(self.engine_kwargs, Mapping):
             problems.append(f"engine_kwargs must be a mapping of ServerArgs fields, got {type(self.engine_kwargs).__name__}")

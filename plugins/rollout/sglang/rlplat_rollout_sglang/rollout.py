@@ -4,13 +4,19 @@ Weights move with ``update_weights_from_tensor``: each bucket is pickled as CUDA
 ``MultiprocessingSerializer``) and loaded by the scheduler straight from the trainer's GPU memory. Memory
 is freed with ``release_memory_occupation`` (torch_memory_saver) and resumed in two stages, weights then
 KV cache and CUDA graphs, so that the buckets load before the KV cache claims its memory.
+
+LoRA adapters (``rollout.config.max_lora_rank`` above 0) go through SGLang's LoRA support: each
+:meth:`load_adapter` hands the tensors over with ``load_lora_adapter_from_tensors`` (server: ``POST
+/load_lora_adapter_from_tensors``) under a new name, every later request names it (``lora_path``) and the
+previous adapter is unloaded. Full weights loaded later are the new base: the adapter is dropped until
+loaded again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -25,6 +31,8 @@ from rlplat_rollout_sglang.translate import (
     KV_CACHE_TAGS,
     SEED_RANGE,
     WEIGHTS,
+    adapter_tensors,
+    json_value,
     per_sample_params,
     sample_from_output,
     sample_seed,
@@ -45,6 +53,8 @@ class SGLangRollout(BackendRolloutEngine):
     top-k / top-p renormalisation (greedy, and so ``top_k=1``: ``log_softmax(logits)``).
     """
 
+    supports_adapters = True
+
     def __init__(self, config: Any = None, **_: Any):
         self.config = read_config_node(config, SGLangRolloutConfig, "rollout.config")
         self.pad_token_id, self.eos_token_ids = pad_and_eos_token_ids(self.config.model_path, self.config.pad_token_id, self.config.eos_token_ids, "sglang")
@@ -54,6 +64,7 @@ class SGLangRollout(BackendRolloutEngine):
         self.needs_weights = False
         self.cache_stale = False
         self.session_open = False
+        self.adapters_loaded = 0
 
     # -- generation ------------------------------------------------------------------------------------
 
@@ -104,6 +115,7 @@ class SGLangRollout(BackendRolloutEngine):
         if not bucket:
             return
         if not self.session_open:
+            self.backend.drop_adapter()  # full weights are a new base: the adapter is off until loaded again
             # SGLang 0.5.23 loads tensors only inside a weight-update session
             self.backend.begin_weight_update()
             self.session_open = True
@@ -115,6 +127,24 @@ class SGLangRollout(BackendRolloutEngine):
             raise
         self.needs_weights = False
         self.cache_stale = self.state == AWAKE and not self.config.disable_radix_cache
+
+    def load_adapter(self, config: Mapping[str, Any], named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Serve the base weights with this LoRA adapter (see the module docstring); SGLang checks the
+        adapter (rank, target modules, DoRA, ...) and refuses what it cannot serve. Each adapter gets a
+        new name, so the radix cache (keyed by adapter) never reuses the previous adapter's entries."""
+        rank = config.get("r")
+        if not self.config.max_lora_rank:
+            raise RuntimeError(f"sglang rollout: load_adapter needs SGLang's LoRA support: set rollout.config.max_lora_rank "
+                               f"at or above the adapter's rank r={rank}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 < rank <= self.config.max_lora_rank:
+            raise ValueError(f"sglang rollout: adapter rank r={rank!r} is not in [1, rollout.config.max_lora_rank="
+                             f"{self.config.max_lora_rank}]")
+        if self.state == ASLEEP:
+            raise RuntimeError("sglang rollout is asleep: call wake_up() and update_weights() before load_adapter()")
+        tensors = adapter_tensors(named_tensors)
+        self.end_weight_update()
+        self.adapters_loaded += 1
+        self.backend.load_adapter(f"rlplat-adapter-{self.adapters_loaded}", json_value(dict(config)), tensors)
 
     def end_weight_update(self) -> None:
         """Close the weight-update session the last :meth:`update_weights` opened (if any)."""

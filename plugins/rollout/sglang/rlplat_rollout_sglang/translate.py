@@ -6,6 +6,7 @@ Every key below is checked against the installed SGLang by ``tests/test_api_comp
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterable, Mapping, Sequence
 
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
@@ -67,13 +68,17 @@ def per_sample_params(sampling: SamplingParams, count: int, eos_token_ids: Seque
     return [{**base, "sampling_seed": seeds[index]} for index in range(count)]
 
 
-def generate_request(token_lists: Sequence[Sequence[int]], params: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def generate_request(token_lists: Sequence[Sequence[int]], params: Sequence[Mapping[str, Any]], adapter: str | None = None) -> dict[str, Any]:
     """Keyword arguments of ``sglang.Engine.generate`` and, the same names, the JSON of ``POST /generate``:
     a batch of token-id prompts (a list of lists, so the answer is always a list), one sampling dict
-    each, and the log-prob of every sampled token (``meta_info.output_token_logprobs``)."""
+    each, the log-prob of every sampled token (``meta_info.output_token_logprobs``), and the name of
+    the loaded LoRA adapter every request uses (``lora_path`` takes a loaded adapter's name), if any."""
     if len(token_lists) != len(params):
         raise ValueError(f"{len(token_lists)} prompts but {len(params)} sampling dicts")
-    return {"input_ids": [list(tokens) for tokens in token_lists], "sampling_params": [dict(p) for p in params], "return_logprob": True}
+    request = {"input_ids": [list(tokens) for tokens in token_lists], "sampling_params": [dict(p) for p in params], "return_logprob": True}
+    if adapter is not None:
+        request["lora_path"] = adapter
+    return request
 
 
 def server_args_kwargs(config: SGLangRolloutConfig) -> dict[str, Any]:
@@ -95,6 +100,8 @@ def server_args_kwargs(config: SGLangRolloutConfig) -> dict[str, Any]:
         "enable_deterministic_inference": config.enable_deterministic_inference,
         "random_seed": config.seed,
     }
+    if config.max_lora_rank:
+        values.update(enable_lora=True, max_lora_rank=config.max_lora_rank, lora_target_modules=list(config.lora_target_modules))
     if config.disable_cuda_graph:
         # `disable_cuda_graph` is a deprecated, command-line-less field in 0.5.23; these are its successors
         values["disable_decode_cuda_graph"] = True
@@ -149,3 +156,35 @@ def samples_from_outputs(outputs: Any, count: int, stop_token_ids: Iterable[int]
         raise RuntimeError(f"sglang returned {size} results for {count} requests")
     stop = list(stop_token_ids)
     return [sample_from_output(output, stop, max_new_tokens) for output in outputs]
+
+
+# '...q_proj.lora_A.default.weight' (peft's full state dict names the adapter) -> '...q_proj.lora_A.weight'
+ADAPTER_NAME_SEGMENT = re.compile(r"\.(lora_A|lora_B)\.[^.]+\.weight$")
+
+
+def json_value(value: Any) -> Any:
+    """A peft config value as JSON (sets become sorted lists, enums their value): SGLang's request
+    structs carry the adapter config as JSON."""
+    if isinstance(value, Mapping):
+        return {str(key): json_value(item) for key, item in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(json_value(item) for item in value)
+    if isinstance(value, (list, tuple)):
+        return [json_value(item) for item in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return getattr(value, "value", str(value))  # an enum (peft_type, task_type)
+
+
+def adapter_tensors(named_tensors: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """The adapter's tensors by peft name without an adapter name (``<module>.lora_A.weight``), detached
+    and contiguous, as ``load_lora_adapter_from_tensors`` takes them."""
+    tensors = {}
+    for name, tensor in named_tensors:
+        stored = ADAPTER_NAME_SEGMENT.sub(r".\1.weight", name)
+        if stored in tensors:
+            raise ValueError(f"sglang rollout: adapter tensors name {stored!r} twice (one adapter is loaded at a time)")
+        tensors[stored] = tensor.detach().contiguous()
+    if not tensors:
+        raise ValueError("sglang rollout: load_adapter got no adapter tensors")
+    return tensors

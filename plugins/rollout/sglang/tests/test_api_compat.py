@@ -94,6 +94,8 @@ class RecordingEngine:
                 return (True, "Success") if self.session else (False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
             if name == "flush_cache":
                 return SimpleNamespace(success=True, message="")
+            if name in ("load_lora_adapter_from_tensors", "unload_lora_adapter"):
+                return SimpleNamespace(success=True, error_message=None)
             return None
 
         return method
@@ -248,7 +250,7 @@ def test_top_k_all_is_sglangs_constant():
 
 
 FULL_CONFIG = dict(
-    load_weights=False, dtype="float16", tp_size=2, mem_fraction_static=0.4, context_length=512, max_running_requests=64,
+    mode="server", load_weights=False, dtype="float16", tp_size=2, mem_fraction_static=0.4, context_length=512, max_running_requests=64,
     disable_radix_cache=True, disable_cuda_graph=True, enable_deterministic_inference=True, seed=11,
     engine_kwargs={"attention_backend": "triton", "chunked_prefill_size": 256},
 )
@@ -299,6 +301,8 @@ def server(monkeypatch, model_dir):
             return {"success": True, "message": "Success"}
         if path == "flush_cache":
             return "Cache flushed."
+        if path in ("load_lora_adapter_from_tensors", "unload_lora_adapter"):
+            return {"success": True, "error_message": None}
         return None
 
     monkeypatch.setattr(backends, "request_json", request_json)
@@ -377,3 +381,131 @@ def test_a_run_with_this_rollout_and_no_gpus_is_refused_at_config_validation():
 
     with pytest.raises(ConfigError, match=r"rollout 'sglang' runs on GPUs only: set cluster.use_gpu=true"):
         load_config(None, demo_overrides(), algo="grpo", engine="fsdp2", rollout="sglang")
+
+
+# -- LoRA adapters -------------------------------------------------------------------------------------
+
+
+def peft_adapter(seed: int = 1):
+    """peft's LoRA on the tiny model, lora_B random (peft starts it at zero): (config dict, tensors named
+    as peft's full state dict names them, with the adapter name '.default.')."""
+    import peft
+
+    model = peft.get_peft_model(tiny_causal_lm(0), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    tensors = [(name, tensor.clone()) for name, tensor in model.state_dict().items() if ".lora_" in name]
+    return model.peft_config["default"].to_dict(), tensors
+
+
+def drive_adapters(rollout, named_weights) -> None:
+    """Two adapters in turn, generation with each, then full weights (which drop the adapter)."""
+    prompts = left_padded_prompts(PROMPTS, 0)
+    for seed in (1, 2):
+        rollout.load_adapter(*peft_adapter(seed))
+        rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=4, seed=3))
+    rollout.update_weights(named_weights)
+    rollout.generate(prompts, SamplingParams(max_new_tokens=2))
+
+
+@pytest.fixture
+def lora_hybrid(monkeypatch, model_dir):
+    RecordingEngine.created = []
+    monkeypatch.setattr(sglang, "Engine", RecordingEngine)
+    rollout = SGLangRollout({"model_path": model_dir, "load_weights": False, "max_lora_rank": 8})
+    yield rollout, RecordingEngine.created[0]
+
+
+def test_the_lora_server_args_build_server_args(lora_hybrid):
+    _, engine = lora_hybrid
+    server_args = ServerArgs(**engine.kwargs)
+    assert (server_args.enable_lora, server_args.max_lora_rank) == (True, 8)
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    config = SGLangRolloutConfig(model_path="/m", mode="server", max_lora_rank=8, lora_target_modules=("q_proj", "v_proj"))
+    parsed = parser.parse_args(translate.server_argv(config, "127.0.0.1", 30123))
+    assert (parsed.enable_lora, parsed.max_lora_rank, set(parsed.lora_target_modules)) == (True, 8, {"q_proj", "v_proj"})
+
+
+def test_every_lora_call_binds_and_each_request_names_the_adapter_loaded(lora_hybrid, named_weights):
+    rollout, engine = lora_hybrid
+    drive_adapters(rollout, named_weights)
+    for name, args, kwargs in engine.calls:
+        inspect.signature(getattr(Engine, name)).bind(None, *args, **kwargs)
+    sequence = [(name, kwargs.get("lora_name") or kwargs.get("lora_path")) for name, _, kwargs in engine.calls
+                if name in ("load_lora_adapter_from_tensors", "unload_lora_adapter", "generate")]
+    assert sequence == [
+        ("load_lora_adapter_from_tensors", "rlplat-adapter-1"), ("generate", "rlplat-adapter-1"),
+        ("load_lora_adapter_from_tensors", "rlplat-adapter-2"), ("unload_lora_adapter", "rlplat-adapter-1"),
+        ("generate", "rlplat-adapter-2"), ("unload_lora_adapter", "rlplat-adapter-2"), ("generate", None)]
+    for name, _, kwargs in engine.calls:
+        if name == "generate":
+            GenerateReqInput(**kwargs).normalize_batch_and_arguments()
+
+
+def test_the_adapter_reaches_sglang_as_its_lora_config_and_layer_tensors_read_it(lora_hybrid):
+    from sglang.srt.lora.lora_config import LoRAConfig
+    from sglang.srt.lora.utils import get_normalized_target_modules
+    from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
+    from sglang.srt.layers.utils import get_layer_id
+
+    rollout, engine = lora_hybrid
+    config, tensors = peft_adapter()
+    rollout.load_adapter(config, tensors)
+    (_, _, kwargs), = [call for call in engine.calls if call[0] == "load_lora_adapter_from_tensors"]
+    request = LoadLoRAAdapterFromTensorsReqInput(lora_name=kwargs["lora_name"], config_dict=kwargs["config_dict"],
+                                                 serialized_named_tensors=[MultiprocessingSerializer.serialize(kwargs["tensors"])])
+    lora_config = LoRAConfig.from_dict(request.config_dict, base_vocab_size=16)
+    assert (lora_config.r, lora_config.lora_alpha, lora_config.use_dora) == (4, 8, False)
+    assert get_normalized_target_modules(lora_config.target_modules) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    restored = MultiprocessingSerializer.deserialize(request.serialized_named_tensors[0])
+    given = {name.replace(".default.", "."): tensor for name, tensor in tensors}
+    assert sorted(restored) == sorted(given)
+    for name, tensor in restored.items():
+        assert get_layer_id(name) in (0, 1) and name.endswith((".lora_A.weight", ".lora_B.weight"))
+        assert torch.equal(tensor, given[name])
+
+
+def test_the_lora_routes_exist_and_take_the_bodies_sent(monkeypatch, model_dir, named_weights, http_routes):
+    import pydantic
+
+    calls = []
+
+    def request_json(url, payload=None, *, method=None, timeout=600.0):
+        path = url.split("://", 1)[1].split("/", 1)[1]
+        calls.append(("/" + path, payload, method or ("GET" if payload is None else "POST")))
+        if path == "generate":
+            return fake_outputs(payload)
+        if path == "flush_cache":
+            return "Cache flushed."
+        return {"success": True, "message": "Success", "error_message": None}
+
+    monkeypatch.setattr(backends, "request_json", request_json)
+    rollout = SGLangRollout({"mode": "server", "server_url": "http://127.0.0.1:9/", "model_path": model_dir, "tp_size": 2, "max_lora_rank": 8})
+    drive_adapters(rollout, named_weights)
+    for path, payload, method in calls:
+        (route,) = [route for route in http_routes if route.path == path and method in route.methods]
+        if payload is not None:
+            cls = route.dependant.body_params[0].field_info.annotation
+            assert not set(payload) - body_fields(cls), path
+            request = pydantic.TypeAdapter(cls).validate_python(payload)
+            if path == "/load_lora_adapter_from_tensors":
+                assert len(request.serialized_named_tensors) == 2  # one per TP rank
+                assert len(MultiprocessingSerializer.deserialize(request.serialized_named_tensors[0])) == 28
+    paths = [path for path, _, _ in calls if "lora" in path or path == "/generate"]
+    assert paths == ["/load_lora_adapter_from_tensors", "/generate", "/load_lora_adapter_from_tensors", "/unload_lora_adapter",
+                     "/generate", "/unload_lora_adapter", "/generate"]
+    bodies = [payload for path, payload, _ in calls if path == "/generate"]
+    assert [body.get("lora_path") for body in bodies] == ["rlplat-adapter-1", "rlplat-adapter-2", None]
+    assert all(generate_contract_error(body) is None for body in bodies)
+
+
+def test_load_adapter_without_sglangs_lora_support_or_above_its_rank_is_refused(hybrid, lora_hybrid):
+    config, tensors = peft_adapter()
+    with pytest.raises(RuntimeError, match="set rollout.config.max_lora_rank"):
+        hybrid[0].load_adapter(config, tensors)
+    with pytest.raises(ValueError, match=r"rank r=16 is not in \[1, rollout.config.max_lora_rank=8\]"):
+        lora_hybrid[0].load_adapter({**config, "r": 16}, tensors)

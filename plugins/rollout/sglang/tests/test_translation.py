@@ -10,7 +10,9 @@ from rlplat.contracts.rollout import SamplingParams, TokenOutput
 from rlplat_rollout_sglang.config import SGLangRolloutConfig
 from rlplat_rollout_sglang.translate import (
     TOP_K_ALL,
+    adapter_tensors,
     generate_request,
+    json_value,
     per_sample_params,
     sample_from_output,
     sample_seed,
@@ -122,6 +124,42 @@ def test_server_argv_writes_flags_and_leaves_false_booleans_out():
 
 
 # -- configuration errors ----------------------------------------------------------------------------
+
+
+# -- LoRA adapters -----------------------------------------------------------------------------------
+
+
+def test_a_max_lora_rank_turns_on_sglangs_lora_for_the_target_modules():
+    kwargs = server_args_kwargs(SGLangRolloutConfig(model_path="/m", max_lora_rank=8, lora_target_modules=("q_proj", "v_proj")))
+    assert (kwargs["enable_lora"], kwargs["max_lora_rank"], kwargs["lora_target_modules"]) == (True, 8, ["q_proj", "v_proj"])
+    assert server_args_kwargs(SGLangRolloutConfig(model_path="/m", max_lora_rank=8))["lora_target_modules"] == ["all"]
+    assert "enable_lora" not in server_args_kwargs(SGLangRolloutConfig(model_path="/m"))  # 0: off
+    argv = server_argv(SGLangRolloutConfig(model_path="/m", mode="server", max_lora_rank=8), "127.0.0.1", 30000)
+    assert "--enable-lora" in argv and argv[argv.index("--lora-target-modules") + 1] == "all"
+
+
+def test_the_loaded_adapter_is_named_by_every_request():
+    request = generate_request([[1, 2], [3]], [{"n": 1}, {"n": 1}], adapter="rlplat-adapter-2")
+    assert request["lora_path"] == "rlplat-adapter-2"
+    assert "lora_path" not in generate_request([[1]], [{"n": 1}])
+
+
+def test_adapter_tensors_drop_peft_adapter_names_and_the_config_becomes_json():
+    import torch
+
+    tensors = adapter_tensors([("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight", torch.ones(2, 3)),
+                               ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight", torch.ones(4, 2))])
+    assert sorted(tensors) == ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+                               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+    config = json_value({"r": 2, "target_modules": {"v_proj", "q_proj"}, "peft_type": type("E", (), {"value": "LORA"})()})
+    assert config == {"r": 2, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA"}
+    with pytest.raises(ValueError, match="no adapter tensors"):
+        adapter_tensors([])
+
+
+def test_bad_lora_settings_are_named():
+    with pytest.raises(ValueError, match=r"max_lora_rank must be an int >= 0.*lora_target_modules is empty"):
+        read_config_node({"model_path": "/m", "max_lora_rank": -1, "lora_target_modules": []}, SGLangRolloutConfig)
 
 
 def test_an_unknown_key_is_named_with_the_known_ones():
