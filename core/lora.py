@@ -89,9 +89,9 @@ def check_lora(config: Any) -> None:
     from pathlib import Path
 
     from rlplat import registry
-    from rlplat.config_node import ConfigError
-
     from omegaconf import OmegaConf
+
+    from rlplat.config_node import ConfigError, resolve_schema
 
     node = OmegaConf.select(config, "actor.lora")
     try:
@@ -116,3 +116,11 @@ def check_lora(config: Any) -> None:
         if not getattr(rollout, "supports_adapters", False):
             raise ConfigError(f"actor.lora.sync=adapter: rollout {config.rollout.name!r} cannot load adapters "
                               "(RolloutEngine.supports_adapters); use actor.lora.sync=merged.")
+        schema = registry.entry("rollout", config.rollout.name).config_schema
+        fields = set(getattr(resolve_schema(schema), "__dataclass_fields__", {}))
+        if "max_lora_rank" in fields:  # an engine that reserves adapter memory up front (vllm, sglang)
+            reserved = (OmegaConf.to_container(config.rollout.config, resolve=True) or {}).get("max_lora_rank") or 0
+            if reserved < lora.rank:
+                raise ConfigError(f"actor.lora.sync=adapter: rollout {config.rollout.name!r} serves adapters up to "
+                                  f"rollout.config.max_lora_rank={reserved}, below actor.lora.rank={lora.rank}; set "
+                                  f"rollout.config.max_lora_rank to at least {lora.rank} (the rollout's own sizes apply).")

@@ -96,3 +96,28 @@ def test_a_resumed_lora_run_repeats_the_uninterrupted_one(assets, tmp_path):
                     algo="grpo"))
     resumed = fit(load_config(overrides=overrides(assets, tmp_path / "resumed", "trainer.save_freq=2"), algo="grpo"))
     assert [comparable(r) for r in resumed] == [comparable(r) for r in straight]
+
+
+
+def test_adapter_sync_to_a_rollout_with_too_small_a_reserved_rank_is_refused_at_load(assets, tmp_path, register_temporary_plugin):
+    import dataclasses
+
+    from rlplat.config_node import ConfigError
+    from rlplat.contracts.rollout import RolloutBuildConfig
+    from rlplat.hookspecs import hookimpl
+    from rlplat_rollout_hf.rollout import HFRollout
+
+    @dataclasses.dataclass
+    class ReservingConfig(RolloutBuildConfig):
+        max_lora_rank: int = 0
+
+    class Plugin:
+        @hookimpl
+        def register_rollouts(self, register):
+            register("reserving", HFRollout, config_schema=ReservingConfig)
+
+    register_temporary_plugin(Plugin(), name="reserving-rollout")
+    base = overrides(assets, tmp_path, "actor.lora.sync=adapter", "rollout.name=reserving")
+    with pytest.raises(ConfigError, match=r"rollout.config.max_lora_rank=0, below actor.lora.rank=4"):
+        load_config(overrides=base, algo="grpo")
+    load_config(overrides=[*base, "rollout.config.max_lora_rank=8"], algo="grpo")
