@@ -98,7 +98,6 @@ def test_a_resumed_lora_run_repeats_the_uninterrupted_one(assets, tmp_path):
     assert [comparable(r) for r in resumed] == [comparable(r) for r in straight]
 
 
-
 def test_adapter_sync_to_a_rollout_with_too_small_a_reserved_rank_is_refused_at_load(assets, tmp_path, register_temporary_plugin):
     import dataclasses
 
