@@ -87,14 +87,31 @@ def test_a_lost_push_stops_the_run_at_the_first_sync(assets, tmp_path, sync, tra
         fit(load_config(overrides=overrides(assets, tmp_path, f"actor.lora.sync={sync}"), algo="grpo"), trainer_class)
 
 
-def test_a_resumed_lora_run_repeats_the_uninterrupted_one(assets, tmp_path):
+def test_a_lora_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(assets, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
     def comparable(record):
         return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "perf/")) and k != "time"}
 
-    straight = fit(load_config(overrides=overrides(assets, tmp_path / "straight", "trainer.save_freq=2"), algo="grpo"))
-    fit(load_config(overrides=overrides(assets, tmp_path / "resumed", "trainer.save_freq=2", "trainer.total_training_steps=2"),
-                    algo="grpo"))
-    resumed = fit(load_config(overrides=overrides(assets, tmp_path / "resumed", "trainer.save_freq=2"), algo="grpo"))
+    settings = ("trainer.save_freq=2", "trainer.total_training_steps=6", "actor.lora.sync=adapter")
+    straight = fit(load_config(overrides=overrides(assets, tmp_path / "straight", *settings), algo="grpo"))
+    killed = tmp_path / "killed"
+    arguments = overrides(assets, killed, *settings)
+    script = ("from rlplat.config import load_config\nfrom rlplat.testing.runs import fit_run\n"
+              f"fit_run(load_config(overrides={arguments!r}, algo='grpo'))\n")
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (killed / "checkpoints" / "global_step_2" / "COMPLETE").exists():
+        assert process.poll() is None, process.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "the run never reached its first checkpoint"
+        time.sleep(0.02)
+    os.kill(process.pid, signal.SIGKILL)  # in step 3 or 4, or saving step 4
+    process.wait()
+    resumed = fit(load_config(overrides=arguments, algo="grpo"))
     assert [comparable(r) for r in resumed] == [comparable(r) for r in straight]
 
 
