@@ -14,9 +14,31 @@ optimizer state only.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Union
+import re
+from typing import Any, List, Mapping, Optional, Union
 
 SYNC_MODES = ("merged", "adapter")
+ADAPTER_NAME_SEGMENT = re.compile(r"\.(lora_A|lora_B)\.[^.]+\.weight$")
+"""The adapter name in peft's full state-dict names (``...q_proj.lora_A.default.weight``)."""
+
+
+def without_adapter_name(name: str) -> str:
+    """A peft tensor name as adapter folders store it (``<module>.lora_A.weight``): rollouts that load
+    adapters (vLLM, SGLang) parse that form."""
+    return ADAPTER_NAME_SEGMENT.sub(r".\1.weight", name)
+
+
+def json_value(value: Any) -> Any:
+    """A peft config value as JSON (sets become sorted lists, enums their value)."""
+    if isinstance(value, Mapping):
+        return {str(key): json_value(item) for key, item in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(json_value(item) for item in value)
+    if isinstance(value, (list, tuple)):
+        return [json_value(item) for item in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return getattr(value, "value", str(value))  # an enum (peft_type, task_type)
 
 
 @dataclasses.dataclass

@@ -6,10 +6,10 @@ Every key below is checked against the installed SGLang by ``tests/test_api_comp
 
 from __future__ import annotations
 
-import re
 from typing import Any, Iterable, Mapping, Sequence
 
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
+from rlplat.lora import json_value, without_adapter_name  # noqa: F401 (json_value: used by the rollout)
 from rlplat.rollout_batch import finish_reason
 from rlplat.rollout_server import cli_flags
 from rlplat_rollout_sglang.config import SGLangRolloutConfig
@@ -158,22 +158,7 @@ def samples_from_outputs(outputs: Any, count: int, stop_token_ids: Iterable[int]
     return [sample_from_output(output, stop, max_new_tokens) for output in outputs]
 
 
-# '...q_proj.lora_A.default.weight' (peft's full state dict names the adapter) -> '...q_proj.lora_A.weight'
-ADAPTER_NAME_SEGMENT = re.compile(r"\.(lora_A|lora_B)\.[^.]+\.weight$")
 
-
-def json_value(value: Any) -> Any:
-    """A peft config value as JSON (sets become sorted lists, enums their value): SGLang's request
-    structs carry the adapter config as JSON."""
-    if isinstance(value, Mapping):
-        return {str(key): json_value(item) for key, item in value.items()}
-    if isinstance(value, (set, frozenset)):
-        return sorted(json_value(item) for item in value)
-    if isinstance(value, (list, tuple)):
-        return [json_value(item) for item in value]
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return getattr(value, "value", str(value))  # an enum (peft_type, task_type)
 
 
 def adapter_tensors(named_tensors: Iterable[tuple[str, Any]]) -> dict[str, Any]:
@@ -181,7 +166,7 @@ def adapter_tensors(named_tensors: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     and contiguous, as ``load_lora_adapter_from_tensors`` takes them."""
     tensors = {}
     for name, tensor in named_tensors:
-        stored = ADAPTER_NAME_SEGMENT.sub(r".\1.weight", name)
+        stored = without_adapter_name(name)
         if stored in tensors:
             raise ValueError(f"sglang rollout: adapter tensors name {stored!r} twice (one adapter is loaded at a time)")
         tensors[stored] = tensor.detach().contiguous()

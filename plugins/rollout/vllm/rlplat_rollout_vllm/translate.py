@@ -7,11 +7,11 @@ Every keyword below is checked against the installed vLLM by ``tests/test_api_co
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
+from rlplat.lora import json_value, without_adapter_name  # noqa: F401 (json_value: used by the rollout)
 from rlplat.rollout_batch import finish_reason
 from rlplat_rollout_vllm.config import VLLMRolloutConfig
 
@@ -157,27 +157,13 @@ def packed_update_info(chunk: Any) -> dict[str, Any]:
     }
 
 
-# '...q_proj.lora_A.default.weight' (peft's full state dict names the adapter) -> '...q_proj.lora_A.weight'
-ADAPTER_NAME_SEGMENT = re.compile(r"\.(lora_A|lora_B)\.[^.]+\.weight$")
 ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
-
-def json_value(value: Any) -> Any:
-    """A peft config value as JSON (sets become sorted lists, enums their value)."""
-    if isinstance(value, Mapping):
-        return {str(key): json_value(item) for key, item in value.items()}
-    if isinstance(value, (set, frozenset)):
-        return sorted(json_value(item) for item in value)
-    if isinstance(value, (list, tuple)):
-        return [json_value(item) for item in value]
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return getattr(value, "value", str(value))  # an enum (peft_type, task_type)
 
 
 def adapter_tensor_name(name: str) -> str:
     """A peft tensor name as vLLM parses it (``<module>.lora_A.weight``), without an adapter name."""
-    return ADAPTER_NAME_SEGMENT.sub(r".\1.weight", name)
+    return without_adapter_name(name)
 
 
 def write_adapter(folder: Path, config: Mapping[str, Any], named_tensors: Iterable[tuple[str, Any]]) -> None:
