@@ -1,0 +1,136 @@
+"""The megatron engine's typed config, ``MegatronEngineConfig``, set under ``actor.engine_config`` /
+``critic.engine_config``. It extends :class:`rlplat.contracts.engine.EngineBuildConfig` with the
+parallel layout (tensor, pipeline, virtual pipeline sizes; the data-parallel size follows from the world
+size), the distributed optimizer, activation recompute and precision.
+
+What can be checked without the model is checked here (values, choices); what needs the world size or
+the model's shape (world size divisible by TP x PP, heads and query groups by TP, layers by PP) is
+checked by :func:`check_layout` when the engine is built. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional
+
+from rlplat.config_node import read_config_node
+from rlplat.contracts.engine import EngineBuildConfig
+
+DTYPES = ("auto", "float32", "bfloat16")
+LR_SCHEDULES = ("constant", "cosine")
+RECOMPUTE = (None, "full", "selective")
+
+
+@dataclasses.dataclass
+class MegatronEngineConfig(EngineBuildConfig):
+    """Everything :class:`rlplat_engine_megatron.engine.MegatronEngine` reads. Give exactly one of
+    ``model_path`` and ``model_config``."""
+
+    model_path: Optional[str] = None
+    """Local Hugging Face directory (``config.json`` and safetensors) of a Qwen2 or Llama-family causal
+    LM; converted to megatron-core's GPT model by mbridge."""
+    model_config: Optional[Dict[str, Any]] = None
+    """A Hugging Face config as a dict with ``model_type`` (``qwen2`` or ``llama``): the model gets fresh
+    weights drawn under ``seed`` by transformers (so the same seed gives the same weights as the fsdp2
+    engine), then converted like a checkpoint."""
+    tokenizer_path: Optional[str] = None
+    """Directory of the tokenizer for ``export_hf``; defaults to ``model_path`` when that holds one."""
+    seed: int = 1
+    """Seeds weight initialisation (``model_config``, a value head) and megatron's RNG states."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel ranks per model replica (megatron's column/row-parallel linears and
+    vocabulary-parallel embedding and output layer). Must divide the attention heads and query groups."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages (decoder layers split evenly over them; 1F1B schedule). Must divide the layers."""
+    virtual_pipeline_parallel_size: Optional[int] = None
+    """Model chunks per pipeline stage (interleaved schedule); None for one. Needs
+    ``pipeline_parallel_size`` > 1 and the layers divisible by stages x chunks."""
+    use_distributed_optimizer: bool = False
+    """Shard the optimizer state and float32 master weights over the data-parallel ranks (megatron's
+    ``DistributedOptimizer``)."""
+    recompute_granularity: Optional[str] = None
+    """Activation recompute: None (keep activations), ``full`` (recompute each whole decoder layer in
+    backward) or ``selective`` (recompute the core attention only)."""
+    dtype: str = "auto"
+    """Parameter and compute dtype: ``auto`` is bfloat16 on GPU and float32 on CPU. With bfloat16 the
+    optimizer keeps float32 master weights. Log-probs, entropy and values are float32 either way."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    forward_micro_batch_size_per_gpu: Optional[int] = None
+    """Rows per micro-batch in ``forward`` (None: ``micro_batch_size_per_gpu``)."""
+    logprob_chunk_size: int = 4096
+    """Tokens (rows x positions) whose float32 vocabulary-parallel log-softmax is computed at once."""
+    optimizer_offload: bool = False
+    """GPU only: keep the optimizer state in CPU memory between updates (megatron's hybrid CPU/GPU
+    optimizer; needs ``use_distributed_optimizer``)."""
+    param_offload: bool = False
+    """GPU only: move parameters and gradient buffers to CPU memory between phases (``offload``)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if (self.model_path is None) == (self.model_config is None):
+            problems.append("give exactly one of model_path (a local Hugging Face directory) and model_config (a config dict)")
+        if self.model_config is not None and "model_type" not in self.model_config:
+            problems.append("model_config needs a 'model_type' key (e.g. 'qwen2')")
+        if self.reward_model:
+            problems.append("reward_model is not supported by the megatron engine (use the fsdp2 engine for a reward model)")
+        if self.lora is not None:
+            problems.append("lora is not supported by the megatron engine (use the fsdp2 engine for LoRA)")
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
+        if self.recompute_granularity not in RECOMPUTE:
+            problems.append(f"recompute_granularity {self.recompute_granularity!r} is not one of {list(RECOMPUTE)}")
+        if self.lr_scheduler_type not in LR_SCHEDULES:
+            problems.append(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of {list(LR_SCHEDULES)}")
+        if self.lr_scheduler_type == "cosine" and self.total_training_steps <= self.lr_warmup_steps:
+            problems.append(
+                f"lr_scheduler_type 'cosine' needs total_training_steps > lr_warmup_steps, got "
+                f"{self.total_training_steps} and {self.lr_warmup_steps}"
+            )
+        if len(self.betas) != 2:
+            problems.append(f"betas needs two values, got {list(self.betas)}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "ppo_epochs", "micro_batch_size_per_gpu",
+                     "max_token_len_per_gpu", "logprob_chunk_size"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("ppo_mini_batch_size", "forward_micro_batch_size_per_gpu", "virtual_pipeline_parallel_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1 or None, got {getattr(self, name)}")
+        if self.virtual_pipeline_parallel_size not in (None, 1) and self.pipeline_parallel_size < 2:
+            problems.append("virtual_pipeline_parallel_size needs pipeline_parallel_size >= 2")
+        if self.optimizer_offload and not self.use_distributed_optimizer:
+            problems.append("optimizer_offload needs use_distributed_optimizer (megatron offloads the sharded optimizer)")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            problems.append(f"grad_clip must be positive or None, got {self.grad_clip}")
+        if problems:
+            raise ValueError("invalid megatron engine config: " + "; ".join(problems))
+
+
+def read_engine_config(config: Any) -> MegatronEngineConfig:
+    """``config`` (a :class:`MegatronEngineConfig`, a Mapping or an OmegaConf DictConfig) -> the dataclass;
+    raises :class:`rlplat.config_node.ConfigError` naming an unknown key and the closest known one."""
+    if config is None:
+        raise ValueError("the megatron engine needs a config with model_path or model_config")
+    return read_config_node(config, MegatronEngineConfig, "megatron engine config")
+
+
+def check_layout(config: MegatronEngineConfig, world_size: int, hf_config: Any) -> int:
+    """The data-parallel size of ``config`` on ``world_size`` ranks for the model ``hf_config`` describes;
+    raises ``ValueError`` listing every size that does not fit."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    vpp = config.virtual_pipeline_parallel_size or 1
+    problems = []
+    if world_size % (tp * pp):
+        problems.append(f"world size {world_size} is not divisible by tensor_parallel_size x pipeline_parallel_size = {tp} x {pp}")
+    heads = hf_config.num_attention_heads
+    groups = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % tp:
+        problems.append(f"the model's {heads} attention heads are not divisible by tensor_parallel_size={tp}")
+    if groups % tp:
+        problems.append(f"the model's {groups} key/value heads are not divisible by tensor_parallel_size={tp}")
+    layers = hf_config.num_hidden_layers
+    if layers % (pp * vpp):
+        problems.append(f"the model's {layers} layers are not divisible by pipeline_parallel_size x virtual_pipeline_parallel_size = {pp} x {vpp}")
+    if problems:
+        raise ValueError("megatron engine layout: " + "; ".join(problems))
+    return world_size // (tp * pp)

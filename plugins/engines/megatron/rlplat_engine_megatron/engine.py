@@ -1,0 +1,595 @@
+"""``MegatronEngine``: the :class:`rlplat.TrainingEngine` on megatron-core (tensor, pipeline and data parallel).
+
+Layout: the worker group's ranks form megatron's ``tp-cp-ep-dp-pp`` grid (``initialize_model_parallel``):
+``tensor_parallel_size`` x ``pipeline_parallel_size`` ranks hold one model replica, the data-parallel
+size is what is left. Every rank of a replica gets the same rows (:meth:`data_parallel_info`), and TP rank
+0 of the last pipeline stage answers for them.
+
+Model: megatron-core's ``GPTModel`` built from a local Hugging Face checkpoint through mbridge
+(:mod:`rlplat_engine_megatron.bridge`), wrapped in megatron's ``DistributedDataParallel`` with its
+optimizer (optionally the ``DistributedOptimizer``), gradient clipping and activation recompute.
+
+Batches: rows are left-aligned before the model (each row's valid tokens start at position 0), so
+megatron's RoPE positions ``0..T-1`` are Hugging Face's ``position_ids`` for every valid token; an
+explicit causal-and-padding mask is passed. Log-probs and entropy come from the vocabulary-parallel
+logits (:mod:`rlplat_engine_megatron.vocab_parallel`), never gathered on one rank.
+
+Training: every micro-batch runs inside megatron's pipeline schedule (``get_forward_backward_func``),
+the loss function called on the last stage with ``global_token_count`` / ``global_sequence_count`` of
+the whole mini-batch over the data-parallel ranks. The engine *sums* gradients over micro-batches and
+data-parallel ranks (per-token loss accounting, so neither the schedule nor DDP divides, and the
+gradient finaliser is given no token count), which is the fsdp2 engine's rule: the gradient of the
+unsplit mini-batch, however it was split.
+
+On a CPU build of torch every call into megatron runs inside :func:`rlplat_engine_megatron.cpu.cpu_substitutes`
+(gloo, CPU RNG states, CUDA device arguments answered by the CPU), a scoped context that is undone when
+the call returns. Every method that touches the model is a collective: call it on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import os
+import tempfile
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from rlplat.contracts.engine import DataParallelInfo, LossFunction, TrainingEngine
+from rlplat.protocol import DataProto
+from rlplat_engine_megatron import bridge as hf_bridge
+from rlplat_engine_megatron import cpu, vocab_parallel
+from rlplat_engine_megatron.config import MegatronEngineConfig, check_layout, read_engine_config
+from rlplat_engine_megatron.schedule import WarmupSchedule, fixed_size_partition, token_budget_partition
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "responses")
+CHECKPOINT_MARKER = "rlplat_megatron_checkpoint.json"
+
+
+class MegatronEngine(TrainingEngine):
+    """See the module docstring. ``MegatronEngine(config, **overrides)``: ``config`` is a
+    :class:`~rlplat_engine_megatron.config.MegatronEngineConfig`, a mapping or an OmegaConf node."""
+
+    def __init__(self, config: Any, **overrides: Any):
+        config = read_engine_config(config)
+        if overrides:
+            config = read_engine_config({**dataclasses.asdict(config), **overrides})
+        self.config: MegatronEngineConfig = config
+        self.chunks: list[torch.nn.Module] = []
+        self.optimizer: Any = None
+        self.hf_config: Any = None
+        self.bridge: Any = None
+        self.global_step = 0
+        self.tracker = cpu.CpuRNGStatesTracker()
+        self.on_cpu = not torch.cuda.is_available()
+        self.schedule = WarmupSchedule(config.lr_scheduler_type, config.lr_warmup_steps, config.total_training_steps, config.min_lr_ratio)
+
+    # -- building ----------------------------------------------------------------------------------
+
+    def megatron(self) -> "contextlib.AbstractContextManager[None]":
+        """The context every call into megatron runs in (CPU substitutes on a CPU build)."""
+        return cpu.megatron_context(self.tracker, self.on_cpu)
+
+    def init_model(self) -> None:
+        config = self.config
+        if not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.hf_config = hf_bridge.hf_config_of(config)
+        self.dp_size = check_layout(config, self.world_size, self.hf_config)
+        if self.hf_config.vocab_size % config.tensor_parallel_size:
+            raise ValueError(f"megatron engine layout: the vocabulary of {self.hf_config.vocab_size} tokens is not divisible by "
+                             f"tensor_parallel_size={config.tensor_parallel_size}")
+        with self.megatron():
+            self.initialise_parallel_state()
+            self.build()
+
+    def initialise_parallel_state(self) -> None:
+        from megatron.core import parallel_state
+
+        config = self.config
+        vpp = config.virtual_pipeline_parallel_size if (config.virtual_pipeline_parallel_size or 1) > 1 else None
+        if parallel_state.model_parallel_is_initialized():
+            current = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
+                       parallel_state.get_virtual_pipeline_model_parallel_world_size())
+            if current != (config.tensor_parallel_size, config.pipeline_parallel_size, vpp):
+                raise ValueError(
+                    f"megatron's parallel state of this process is already set up as (tp, pp, vpp) = {current}; a second megatron "
+                    f"engine in the same process (e.g. the reference beside the actor) must use the same layout, not "
+                    f"{(config.tensor_parallel_size, config.pipeline_parallel_size, vpp)}"
+                )
+        else:
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=config.tensor_parallel_size,
+                pipeline_model_parallel_size=config.pipeline_parallel_size,
+                virtual_pipeline_model_parallel_size=vpp,
+            )
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.is_last_stage = self.pp_rank == self.pp_size - 1
+
+    def compute_dtype(self) -> torch.dtype:
+        if self.config.dtype == "auto":
+            return torch.float32 if self.on_cpu else torch.bfloat16
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.config.dtype]
+
+    def transformer_overrides(self) -> dict[str, Any]:
+        config = self.config
+        dtype = self.compute_dtype()
+        overrides: dict[str, Any] = dict(
+            use_cpu_initialization=True, perform_initialization=True, params_dtype=dtype, pipeline_dtype=dtype,
+            bf16=dtype is torch.bfloat16, sequence_parallel=False, masked_softmax_fusion=False, bias_activation_fusion=False,
+            bias_dropout_fusion=False, persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+            batch_p2p_comm=False, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall", calculate_per_token_loss=True,
+            hidden_dropout=0.0, attention_dropout=0.0, init_method_std=getattr(self.hf_config, "initializer_range", 0.02),
+            deallocate_pipeline_outputs=False,
+        )
+        if config.recompute_granularity == "full":
+            overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        elif config.recompute_granularity == "selective":
+            overrides.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+        return overrides
+
+    def build(self) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config = self.config
+        self.tracker.seed(config.seed, self.tp_rank)
+        if not self.on_cpu:
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(config.seed)
+        torch.manual_seed(config.seed)
+        self.bridge = hf_bridge.make_bridge(self.hf_config, self.compute_dtype(), self.transformer_overrides())
+        vpp = config.virtual_pipeline_parallel_size or 1
+        use_te = not self.on_cpu and transformer_engine_available()
+        chunks = hf_bridge.build_chunks(self.bridge, self.hf_config, value_model=config.value_model, use_te=use_te, vpp=vpp)
+        if not self.on_cpu:
+            chunks = [chunk.cuda() for chunk in chunks]
+        with contextlib.ExitStack() as stack:
+            path = config.model_path
+            if path is None:
+                path = hf_bridge.materialise_model_config(config, self.hf_config, stack.enter_context(tempfile.TemporaryDirectory()))
+            hf_bridge.load_hf_weights(self.bridge, chunks, path, tp_rank=self.tp_rank, tp_size=self.tp_size, seed=config.seed)
+        transformer_config = self.bridge.config
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=config.use_distributed_optimizer,
+            average_in_collective=False,
+        )
+        self.chunks = [
+            DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=chunk, disable_bucketing=index > 0)
+            for index, chunk in enumerate(chunks)
+        ]
+        for chunk in self.chunks:
+            chunk.broadcast_params()
+        dtype = self.compute_dtype()
+        optimizer_config = OptimizerConfig(
+            optimizer="adam", lr=config.lr, min_lr=0.0, weight_decay=config.weight_decay, adam_beta1=config.betas[0],
+            adam_beta2=config.betas[1], adam_eps=config.eps, clip_grad=config.grad_clip or 0.0,
+            use_distributed_optimizer=config.use_distributed_optimizer, bf16=dtype is torch.bfloat16, params_dtype=dtype,
+            optimizer_cpu_offload=config.optimizer_offload,
+        )
+        self.optimizer = get_megatron_optimizer(optimizer_config, self.chunks)
+        transformer_config.grad_scale_func = self.optimizer.scale_loss
+        transformer_config.no_sync_func = [chunk.no_sync for chunk in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
+        transformer_config.finalize_model_grads_func = functools.partial(summed_gradients, finalize_model_grads)
+        self.set_lr(self.schedule(0) * config.lr)
+
+    def require_model(self, method: str) -> None:
+        if not self.chunks:
+            raise RuntimeError(f"MegatronEngine.{method}() needs the model: call init_model() first")
+
+    # -- layout ------------------------------------------------------------------------------------
+
+    def data_parallel_info(self) -> DataParallelInfo:
+        """``(dp_rank, dp_size, collect)``: the ranks of one model replica share a data-parallel rank, and
+        TP rank 0 of the last pipeline stage collects."""
+        self.require_model("data_parallel_info")
+        return DataParallelInfo(int(self.dp_rank), int(self.dp_size), bool(self.is_last_stage and self.tp_rank == 0))
+
+    # -- batches -----------------------------------------------------------------------------------
+
+    def check_inputs(self, batch: DataProto, method: str) -> None:
+        present = set(batch.tensor_keys())
+        missing = [key for key in MODEL_INPUTS if key not in present]
+        if missing:
+            raise KeyError(
+                f"MegatronEngine.{method}(): the batch has no {missing} (it holds {sorted(map(str, present))}); "
+                f"{method} reads input_ids, attention_mask [B, T] and responses [B, R]"
+            )
+        if len(batch) == 0:
+            raise ValueError(f"MegatronEngine.{method}(): the batch has no rows")
+
+    def plan(self, batch: DataProto, micro_batch_size: int) -> list[list[int]]:
+        if self.config.use_dynamic_bsz:
+            return token_budget_partition(batch.batch["attention_mask"].sum(-1).tolist(), self.config.max_token_len_per_gpu)
+        return fixed_size_partition(len(batch), micro_batch_size)
+
+    def model_inputs(self, micro_batch: DataProto) -> dict[str, torch.Tensor]:
+        """Left-aligned rows and what is needed to read the response positions back."""
+        data = micro_batch.batch
+        device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
+        attention = data["attention_mask"].bool()
+        rows, width = attention.shape
+        response_length = data["responses"].shape[1]
+        left = torch.where(attention.any(-1), attention.int().argmax(-1), torch.zeros(rows, dtype=torch.long))
+        columns = (torch.arange(width).unsqueeze(0) + left.unsqueeze(1)) % width
+        tokens = data["input_ids"].gather(1, columns)
+        valid = attention.gather(1, columns)
+        causal = torch.ones(width, width, dtype=torch.bool).triu(1)
+        mask = causal.unsqueeze(0) | ~valid.unsqueeze(1)
+        predictors = (torch.arange(width - response_length - 1, width - 1).unsqueeze(0) - left.unsqueeze(1)).clamp(0, width - 1)
+        return {
+            "tokens": tokens.to(device),
+            "position_ids": torch.arange(width).unsqueeze(0).expand(rows, -1).contiguous().to(device),
+            "attention_mask": mask.unsqueeze(1).to(device),
+            "predictors": predictors.to(device),
+            "responses": data["responses"].to(device),
+        }
+
+    def outputs_of(self, output: torch.Tensor, inputs: Mapping[str, torch.Tensor], temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
+        """The last stage's model output [b, T, V/tp] (or [b, T, 1] values) -> ``log_probs`` (``entropy``)
+        or ``values`` [b, R]."""
+        index = inputs["predictors"]
+        if self.config.value_model:
+            return {"values": output[..., 0].float().gather(1, index)}
+        vocab = output.shape[-1]
+        logits = output.gather(1, index.unsqueeze(-1).expand(-1, -1, vocab))
+        log_probs, entropy = vocab_parallel.log_probs_and_entropy(logits, inputs["responses"], temperature, with_entropy, self.tp_rank * vocab)
+        result = {"log_probs": log_probs}
+        if entropy is not None:
+            result["entropy"] = entropy
+        return result
+
+    def run_schedule(self, micro_batches: list[DataProto], step: Any, forward_only: bool) -> None:
+        """megatron's pipeline schedule over ``micro_batches``; ``step(micro_batch, inputs, output)`` runs
+        on the last stage and returns the micro-batch's loss."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        prepared = [(micro_batch, self.model_inputs(micro_batch)) for micro_batch in micro_batches]
+
+        def forward_step(data_iterator: Iterator[Any], model: torch.nn.Module):
+            micro_batch, inputs = next(data_iterator)
+            output = model(input_ids=inputs["tokens"], position_ids=inputs["position_ids"], attention_mask=inputs["attention_mask"])
+
+            def loss_func(output_tensor: torch.Tensor):
+                loss = step(micro_batch, inputs, output_tensor)
+                return loss, torch.tensor(0, dtype=torch.int), {}
+
+            return output, loss_func
+
+        iterators: Any = [iter(prepared) for _ in self.chunks] if len(self.chunks) > 1 else iter(prepared)
+        width = micro_batches[0].batch["input_ids"].shape[1]
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iterators, model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+            num_microbatches=len(prepared), seq_length=width, micro_batch_size=len(micro_batches[0]), forward_only=forward_only,
+        )
+
+    # -- forward -----------------------------------------------------------------------------------
+
+    def forward(self, batch: DataProto, *, temperature: float = 1.0, calculate_entropy: bool = False) -> DataProto:
+        self.require_model("forward")
+        self.check_inputs(batch, "forward")
+        size = self.config.forward_micro_batch_size_per_gpu or self.config.micro_batch_size_per_gpu
+        groups = self.plan(batch, size)
+        keys = ["values"] if self.config.value_model else (["log_probs", "entropy"] if calculate_entropy else ["log_probs"])
+        pieces: list[dict[str, torch.Tensor]] = []
+
+        def step(micro_batch: DataProto, inputs: Mapping[str, torch.Tensor], output: torch.Tensor) -> torch.Tensor:
+            outputs = self.outputs_of(output, inputs, temperature, calculate_entropy)
+            pieces.append({key: outputs[key].detach().float().cpu() for key in keys})
+            return output.new_zeros(())
+
+        for chunk in self.chunks:
+            chunk.eval()
+        with torch.no_grad(), self.megatron():
+            self.run_schedule([batch.select_idxs(rows) for rows in groups], step, forward_only=True)
+        rows, response_length = batch.batch["responses"].shape
+        order = torch.tensor([row for rows_ in groups for row in rows_], dtype=torch.long)
+        columns = {}
+        for key in keys:
+            if pieces:  # the last stage computed them
+                values = torch.cat([piece[key] for piece in pieces])
+                columns[key] = torch.empty_like(values).index_copy_(0, order, values)
+            else:  # other stages return zeros; the driver collects from the last stage
+                columns[key] = torch.zeros(rows, response_length)
+        return DataProto.from_dict(columns)
+
+    # -- training ----------------------------------------------------------------------------------
+
+    def train_batch(self, batch: DataProto, loss_fn: LossFunction) -> dict[str, float]:
+        self.require_model("train_batch")
+        self.check_inputs(batch, "train_batch")
+        meta = batch.meta_info
+        rows = self.local_mini_batch_rows(batch)
+        epochs = int(meta.get("ppo_epochs", self.config.ppo_epochs))
+        temperature = float(meta.get("temperature", 1.0))
+        calculate_entropy = bool(getattr(loss_fn, "needs_entropy", False))
+        for chunk in self.chunks:
+            chunk.train()
+        steps: list[dict[str, float]] = []
+        for _ in range(epochs):
+            for start in range(0, len(batch), rows):
+                mini_batch = batch.select_idxs(list(range(start, min(start + rows, len(batch)))))
+                steps.append(self.optimizer_step(mini_batch, loss_fn, temperature, calculate_entropy))
+        keys = {key for step in steps for key in step}
+        return {key: sum(step.get(key, 0.0) for step in steps) / len(steps) for key in sorted(keys)}
+
+    def local_mini_batch_rows(self, batch: DataProto) -> int:
+        """Rows of this data-parallel rank per optimizer step (see the fsdp2 engine for the rule)."""
+        rows = len(batch)
+        global_rows = batch.meta_info.get("ppo_mini_batch_size", self.config.ppo_mini_batch_size)
+        if global_rows is None:
+            return rows
+        per_rank, remainder = divmod(int(global_rows), self.dp_size)
+        if remainder or per_rank == 0:
+            raise ValueError(
+                f"train_batch: ppo_mini_batch_size={global_rows} rows of the global batch do not split over "
+                f"{self.dp_size} data-parallel rank(s); make it a multiple of {self.dp_size}"
+            )
+        return min(per_rank, rows)
+
+    def response_mask(self, batch: DataProto) -> torch.Tensor:
+        if "response_mask" in batch.batch.keys():
+            return batch.batch["response_mask"]
+        return batch.batch["attention_mask"][:, -batch.batch["responses"].shape[1]:]
+
+    def dp_sum(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64)
+        if not self.on_cpu:
+            tensor = tensor.cuda()
+        if self.dp_size > 1:
+            dist.all_reduce(tensor, group=self.dp_group)
+        return tensor.tolist()
+
+    def optimizer_step(self, mini_batch: DataProto, loss_fn: LossFunction, temperature: float, calculate_entropy: bool) -> dict[str, float]:
+        mask = self.response_mask(mini_batch)
+        tokens, sequences = self.dp_sum([float(mask.sum()), float((mask.sum(-1) > 0).sum())])
+        meta_info = {**mini_batch.meta_info, "global_token_count": tokens, "global_sequence_count": int(sequences)}
+        groups = self.plan(mini_batch, self.config.micro_batch_size_per_gpu)
+        micro_batches = [mini_batch.select_idxs(rows).with_meta_info(meta_info) for rows in groups]
+        losses: list[float] = []
+        metrics: list[dict[str, float]] = []
+
+        def step(micro_batch: DataProto, inputs: Mapping[str, torch.Tensor], output: torch.Tensor) -> torch.Tensor:
+            outputs = self.outputs_of(output, inputs, temperature, calculate_entropy)
+            loss, loss_metrics = loss_fn(outputs, micro_batch)
+            losses.append(float(loss.detach()))
+            metrics.append({key: float(value) for key, value in loss_metrics.items()})
+            return loss
+
+        lr = self.schedule(self.global_step) * self.config.lr
+        self.set_lr(lr)
+        with self.megatron():
+            for chunk in self.chunks:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            self.run_schedule(micro_batches, step, forward_only=False)
+            success, grad_norm, _ = self.optimizer.step()
+        grad_norm = float(grad_norm) if grad_norm is not None else 0.0
+        if success and math.isfinite(grad_norm):
+            self.global_step += 1
+        summed = self.gather_metrics(metrics + [{"loss": sum(losses)}])
+        return {**summed, "grad_norm": grad_norm, "lr": float(lr), "skipped_step": float(not (success and math.isfinite(grad_norm)))}
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def gather_metrics(self, metrics: list[dict[str, float]]) -> dict[str, float]:
+        """Sum of every metric over the micro-batches of the collecting rank of each data-parallel group."""
+        collecting = self.is_last_stage and self.tp_rank == 0
+        gathered: list[Any] = [metrics if collecting else []]
+        if self.world_size > 1:
+            gathered = [None] * self.world_size
+            dist.all_gather_object(gathered, metrics if collecting else [])
+        totals: dict[str, float] = {}
+        for rank_metrics in gathered:
+            for entry in rank_metrics:
+                for key, value in entry.items():
+                    totals[key] = totals.get(key, 0.0) + float(value)
+        return totals
+
+    # -- weights -----------------------------------------------------------------------------------
+
+    def parameter_table(self) -> list[tuple[int, int, str, tuple[int, ...], str, bool, int]]:
+        """Every (pipeline stage, chunk, local name, local shape, dtype, tensor-parallel, partition dim) of
+        the model, over all stages, in stage order (each stage's table is all-gathered over the pipeline)."""
+        from megatron.core import parallel_state
+
+        local = []
+        for index, chunk in enumerate(self.chunks):
+            module = chunk.module
+            mapping = self.bridge._weight_name_mapping_mcore_local_to_global(module, consider_ep=False)
+            for name, parameter in module.named_parameters():
+                local.append((self.pp_rank, index, name, mapping.get(name, name), tuple(parameter.shape), str(parameter.dtype).replace("torch.", ""),
+                              bool(getattr(parameter, "tensor_model_parallel", False)), int(getattr(parameter, "partition_dim", -1))))
+        if self.pp_size == 1:
+            return local
+        tables: list[Any] = [None] * self.pp_size
+        dist.all_gather_object(tables, local, group=parallel_state.get_pipeline_model_parallel_group())
+        return [row for table in tables for row in table]
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(HF name, full tensor)`` one parameter at a time: its tensor-parallel shards all-gathered
+        within its stage, merged, broadcast to the other stages and converted by the bridge. A collective."""
+        from megatron.core import parallel_state
+
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        seen: set[str] = set()
+        for stage, index, local_name, global_name, shape, dtype, parallel, partition_dim in self.parameter_table():
+            torch_dtype = getattr(torch, dtype)
+            full_shape = list(shape)
+            if parallel and self.tp_size > 1:
+                full_shape[partition_dim] *= self.tp_size
+            with self.megatron():
+                if stage == self.pp_rank:
+                    parameter = dict(self.chunks[index].module.named_parameters())[local_name].detach()
+                    if parallel and self.tp_size > 1:
+                        shards = [torch.empty_like(parameter) for _ in range(self.tp_size)]
+                        dist.all_gather(shards, parameter.contiguous(), group=tp_group)
+                        merged = self.bridge._weight_merge_across_tp(global_name, shards, parameter)
+                    else:
+                        merged = parameter.clone()
+                else:
+                    merged = torch.empty(full_shape, dtype=torch_dtype, device="cpu" if self.on_cpu else "cuda")
+                if self.pp_size > 1:
+                    dist.broadcast(merged, src=dist.get_global_rank(pp_group, stage), group=pp_group)
+            if self.config.value_model and global_name in hf_bridge.VALUE_HEAD_NAMES:
+                pairs = [(hf_bridge.VALUE_HEAD_NAMES[global_name], merged)]
+            else:
+                names, tensors = self.bridge._weight_to_hf_format(global_name, merged)
+                pairs = list(zip(names, tensors))
+            for name, tensor in pairs:
+                if name in seen:  # a tied output layer on the last stage repeats the embedding
+                    continue
+                seen.add(name)
+                yield name, tensor
+
+    def named_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full weights in HF naming, in buckets of at most ``bucket_bytes`` (a larger tensor alone):
+        gathered one parameter at a time, so a rank holds at most one bucket beyond its own shards. A
+        collective: every rank must consume the whole generator."""
+        self.require_model("named_weights")
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in self.full_weights():
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    def export_hf(self, path: str) -> None:
+        """Write a HF directory (rank 0): ``*ForCausalLM`` or, for a value model, ``*ForTokenClassification``."""
+        self.require_model("export_hf")
+        tensors = {}
+        for name, tensor in self.full_weights():
+            if self.rank == 0:
+                tensors[name] = tensor.detach().float().cpu() if tensor.dtype != torch.float32 and self.compute_dtype() == torch.float32 else tensor.detach().cpu()
+        if self.rank == 0:
+            hf_bridge.write_hf(path, tensors, self.hf_config, self.config.value_model, self.tokenizer_path())
+        dist.barrier()
+
+    def tokenizer_path(self) -> str | None:
+        if self.config.tokenizer_path is not None:
+            return self.config.tokenizer_path
+        path = self.config.model_path
+        markers = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        if path is not None and any(os.path.isfile(os.path.join(path, marker)) for marker in markers):
+            return path
+        return None
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def sharded_state(self) -> dict[str, Any]:
+        model_state: dict[str, Any] = {}
+        for index, chunk in enumerate(self.chunks):
+            key = "model" if len(self.chunks) == 1 else f"model{index}"
+            model_state[key] = chunk.module.sharded_state_dict()
+        return model_state
+
+    def save(self, path: str) -> None:
+        """megatron's distributed checkpoint (``dist_checkpointing``, torch_dist format) of the model and
+        optimizer in ``path``, and the engine's step and RNG states beside it."""
+        from megatron.core import dist_checkpointing
+
+        self.require_model("save")
+        if self.rank == 0:
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        with self.megatron():
+            state = self.sharded_state()
+            state["optimizer"] = self.optimizer.sharded_state_dict(state if len(self.chunks) > 1 else state["model"])
+            dist_checkpointing.save(state, path)
+        rng = {"global_step": self.global_step, "tracker": self.tracker.get_states(), "cpu_rng": torch.get_rng_state()}
+        torch.save(rng, os.path.join(path, f"engine_rank{self.rank}.pt"))
+        dist.barrier()
+        if self.rank == 0:
+            with open(os.path.join(path, CHECKPOINT_MARKER), "w") as handle:
+                json.dump({"engine": "megatron", "world_size": self.world_size, "global_step": self.global_step,
+                           "config": dataclasses.asdict(self.config)}, handle, default=str)
+        dist.barrier()
+
+    def load(self, path: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        self.require_model("load")
+        if not os.path.isfile(os.path.join(path, CHECKPOINT_MARKER)):
+            raise FileNotFoundError(f"{path} is not a complete megatron engine checkpoint (no {CHECKPOINT_MARKER} there)")
+        with self.megatron():
+            state = self.sharded_state()
+            state["optimizer"] = self.optimizer.sharded_state_dict(state if len(self.chunks) > 1 else state["model"], is_loading=True)
+            loaded = dist_checkpointing.load(state, path)
+            for index, chunk in enumerate(self.chunks):
+                key = "model" if len(self.chunks) == 1 else f"model{index}"
+                chunk.module.load_state_dict(loaded[key], strict=False)
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        engine_file = os.path.join(path, f"engine_rank{self.rank}.pt")
+        if os.path.isfile(engine_file):
+            rng = torch.load(engine_file, weights_only=True)
+            self.tracker.set_states(rng["tracker"])
+            torch.set_rng_state(rng["cpu_rng"])
+            self.global_step = int(rng["global_step"])
+        else:
+            with open(os.path.join(path, CHECKPOINT_MARKER)) as handle:
+                marker = json.load(handle)
+            raise ValueError(f"{path} was written by {marker.get('world_size')} ranks; this engine has {self.world_size} (rank {self.rank} finds no state)")
+        self.set_lr(self.schedule(self.global_step) * self.config.lr)
+
+    # -- offload -----------------------------------------------------------------------------------
+
+    def offload(self) -> None:
+        """GPU only (a no-op on CPU): parameters and gradient buffers to CPU memory."""
+        if self.on_cpu or not self.config.param_offload:
+            return
+        for chunk in self.chunks:
+            chunk.module.to("cpu")
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if self.on_cpu or not self.config.param_offload:
+            return
+        for chunk in self.chunks:
+            chunk.module.to("cuda")
+
+    # -- facts -------------------------------------------------------------------------------------
+
+    def state(self) -> Mapping[str, Any]:
+        facts: dict[str, Any] = {"step": self.global_step}
+        if self.chunks:
+            facts.update(
+                tensor_parallel_size=self.tp_size, pipeline_parallel_size=self.pp_size, data_parallel_size=self.dp_size,
+                local_parameters=sum(p.numel() for chunk in self.chunks for p in chunk.module.parameters()),
+                value_model=self.config.value_model, lr=self.schedule(self.global_step) * self.config.lr,
+            )
+        return facts
+
+
+def summed_gradients(finalize: Any, model: list[torch.nn.Module], num_tokens: Any = None, **kwargs: Any) -> None:
+    """megatron's gradient finaliser (DP all-reduce, tied-embedding sync) with no division by a token
+    count: the loss function already normalised by the global counts, so gradients are summed."""
+    finalize(model, None, **kwargs)
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,13 @@
+"""What rlplat-engine-megatron registers. Only dotted paths: listing plugins imports no torch or megatron."""
+
+import rlplat
+
+
+@rlplat.hookimpl
+def register_engines(register):
+    register(
+        "megatron",
+        "rlplat_engine_megatron.engine:MegatronEngine",
+        description="megatron-core GPT model (tensor, pipeline, data parallel; distributed optimizer), HF Qwen2/Llama via mbridge; gloo on CPU, NCCL on GPU.",
+        config_schema="rlplat_engine_megatron.config:MegatronEngineConfig",
+    )

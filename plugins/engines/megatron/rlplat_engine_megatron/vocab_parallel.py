@@ -1,0 +1,49 @@
+"""Log-probs and entropy from vocabulary-parallel logits, without gathering the vocabulary.
+
+Each tensor-parallel rank holds logits of its slice of the vocabulary ``[start, start + V/tp)``. The
+softmax normaliser, the target's logit (held by one rank) and the entropy's expectation are sums over
+the vocabulary: each rank sums its slice and an all-reduce over the tensor-parallel group completes them
+(megatron's ``reduce_from_tensor_model_parallel_region``: all-reduce forward, identity backward, right
+because every rank then computes the same loss from the same sums). The max for numerical stability is
+an all-reduce of maxima with no gradient (the log-sum-exp does not depend on it). Everything is float32
+after dividing the logits by the temperature, as the rollout samples.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(tensor)
+
+
+def global_max(tensor: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state
+
+    result = tensor.detach().clone()
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(result, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+    return result
+
+
+def log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
+                          vocab_start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``logits`` [..., V/tp] (this rank's slice, starting at token ``vocab_start``), ``targets`` [...]
+    (global token ids) -> float32 log-probs [...] and, when asked, entropy [...]."""
+    scaled = logits.float() / temperature
+    shifted = scaled - global_max(scaled.max(-1).values).unsqueeze(-1)
+    exp = shifted.exp()
+    normaliser = reduce_sum(exp.sum(-1))
+    log_normaliser = normaliser.log()
+    local = targets - vocab_start
+    here = (local >= 0) & (local < scaled.shape[-1])
+    picked = shifted.gather(-1, local.clamp(0, scaled.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * here
+    log_probs = reduce_sum(picked) - log_normaliser
+    entropy = None
+    if with_entropy:
+        expectation = reduce_sum((exp * shifted).sum(-1)) / normaliser
+        entropy = log_normaliser - expectation
+    return log_probs, entropy
