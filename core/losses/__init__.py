@@ -13,6 +13,8 @@
   registered policy loss with the KL loss and the entropy bonus; :class:`CriticLoss` is the clipped value
   loss. Both are plain picklable objects, built from the ``actor.loss`` / ``critic.loss`` node
   (:class:`PolicyLossConfig` / :class:`ValueLossConfig`); an algorithm without its own gets them.
+* **Supervised fine-tuning** (:mod:`rlplat.losses.sft`): :class:`NLLLoss`, the negative log-likelihood of
+  the tokens under ``response_mask`` (``rlplat sft``), and ``nll_loss``.
 * **KL** (:mod:`rlplat.losses.kl`): per-token estimators (k1, k2, k3, abs and straight-through
   variants), the KL loss, the KL-in-reward step and its fixed and adaptive coefficient controllers.
 
@@ -47,6 +49,8 @@ _LAZY_NAMES: dict[str, str] = {
     "kl_loss": "rlplat.losses.kl",
     "apply_kl_penalty": "rlplat.losses.kl",
     "build_kl_controller": "rlplat.losses.kl",
+    "NLLLoss": "rlplat.losses.sft",
+    "nll_loss": "rlplat.losses.sft",
 }
 
 __all__ = sorted(_LAZY_NAMES)
