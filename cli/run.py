@@ -36,6 +36,7 @@ def run(
     metrics (JSONL, TensorBoard) and checkpoints."""
     resolved = resolved_config(config, overrides, algo=algo, engine=engine, rollout=rollout, demo=demo,
                                demo_note="training the built-in demo")
+    check_memory(resolved)
     from rlplat.trainer import Trainer
 
     typer.echo(f"rlplat: run directory {resolved.trainer.output_dir}", err=True)
@@ -46,6 +47,35 @@ def run(
         trainer.shutdown()
     typer.echo(f"rlplat: done; metrics in {resolved.trainer.output_dir}/metrics.jsonl, plot them with "
                f"`rlplat plot {resolved.trainer.output_dir}`", err=True)
+
+
+def check_memory(resolved) -> None:
+    """The memory plan (``rlplat plan``) of the validated config: a run whose predicted peak exceeds a
+    device's memory is refused with the phase, the component and the numbers (exit 2), unless
+    ``cluster.memory_check`` is ``warn`` or ``skip``."""
+    mode = resolved.cluster.memory_check
+    if mode == "skip":
+        return
+    from rlplat.cli.plan import make_plan
+    from rlplat.plan import human_bytes
+
+    plan = make_plan(resolved)
+    problems = plan.problems()
+    if not problems:
+        phase, total, _ = max((plan.peak(pool.name) for pool in plan.pools), key=lambda peak: peak[1])
+        memory = (f"of {human_bytes(plan.device_memory)}" if plan.device_memory is not None
+                  else f"(not checked: {plan.device_memory_source})")
+        typer.echo(f"rlplat: memory plan: peak {human_bytes(total)} per device in {phase} {memory}; `rlplat plan` "
+                   "shows the parts", err=True)
+        return
+    text = "\n".join(f"  - {problem}" for problem in problems)
+    if mode == "warn":
+        typer.echo(f"rlplat: warning: the memory plan does not fit (cluster.memory_check=warn, running anyway):\n{text}", err=True)
+        return
+    typer.echo(f"rlplat: the run would run out of memory, refused before anything starts:\n{text}\n"
+               "`rlplat plan` with the same arguments shows every part; lower what the largest part depends on, "
+               "or set cluster.memory_check=warn (cluster.device_memory_gib if the device size is wrong).", err=True)
+    raise typer.Exit(2)
 
 
 def help_text() -> str:

@@ -246,6 +246,13 @@ class ClusterConfig:
     """Also ship the driver's own code: the modules it imported from the ``__main__`` script's folder
     that no installed distribution provides (never site-packages; a package over 20 MiB is left out
     with a warning). See ``rlplat.start_ray``."""
+    device_memory_gib: Optional[float] = None
+    """Memory of one device in GiB, for the memory plan's check (``rlplat plan``; ``rlplat run`` refuses a
+    run whose predicted peak exceeds it). None: CUDA's total memory of the driver's GPU with ``use_gpu``,
+    else unknown (on CPU: not checked)."""
+    memory_check: str = "refuse"
+    """What ``rlplat run`` does when the memory plan does not fit: ``refuse`` (exit 2 before anything
+    starts), ``warn`` (print why and run), ``skip`` (do not make the plan)."""
     runtime_env: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """More of Ray's runtime environment for every worker process: ``env_vars``, ``pip``,
     ``working_dir``, ``excludes``, ... (Ray's names; checked at load). Fixed when Ray starts: a run
@@ -663,6 +670,10 @@ def validate_config(config: DictConfig) -> None:
             f"algorithm {algorithm.name!r} needs a critic, but critic.enable=false. Remove that override or "
             "choose an algorithm without a critic (e.g. grpo)."
         )
+    if config.cluster.memory_check not in ("refuse", "warn", "skip"):
+        raise ConfigError(f"cluster.memory_check must be refuse, warn or skip, got {config.cluster.memory_check!r}.")
+    if config.cluster.device_memory_gib is not None and not config.cluster.device_memory_gib > 0:
+        raise ConfigError(f"cluster.device_memory_gib must be > 0 or null, got {config.cluster.device_memory_gib}.")
     if config.cluster.backend not in ("ray", "local"):
         raise ConfigError(f"cluster.backend must be 'ray' or 'local', got {config.cluster.backend!r}.")
     if not config.cluster.cpus_per_process > 0:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Optional, Se
 if TYPE_CHECKING:
     import torch
 
+    from rlplat.plan.estimate import MemoryContext, MemoryEstimate
     from rlplat.protocol import DataProto
 
 
@@ -134,3 +135,15 @@ class RolloutEngine(abc.ABC):
         are in ``peft``'s naming (:meth:`TrainingEngine.adapter_weights`). Rollouts without adapters refuse."""
         raise RuntimeError(f"{type(self).__name__} cannot load LoRA adapters (RolloutEngine.supports_adapters); "
                            "use actor.lora.sync=merged")
+
+    @classmethod
+    def estimate_memory(cls, config: Mapping[str, Any], model_config: Mapping[str, Any],
+                        context: "MemoryContext") -> "MemoryEstimate | None":
+        """The memory one process of this rollout holds while generating and waking up, predicted before
+        anything is built (``rlplat plan``): ``config`` is the ``rollout.config`` node as the factory
+        would receive it, ``model_config`` the model's ``config.json`` as a dict, ``context`` the process
+        count, device (and its memory, for rollouts that take a fraction of it), sequences per process
+        and lengths (:class:`rlplat.plan.estimate.MemoryContext`). Reads no weights, allocates nothing.
+        Returns a :class:`rlplat.plan.estimate.MemoryEstimate` with the weights and the KV cache; None
+        (the default) when the rollout cannot say."""
+        return None

@@ -558,6 +558,13 @@ class FSDP2Engine(TrainingEngine):
 
     # -- facts -------------------------------------------------------------------------------------
 
+    @classmethod
+    def estimate_memory(cls, config: Any, model_config: Mapping[str, Any], context: Any) -> Any:
+        """One process's memory per call, from the config and ``config.json`` alone (:mod:`rlplat_engine_fsdp2.memory`)."""
+        from rlplat_engine_fsdp2.memory import estimate
+
+        return estimate(config, model_config, context)
+
     def state(self) -> Mapping[str, Any]:
         if self.module is None:
             return {"step": self.global_step}

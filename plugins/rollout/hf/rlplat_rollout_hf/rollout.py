@@ -108,6 +108,13 @@ class HFRollout(RolloutEngine):
         self.adapter_base: dict[str, torch.Tensor] = {}
         self.adapter_weights: tuple[str, ...] = ()  # weights served with the adapter merged in
 
+    @classmethod
+    def estimate_memory(cls, config: Any, model_config: Mapping[str, Any], context: Any) -> Any:
+        """One process's memory while generating, from the config and ``config.json`` alone (:mod:`rlplat_rollout_hf.memory`)."""
+        from rlplat_rollout_hf.memory import estimate
+
+        return estimate(config, model_config, context)
+
     # -- generation ------------------------------------------------------------------------------------
 
     def generate(self, prompts: DataProto, sampling: SamplingParams) -> DataProto:

@@ -44,6 +44,13 @@ class VLLMRollout(BackendRolloutEngine):
 
     supports_adapters = True
 
+    @classmethod
+    def estimate_memory(cls, config: Any, model_config: Mapping[str, Any], context: Any) -> Any:
+        """One GPU's memory while generating and waking up, from the config and ``config.json`` alone (:mod:`rlplat_rollout_vllm.memory`)."""
+        from rlplat_rollout_vllm.memory import estimate
+
+        return estimate(config, model_config, context)
+
     def __init__(self, config: Any = None, **_: Any):
         self.config = read_config_node(config, VLLMRolloutConfig, "rollout.config")
         self.pad_token_id, self.eos_token_ids = pad_and_eos_token_ids(self.config.model_path, self.config.pad_token_id, self.config.eos_token_ids, "vllm")

@@ -1,0 +1,151 @@
+"""The fsdp2 engine's memory on one device, predicted from its config and the model's ``config.json``
+(:meth:`FSDP2Engine.estimate_memory`, read by ``rlplat plan``). Imports no torch.
+
+What one process holds, as :mod:`rlplat_engine_fsdp2.engine` allocates it:
+
+* **parameters**: float32 master weights, sharded evenly over the processes (FSDP2's ``fully_shard``;
+  one process computing and reducing in float32 trains the plain module, all of it).
+* **gradients** (actor, critic): float32, sharded like the parameters; ``zero_grad(set_to_none=True)``
+  runs at the start of each optimizer step, so they stay allocated between updates.
+* **optimizer states**: AdamW's two float32 moments of every trainable parameter, sharded; allocated at
+  the first step and kept.
+* **gathered parameters**: FSDP2 all-gathers a layer in the compute dtype for its forward and backward;
+  the root group (embeddings, final norm, head) stays gathered from the forward to the backward, and
+  the next layer is prefetched: root + two layers. Unsharded gradients of the root and one layer wait
+  for their reduce-scatter in backward.
+* **activations** (update): per token of a micro-batch and per decoder layer, what autograd keeps of a
+  Llama-style layer: the layer input and the residual (``2h``), the query, key and value after RoPE,
+  the attention output and the output projection's input (``3q + 2kv``), the MLP's gate, activation,
+  up and product (``4i``), all in the compute dtype, plus two RMSNorms that keep a float32 copy
+  (``4h`` bytes) below float32 and two compute-dtype tensors each. With activation checkpointing each
+  layer keeps only its input, and one layer at a time is recomputed. The head keeps the response
+  positions' logits in the compute dtype and their float32 log-softmax input, and backward holds
+  their gradients: ``(2 b + 8) V`` bytes per response token.
+* **forward** (log-probs, values, scores; no gradients): the largest transient of a layer (the MLP's
+  three ``i``-wide tensors and the residual) and the logits of the micro-batch.
+* **export** (the weight sync): ``named_weights`` gathers full float32 tensors one bucket at a time.
+
+On CPU ``param_offload`` and ``optimizer_offload`` move nothing (the engine's rule); on a GPU they take
+the parameters off the device between calls and the optimizer states off it outside the step.
+Sequences are taken at their full length (``data.max_prompt_length + rollout.response_length``), the
+worst case a packed micro-batch can reach.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from rlplat.plan.estimate import MemoryContext, MemoryEstimate, MemoryItem, ModelShape, dtype_bytes, human_bytes
+from rlplat_engine_fsdp2.config import read_engine_config
+
+#: modeling.KEEP_FLOAT32_BYTES: logits up to this size are kept whole for backward, not chunked.
+KEEP_FLOAT32_BYTES = 16 << 20
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_parameters(shape: ModelShape, rank: int, targets: Any) -> int:
+    """Adapter parameters: ``rank x (in + out)`` per targeted linear of every layer."""
+    h, q, kv, i = shape.hidden_size, shape.q_size, shape.kv_size, shape.intermediate_size
+    sizes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+             "up_proj": (h, i), "down_proj": (i, h)}
+    names = [targets] if isinstance(targets, str) else list(targets or ["all-linear"])
+    chosen = ALL_LINEAR if "all-linear" in names else [name for name in ALL_LINEAR if name in names]
+    return shape.num_layers * sum(rank * sum(sizes[name]) for name in chosen)
+
+
+def layer_activation_bytes(shape: ModelShape, compute_bytes: int) -> int:
+    """Bytes autograd keeps per token for one decoder layer (see the module docstring)."""
+    b, h = compute_bytes, shape.hidden_size
+    norm = 2 * b * h + (4 * h if b != 4 else 0)
+    return b * (2 * h + 3 * shape.q_size + 2 * shape.kv_size + 4 * shape.active_intermediate()) + 2 * norm
+
+
+def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContext) -> MemoryEstimate:
+    """The items of one process of an fsdp2 engine in ``context.role`` (see the module docstring)."""
+    engine = read_engine_config(config)
+    shape = ModelShape.from_config(model_config, f"{context.role}: config.json")
+    gpu = context.device == "cuda"
+    compute = engine.dtype if engine.dtype != "auto" else ("bfloat16" if gpu else "float32")
+    b = dtype_bytes(compute)
+    head = "score" if engine.reward_model else ("value" if engine.value_model else "lm")
+    parameters = shape.parameters(head)
+    world = max(context.processes, 1)
+    sharded = world > 1 or engine.shard_one_rank or (compute, engine.reduce_dtype) != ("float32", "float32")
+    shards = world if sharded else 1
+    trains = context.role in ("actor", "critic")
+    lora = engine.lora if context.role in ("actor", "reference") else None
+    adapter = lora_parameters(shape, int(lora["rank"]), lora.get("target_modules")) if lora else 0
+    trainable = adapter if lora else parameters
+    split = f" / {shards} shards (FSDP)" if shards > 1 else ""
+    offloads_parameters = gpu and engine.param_offload
+    offloads_optimizer = gpu and engine.optimizer_offload
+    calls = ("forward", "update", "export") if trains else ("forward",)
+    on_device = calls if offloads_parameters else ("resident",)
+    items = [MemoryItem("parameters", math.ceil((parameters + adapter) * 4 / shards), on_device,
+                        f"{parameters + adapter:,} x 4 B (float32 master weights){split}"
+                        + (", offloaded between calls" if offloads_parameters else ""))]
+    notes = []
+    if not gpu and (engine.param_offload or engine.optimizer_offload):
+        notes.append("param_offload and optimizer_offload move nothing on CPU")
+    if trains:
+        items.append(MemoryItem("gradients", math.ceil(trainable * 4 / shards), ("resident",),
+                                f"{trainable:,} trainable x 4 B (float32){split}, kept between updates"))
+        items.append(MemoryItem("optimizer states", math.ceil(trainable * 8 / shards),
+                                ("update",) if offloads_optimizer else ("resident",),
+                                f"AdamW: 2 x {trainable:,} x 4 B (float32){split}"
+                                + (", offloaded outside the step" if offloads_optimizer else "")))
+    if sharded:
+        root = shape.embedding_parameters() + shape.hidden_size + shape.head_parameters(head)
+        layer = shape.layer_parameters()
+        items.append(MemoryItem("gathered parameters", (root + 2 * layer) * b, calls,
+                                f"FSDP all-gather in {compute}: root group ({root:,}) + 2 layers ({layer:,} each)"))
+        if trains:
+            items.append(MemoryItem("unsharded gradients", (root + layer) * b, ("update",),
+                                    f"root group + 1 layer in {compute} before their reduce-scatter"))
+    sequence, response = context.sequence_length, context.response_length
+    per_process = max(context.sequences_per_process, 1)
+    for call, rows_key in (("update", "micro_batch_size_per_gpu"), ("forward", "forward_micro_batch_size_per_gpu")):
+        if call == "update" and not trains:
+            continue
+        rows = getattr(engine, rows_key) or engine.micro_batch_size_per_gpu
+        if call == "update" and engine.ppo_mini_batch_size:
+            rows = min(rows, max(engine.ppo_mini_batch_size // world, 1))
+        rows = min(rows, per_process)
+        tokens = rows * sequence
+        if engine.use_dynamic_bsz:
+            tokens = min(max(engine.max_token_len_per_gpu, sequence), per_process * sequence)
+            rows = max(tokens // sequence, 1)
+        response_tokens = rows * response
+        items.append(activation_item(shape, engine, call, b, tokens, response_tokens, head, compute))
+    if context.role == "actor" and sharded:
+        bucket = min(context.weight_bucket_bytes, parameters * 4)
+        items.append(MemoryItem("weight-sync bucket", bucket, ("export",),
+                                f"full float32 tensors gathered one bucket ({human_bytes(context.weight_bucket_bytes)}) at a time"))
+    return MemoryEstimate(tuple(items), tuple(notes))
+
+
+def activation_item(shape: ModelShape, engine: Any, call: str, b: int, tokens: int, response_tokens: int, head: str,
+                    compute: str) -> MemoryItem:
+    h, layers, vocab = shape.hidden_size, shape.num_layers, shape.vocab_size
+    if head == "lm":
+        keep = response_tokens * vocab * 4 <= KEEP_FLOAT32_BYTES
+        chunk = response_tokens if keep else min(engine.logprob_chunk_size, response_tokens)
+        logits_per_token = (2 * b + 8) if call == "update" else (b + 4)
+        logits = response_tokens * vocab * b + chunk * vocab * (logits_per_token - b)
+    else:
+        logits = tokens * 4
+    if call == "forward":
+        layer = tokens * b * (2 * h + 3 * shape.active_intermediate())
+        return MemoryItem("activations", layer + logits, ("forward",),
+                          f"{tokens:,} tokens per micro-batch, largest layer transient + logits of {response_tokens:,} response tokens, no gradients")
+    per_layer = layer_activation_bytes(shape, b)
+    final_norm = b * h + 2 * b * h + (4 * h if b != 4 else 0)
+    if engine.enable_gradient_checkpointing:
+        kept = tokens * (layers * b * h + per_layer)
+        how = f"recomputation on: {layers} layer inputs ({b * h} B/token) + 1 layer recomputed ({per_layer:,} B/token)"
+    else:
+        kept = tokens * layers * per_layer
+        how = f"{layers} layers x {per_layer:,} B/token"
+    return MemoryItem("activations", kept + tokens * final_norm + logits, ("update",),
+                      f"{tokens:,} tokens per micro-batch in {compute}, {how}; logits of {response_tokens:,} response tokens")

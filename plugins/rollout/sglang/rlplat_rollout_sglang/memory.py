@@ -1,0 +1,32 @@
+"""The sglang rollout's memory on one GPU, predicted from its config and the model's ``config.json``
+(:meth:`SGLangRollout.estimate_memory`, read by ``rlplat plan``); imports neither torch nor sglang.
+
+SGLang takes ``mem_fraction_static`` of the memory free when it starts for its weights and KV cache
+(the plan takes the whole device as free: an upper bound when the training engine started first), and
+keeps room for the activations of a chunked prefill (``chunked_prefill_size`` tokens) and the logits of
+``max_running_requests`` sequences (:func:`rlplat.plan.estimate.fraction_rollout_estimate`). With
+``rollout.free_between_phases`` and ``enable_memory_saver`` it frees all of it between generations.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from rlplat.config_node import read_config_node
+from rlplat.plan.estimate import MemoryContext, MemoryEstimate, ModelShape, fraction_rollout_estimate
+from rlplat_rollout_sglang.config import SGLangRolloutConfig
+
+#: SGLang 0.5's defaults: chunked prefill size, running requests, and the fraction it picks on a large GPU.
+DEFAULT_PREFILL_TOKENS, DEFAULT_SEQUENCES, DEFAULT_FRACTION = 8192, 256, 0.88
+
+
+def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContext) -> MemoryEstimate:
+    rollout = read_config_node(config, SGLangRolloutConfig, "rollout.config")
+    shape = ModelShape.from_config(model_config, "rollout: config.json")
+    dtype = rollout.dtype if rollout.dtype != "auto" else str(model_config.get("torch_dtype") or "bfloat16")
+    extra = dict(rollout.engine_kwargs or {})
+    tokens = int(extra.get("chunked_prefill_size") or DEFAULT_PREFILL_TOKENS)
+    fraction = rollout.mem_fraction_static if rollout.mem_fraction_static is not None else DEFAULT_FRACTION
+    return fraction_rollout_estimate("sglang", shape, dtype, fraction, "rollout.config.mem_fraction_static", context, tokens,
+                                     rollout.max_running_requests or DEFAULT_SEQUENCES,
+                                     context.free_between_phases and rollout.enable_memory_saver)
