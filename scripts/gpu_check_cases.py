@@ -1,0 +1,541 @@
+"""The checks of ``scripts/gpu_check.py``, each run in a process of its own: ``CASES[name](context)``
+returns its report lines (:func:`gpu_check.line`).
+
+Every check builds what it needs here (random-init models from a config, the demo model shipped with
+rlplat, random token batches): nothing is downloaded. On the GPU each runs at the sizes below; with
+``Context.smoke`` (``--cpu-smoke``) the same code runs at toy sizes on the CPU, which tests the code, not
+the GPU path, so the pass rules that only mean something on a GPU (NCCL, memory, MFU, accuracy) are
+reported but not applied there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from gpu_check import REPO, child_environment, line
+
+#: bf16 keeps 8 bits of mantissa: a loss of a few nats computed in bf16 (and trained a few steps in it)
+#: stays within about 1% of the float32 run; 2% leaves room for the steps' drift.
+BF16_LOSS_TOLERANCE = 0.02
+#: Rollout-vs-training log-prob difference on the same tokens in bf16 (mean and max over response
+#: tokens); the float32 control must agree to FP32_LOGPROB_TOLERANCE.
+BF16_LOGPROB_MEAN_TOLERANCE = 0.05
+BF16_LOGPROB_MAX_TOLERANCE = 1.0
+FP32_LOGPROB_TOLERANCE = 1e-3
+MFU_TARGET = 0.40
+DEMO_RISE = 0.05
+
+#: The Qwen2.5-0.5B shape (random weights): 494M parameters, 136M of them the tied embedding.
+QWEN2_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
+                 rope_theta=1000000.0, rms_norm_eps=1e-6)
+#: A mid-size Qwen2 (~134M parameters: 101M in the layers, 33M tied embedding) for memory figures that
+#: stand out of the allocator's noise.
+QWEN2_MEDIUM = dict(model_type="qwen2", vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=True)
+#: The toy size of every model under --cpu-smoke.
+QWEN2_TOY = dict(model_type="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+GIB = 2**30
+
+
+@dataclasses.dataclass
+class Context:
+    device: str
+    """``cuda`` on the GPU machine, ``cpu`` under ``--cpu-smoke``."""
+    out: Path
+    smoke: bool = False
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    def size(self, gpu: Any, smoke: Any) -> Any:
+        return smoke if self.smoke else gpu
+
+    def model(self, gpu: dict) -> dict:
+        return dict(QWEN2_TOY if self.smoke else gpu)
+
+
+# -- helpers -----------------------------------------------------------------------------------------------
+
+
+def allocated() -> int:
+    import torch
+
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+def peak_allocated() -> int:
+    import torch
+
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
+def reset_peak() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def release(*objects: Any) -> None:
+    """Drop the caller's last references (it deletes its own names) and give cached blocks back."""
+    import torch
+
+    del objects
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def gib(value: float) -> str:
+    return f"{value / GIB:.2f} GiB"
+
+
+def token_batch(rows: int, prompt_length: int, response_length: int, vocab_size: int, seed: int):
+    """Full-length rows of random tokens (ids 3..vocab-1, no padding), ``response_mask`` all ones."""
+    import torch
+
+    from rlplat.protocol import DataProto
+
+    generator = torch.Generator().manual_seed(seed)
+    length = prompt_length + response_length
+    input_ids = torch.randint(3, vocab_size, (rows, length), generator=generator)
+    attention_mask = torch.ones(rows, length, dtype=torch.long)
+    return DataProto.from_dict({
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": torch.arange(length).expand(rows, length).clone(),
+        "responses": input_ids[:, prompt_length:].clone(),
+        "response_mask": torch.ones(rows, response_length, dtype=torch.long),
+    })
+
+
+def engine(**config: Any):
+    from rlplat_engine_fsdp2.engine import FSDP2Engine
+
+    built = FSDP2Engine(config)
+    built.init_model()
+    return built
+
+
+def nll():
+    from rlplat.losses.sft import NLLLoss
+
+    return NLLLoss()
+
+
+def finish_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# -- doctor ------------------------------------------------------------------------------------------------
+
+
+def check_doctor(context: Context) -> list[dict]:
+    result = subprocess.run([sys.executable, "-m", "rlplat.cli.main", "doctor", "--json"], capture_output=True, text=True,
+                            cwd=REPO, env=child_environment(), timeout=120)
+    print(result.stdout[-4000:], result.stderr[-4000:], sep="\n")
+    try:
+        report = __import__("json").loads(result.stdout)
+    except ValueError:
+        return [line("doctor", "doctor", False, f"exited {result.returncode} without a JSON report: {result.stderr.strip()[-300:]}")]
+    versions = report.get("versions", {})
+    figure = ", ".join(f"{name} {versions.get(name) or '-'}" for name in ("torch", "cuda", "nccl", "transformers", "ray", "peft"))
+    problems = [f"{problem['severity']}: {problem['message']}" for problem in report.get("problems", [])
+                if problem["severity"] != "note"]
+    if problems:
+        figure += "; " + "; ".join(problems)
+    return [line("doctor", "doctor", result.returncode == 0, f"exit {result.returncode}: {figure}", devices=report.get("devices"),
+                 plugins=report.get("plugins"))]
+
+
+# -- fsdp2: bf16 against fp32 ------------------------------------------------------------------------------
+
+
+def check_fsdp2_precision(context: Context) -> list[dict]:
+    """The same model, batch and steps in float32 (the plain module) and with FSDP2's bf16 parameters
+    and fp32 reduction over NCCL; the loss of every step must agree within bf16's tolerance."""
+    import torch
+    import torch.distributed as dist
+
+    model_config = context.model(dict(QWEN2_MEDIUM, num_hidden_layers=4))
+    steps = context.size(5, 3)
+    batch = token_batch(context.size(16, 4), context.size(64, 8), context.size(64, 8), model_config["vocab_size"], seed=0)
+    losses: dict[str, list[float]] = {}
+    facts: dict[str, dict[str, Any]] = {}
+    for dtype in ("float32", "bfloat16"):
+        trained = engine(model_config=model_config, seed=3, lr=1e-4, dtype=dtype, reduce_dtype="float32",
+                         micro_batch_size_per_gpu=context.size(8, 2))
+        compute_dtypes: set[str] = set()
+        probe = next(module for module in trained.module.modules() if isinstance(module, torch.nn.Linear))
+        handle = probe.register_forward_hook(lambda module, inputs, output: compute_dtypes.add(str(output.dtype).replace("torch.", "")))
+        losses[dtype] = [trained.train_batch(batch, nll())["loss"] for _ in range(steps)]
+        handle.remove()
+        master = {str(parameter.dtype).replace("torch.", "") for parameter in trained.module.parameters()}
+        gradients = {str(parameter.grad.dtype).replace("torch.", "") for parameter in trained.module.parameters() if parameter.grad is not None}
+        facts[dtype] = dict(sharded=trained.sharded, compute=sorted(compute_dtypes), master=sorted(master), gradients=sorted(gradients),
+                            device=str(trained.device))
+        del trained, probe, handle
+        release()
+    backend = dist.get_backend()
+    finish_process_group()
+    differences = [abs(low - high) / abs(high) for low, high in zip(losses["bfloat16"], losses["float32"])]
+    worst = max(differences)
+    bf16 = facts["bfloat16"]
+    right_path = bf16["sharded"] and bf16["compute"] == ["bfloat16"] and bf16["master"] == ["float32"] and bf16["gradients"] == ["float32"]
+    expected_backend = "nccl" if context.cuda else "gloo"
+    passed = worst <= BF16_LOSS_TOLERANCE and right_path and backend == expected_backend and all(map(math.isfinite, losses["bfloat16"]))
+    figure = (f"max rel loss diff {worst:.4f} (tol {BF16_LOSS_TOLERANCE}) over {steps} steps; backend {backend}; bf16 run: "
+              f"compute {'/'.join(bf16['compute'])}, master {'/'.join(bf16['master'])}, grads {'/'.join(bf16['gradients'])}; "
+              f"loss {losses['float32'][0]:.3f}->{losses['float32'][-1]:.3f} (fp32) vs {losses['bfloat16'][0]:.3f}->{losses['bfloat16'][-1]:.3f}")
+    return [line("fsdp2-precision", "fsdp2 bf16 vs fp32", passed, figure, losses=losses, relative_differences=differences,
+                 backend=backend, facts=facts)]
+
+
+# -- fsdp2: offload ----------------------------------------------------------------------------------------
+
+
+def state_bytes(trained) -> tuple[int, int]:
+    """``(parameter bytes, optimizer-state bytes)`` of the engine's own tensors (master weights, AdamW)."""
+    import torch
+
+    parameters = sum(parameter.numel() * parameter.element_size() for parameter in trained.module.parameters())
+    optimizer = sum(value.numel() * value.element_size() for state in trained.optimizer.state.values() for key, value in state.items()
+                    if isinstance(value, torch.Tensor) and key != "step")
+    return parameters, optimizer
+
+
+def check_fsdp2_offload(context: Context) -> list[dict]:
+    """Two steps for each of param_offload x optimizer_offload: the memory the engine holds on the GPU
+    between steps (allocated after ``train_batch`` returns, less what was allocated before the engine
+    existed), the peak during the second step, and its loss, which offloading must not change."""
+    model_config = context.model(QWEN2_MEDIUM)
+    batch = token_batch(context.size(8, 4), context.size(128, 8), context.size(128, 8), model_config["vocab_size"], seed=1)
+    variants = [(False, False), (True, False), (False, True), (True, True)]
+    measured: dict[tuple[bool, bool], dict[str, Any]] = {}
+    for param_offload, optimizer_offload in variants:
+        base = allocated()
+        trained = engine(model_config=model_config, seed=5, lr=1e-4, dtype=context.size("bfloat16", "float32"),
+                         micro_batch_size_per_gpu=context.size(4, 2), param_offload=param_offload, optimizer_offload=optimizer_offload)
+        first = trained.train_batch(batch, nll())["loss"]
+        reset_peak()
+        second = trained.train_batch(batch, nll())["loss"]
+        synchronize()
+        measured[(param_offload, optimizer_offload)] = dict(
+            held=allocated() - base, peak=peak_allocated() - base, losses=[first, second], bytes=state_bytes(trained))
+        del trained
+        release()
+    finish_process_group()
+    reference = measured[(False, False)]
+    parameter_bytes, optimizer_bytes = reference["bytes"]
+    lines = []
+    for (param_offload, optimizer_offload), figures in measured.items():
+        label = f"params {'off' if param_offload else 'on'} GPU, optimizer {'off' if optimizer_offload else 'on'} GPU"
+        expected_drop = 0.9 * ((parameter_bytes if param_offload else 0) + (optimizer_bytes if optimizer_offload else 0))
+        drop = reference["held"] - figures["held"]
+        same_loss = all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(figures["losses"], reference["losses"]))
+        passed = same_loss and (drop >= expected_drop if context.cuda else True)
+        figure = (f"{label}: held {gib(figures['held'])} between steps (-{gib(drop)}, expected >= -{gib(expected_drop)}), "
+                  f"peak {gib(figures['peak'])}, loss {figures['losses'][1]:.4f} ({'same' if same_loss else 'DIFFERENT'})")
+        lines.append(line("fsdp2-offload", f"offload p={int(param_offload)} o={int(optimizer_offload)}", passed, figure,
+                          held_bytes=figures["held"], peak_bytes=figures["peak"], losses=figures["losses"],
+                          parameter_bytes=parameter_bytes, optimizer_bytes=optimizer_bytes))
+    return lines
+
+
+# -- hf rollout: sleep / wake --------------------------------------------------------------------------------
+
+
+def random_prompts(rows: int, vocab_size: int, seed: int, shortest: int, longest: int):
+    import torch
+
+    from rlplat.data import left_padded
+    from rlplat.protocol import DataProto
+
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(shortest, longest + 1, (rows,), generator=generator).tolist()
+    tokens = [torch.randint(3, vocab_size, (length,), generator=generator).tolist() for length in lengths]
+    return DataProto.from_dict(left_padded(tokens, 0), {"uid": [f"prompt-{row}" for row in range(rows)]})
+
+
+def check_rollout_sleep(context: Context) -> list[dict]:
+    import torch
+
+    from rlplat.contracts.rollout import SamplingParams
+    from rlplat_rollout_hf.rollout import HFRollout
+
+    model_config = context.model(QWEN2_MEDIUM)
+    rollout = HFRollout({"model_config": model_config, "dtype": context.size("bfloat16", "float32"), "seed": 0})
+    weights = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in rollout.model.state_dict().items()]
+    prompts = random_prompts(context.size(8, 2), model_config["vocab_size"], seed=2, shortest=8, longest=context.size(32, 8))
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=context.size(32, 4), seed=1234, stop_token_ids=())
+    before = rollout.generate(prompts, sampling)
+    parameter_bytes = rollout.parameter_bytes()
+    synchronize()
+    awake = allocated()
+    rollout.sleep()
+    asleep = allocated()
+    rollout.wake_up()
+    woken = allocated()
+    rollout.update_weights(weights)
+    after = rollout.generate(prompts, sampling)
+    same = torch.equal(before.batch["responses"], after.batch["responses"]) and torch.equal(
+        before.batch["rollout_log_probs"], after.batch["rollout_log_probs"])
+    freed = awake - asleep
+    frees = freed >= 0.95 * parameter_bytes if context.cuda else True
+    tokens = int(before.batch["response_mask"].sum())
+    return [
+        line("rollout-sleep", "hf rollout sleep frees memory", frees,
+             f"allocated {gib(awake)} awake -> {gib(asleep)} asleep: freed {gib(freed)} of {gib(parameter_bytes)} weights; "
+             f"{gib(woken)} after wake_up", awake_bytes=awake, asleep_bytes=asleep, woken_bytes=woken, parameter_bytes=parameter_bytes),
+        line("rollout-sleep", "hf rollout wake_up + sync: same samples", same,
+             f"{'identical' if same else 'DIFFERENT'} responses and log-probs for seed 1234 ({tokens} tokens, "
+             f"{len(before)} rows)", tokens=tokens),
+    ]
+
+
+# -- rollout vs training log-probs -------------------------------------------------------------------------
+
+
+def demo_prompts(rows: int, seed: int):
+    """``ab+cd=`` prompts of the demo's task, tokenised with its tokenizer."""
+    import random
+
+    from rlplat.data import left_padded
+    from rlplat.protocol import DataProto
+    from rlplat.testing.tiny_models import arithmetic_tokenizer
+
+    tokenizer = arithmetic_tokenizer()
+    generator = random.Random(seed)
+    texts = [f"{generator.randint(10, 99)}+{generator.randint(10, 99)}=" for _ in range(rows)]
+    tokens = [tokenizer(text)["input_ids"] for text in texts]
+    return DataProto.from_dict(left_padded(tokens, tokenizer.pad_token_id), {"uid": [f"prompt-{row}" for row in range(rows)]})
+
+
+def check_logprob_parity(context: Context) -> list[dict]:
+    """The demo model (trained, so its distributions are peaked like a real policy's) samples with the hf
+    rollout; the fsdp2 engine scores the same tokens. In bf16 on both sides, and in float32 as the control
+    that the two paths compute the same thing."""
+    import torch
+
+    from rlplat import demo
+    from rlplat.contracts.rollout import SamplingParams
+    from rlplat_rollout_hf.rollout import HFRollout
+
+    model_path = str(demo.model_dir())
+    prompts = demo_prompts(context.size(64, 4), seed=3)
+    sampling = SamplingParams(n=context.size(8, 2), temperature=1.0, max_new_tokens=8, seed=99)
+    figures = {}
+    for dtype in ("float32", "bfloat16"):
+        rollout = HFRollout({"model_path": model_path, "dtype": dtype})
+        sampled = rollout.generate(prompts, sampling)
+        del rollout
+        release()
+        scorer = engine(model_path=model_path, dtype=dtype, micro_batch_size_per_gpu=512)
+        scored = scorer.forward(sampled).batch["log_probs"]
+        del scorer
+        release()
+        mask = sampled.batch["response_mask"].bool()
+        difference = (scored - sampled.batch["rollout_log_probs"]).abs()[mask]
+        figures[dtype] = dict(mean=float(difference.mean()), max=float(difference.max()), tokens=int(mask.sum()))
+    finish_process_group()
+    bf16, fp32 = figures["bfloat16"], figures["float32"]
+    passed = (bf16["mean"] <= BF16_LOGPROB_MEAN_TOLERANCE and bf16["max"] <= BF16_LOGPROB_MAX_TOLERANCE
+              and fp32["max"] <= FP32_LOGPROB_TOLERANCE)
+    figure = (f"bf16 |diff| mean {bf16['mean']:.4f} max {bf16['max']:.4f} (tol {BF16_LOGPROB_MEAN_TOLERANCE} / "
+              f"{BF16_LOGPROB_MAX_TOLERANCE}); fp32 control mean {fp32['mean']:.2e} max {fp32['max']:.2e} (tol {FP32_LOGPROB_TOLERANCE}); "
+              f"{bf16['tokens']} tokens")
+    return [line("logprob-parity", "rollout vs training log-probs", passed, figure, **figures)]
+
+
+# -- throughput --------------------------------------------------------------------------------------------
+
+
+def matmul_peak(size: int, repetitions: int = 10) -> float:
+    """FLOP/s of a ``size``-cubed bf16 matrix product (CUDA) or float32 one (CPU), the mean of
+    ``repetitions`` after three warm-ups."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    device = "cuda" if cuda else "cpu"
+    left = torch.randn(size, size, device=device, dtype=dtype)
+    right = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        torch.mm(left, right)
+    synchronize()
+    started = time.perf_counter()
+    for _ in range(repetitions):
+        torch.mm(left, right)
+    synchronize()
+    return 2 * size**3 * repetitions / (time.perf_counter() - started)
+
+
+def update_flops(config: dict, rows: int, length: int, response_length: int) -> float:
+    """Model FLOPs of one forward + backward over ``rows`` full rows of ``length`` tokens: 6 x the
+    multiply-adds of every linear layer of the decoder per token, 6 x the lm head's per response token
+    (the engine computes logits only there), and 6 x L x h x T^2 per row for causal attention (QK^T and
+    AV over half of a T x T square, forward and twice that backward). Embedding lookups, norms, rotary
+    and the loss are not counted (as in the usual MFU)."""
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    head_dim = hidden // config["num_attention_heads"]
+    key_value = config["num_key_value_heads"] * head_dim
+    per_layer = 2 * hidden * hidden + 2 * hidden * key_value + 3 * hidden * config["intermediate_size"]
+    body = 6 * per_layer * layers * rows * length
+    head = 6 * config["vocab_size"] * hidden * rows * response_length
+    attention = 6 * layers * hidden * length * length * rows
+    return float(body + head + attention)
+
+
+def check_throughput(context: Context) -> list[dict]:
+    import torch
+
+    peak = matmul_peak(context.size(8192, 256))
+    model_config = context.model(QWEN2_05B)
+    rows, prompt_length, response_length = context.size(16, 2), context.size(1024, 16), context.size(1024, 16)
+    micro_rows = context.size(8, 1)
+    started = time.perf_counter()
+    trained = engine(model_config=model_config, seed=0, lr=1e-6, dtype=context.size("bfloat16", "float32"),
+                     micro_batch_size_per_gpu=micro_rows)
+    build_s = time.perf_counter() - started
+    parameters = sum(parameter.numel() for parameter in trained.module.parameters())
+    batch = token_batch(rows, prompt_length, response_length, model_config["vocab_size"], seed=4)
+    loss = nll()
+    for _ in range(context.size(2, 1)):  # warm-up: allocator, kernels chosen, optimizer state
+        trained.train_batch(batch, loss)
+    reset_peak()
+    timed = context.size(4, 2)
+    times = []
+    for _ in range(timed):
+        synchronize()
+        started = time.perf_counter()
+        trained.train_batch(batch, loss)
+        synchronize()
+        times.append(time.perf_counter() - started)
+    memory = peak_allocated()
+    del trained
+    release()
+    finish_process_group()
+    step_s = statistics.median(times)
+    length = prompt_length + response_length
+    tokens_per_s = rows * length / step_s
+    flops = update_flops(model_config, rows, length, response_length)
+    mfu = flops / step_s / peak
+    passed = mfu >= MFU_TARGET if context.cuda else True
+    dtype = "bf16" if context.cuda else "fp32"
+    return [line("throughput", "actor update throughput", passed,
+                 f"{parameters / 1e6:.0f}M params, {rows} rows x {length} tokens ({micro_rows} per micro-batch): "
+                 f"{tokens_per_s:,.0f} tokens/s, {step_s:.3f} s/step (median of {timed}); "
+                 f"MFU {mfu:.1%} of the measured {dtype} peak {peak / 1e12:.0f} TFLOP/s (target {MFU_TARGET:.0%}); "
+                 f"peak memory {gib(memory)}; built in {build_s:.0f} s",
+                 parameters=parameters, tokens_per_s=tokens_per_s, step_s=times, flops_per_step=flops, peak_flops=peak, mfu=mfu,
+                 peak_memory_bytes=memory, torch_version=torch.__version__)]
+
+
+# -- pytest -m gpu -----------------------------------------------------------------------------------------
+
+
+def gpu_test_files() -> list[Path]:
+    """The test files that mark tests ``gpu`` (collecting only those keeps pytest away from modules that
+    import Ray and other things this machine lacks)."""
+    candidates = sorted(REPO.glob("tests/test_*.py")) + sorted(REPO.glob("plugins/*/*/tests/test_*.py"))
+    return [path for path in candidates if "mark.gpu" in path.read_text()]
+
+
+def junit_counts(path: Path) -> dict[str, Any]:
+    """Tests, failures, errors and skips of a JUnit XML report, and each skip's reason."""
+    import xml.etree.ElementTree as ElementTree
+
+    root = ElementTree.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {key: sum(int(suite.get(key, 0)) for suite in suites) for key in ("tests", "failures", "errors", "skipped")}
+    reasons: dict[str, int] = {}
+    for skipped in root.iter("skipped"):
+        reason = (skipped.get("message") or "").strip()
+        reasons[reason] = reasons.get(reason, 0) + 1
+    counts["skip_reasons"] = reasons
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return counts
+
+
+def check_pytest_gpu(context: Context) -> list[dict]:
+    files = gpu_test_files()
+    junit = context.out / "pytest-gpu.xml"
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}",
+               *map(str, files)]
+    result = subprocess.run(command, cwd=REPO, env=child_environment(), timeout=600)
+    if not junit.exists():
+        return [line("pytest-gpu", "pytest -m gpu", False, f"pytest exited {result.returncode} without a report")]
+    counts = junit_counts(junit)
+    passed = result.returncode in (0, 5) and counts["failures"] == 0 and counts["errors"] == 0
+    reasons = "; ".join(f"{number} skipped: {reason}" for reason, number in counts["skip_reasons"].items())
+    figure = (f"{counts['passed']} passed, {counts['failures']} failed, {counts['errors']} errors, {counts['skipped']} skipped "
+              f"in {len(files)} files" + (f" ({reasons})" if reasons else ""))
+    return [line("pytest-gpu", "pytest -m gpu", passed, figure, returncode=result.returncode,
+                 files=[str(path.relative_to(REPO)) for path in files], counts=counts)]
+
+
+# -- the demo ----------------------------------------------------------------------------------------------
+
+
+def check_demo(context: Context) -> list[dict]:
+    """``rlplat run --demo arith`` on the GPU (the in-process backend, as the demo runs) for a fixed
+    number of steps; validation accuracy at the last evaluation must exceed the first by DEMO_RISE."""
+    from rlplat.tracking import read_metrics
+
+    steps = context.size(150, 2)
+    output_dir = context.out / "demo-run"
+    command = [sys.executable, "-m", "rlplat.cli.main", "run", "--demo", "arith", f"trainer.total_training_steps={steps}",
+               f"trainer.test_freq={context.size(50, 1)}", "trainer.save_freq=0", "trainer.resume=disable",
+               f"trainer.output_dir={output_dir}", "trainer.logger=[console,jsonl]", f"cluster.use_gpu={str(context.cuda).lower()}"]
+    started = time.perf_counter()
+    result = subprocess.run(command, cwd=REPO, env=child_environment(), timeout=900)
+    wall_s = time.perf_counter() - started
+    if result.returncode:
+        return [line("demo", "demo trained on the GPU", False, f"rlplat run exited {result.returncode}")]
+    records = read_metrics(output_dir)
+    accuracy = [(record["step"], record["val/arith/acc/mean"]) for record in records if "val/arith/acc/mean" in record]
+    step_times = [record["timing_s/step"] for record in records if "timing_s/step" in record]
+    if len(accuracy) < 2:
+        return [line("demo", "demo trained on the GPU", False, f"{len(accuracy)} validations in {output_dir}; expected one at step 0 and later ones")]
+    first, last = accuracy[0][1], accuracy[-1][1]
+    passed = last >= first + DEMO_RISE if context.cuda else True
+    curve = " ".join(f"{step}:{value:.3f}" for step, value in accuracy)
+    return [line("demo", "demo trained on the GPU", passed,
+                 f"validation accuracy {first:.3f} -> {last:.3f} in {steps} steps (rise >= {DEMO_RISE} expected; {curve}); "
+                 f"median {statistics.median(step_times):.3f} s/step, {wall_s:.0f} s in all",
+                 accuracy=accuracy, median_step_s=statistics.median(step_times), wall_s=wall_s)]
+
+
+CASES: dict[str, Callable[[Context], list[dict]]] = {
+    "doctor": check_doctor,
+    "fsdp2-precision": check_fsdp2_precision,
+    "rollout-sleep": check_rollout_sleep,
+    "logprob-parity": check_logprob_parity,
+    "throughput": check_throughput,
+    "fsdp2-offload": check_fsdp2_offload,
+    "pytest-gpu": check_pytest_gpu,
+    "demo": check_demo,
+}
