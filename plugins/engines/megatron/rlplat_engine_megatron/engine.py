@@ -436,11 +436,12 @@ class MegatronEngine(TrainingEngine):
                 full_shape[partition_dim] *= self.tp_size
             with self.megatron():
                 if stage == self.pp_rank:
-                    parameter = dict(self.chunks[index].module.named_parameters())[local_name].detach()
+                    owner = dict(self.chunks[index].module.named_parameters())[local_name]
+                    parameter = owner.detach()
                     if parallel and self.tp_size > 1:
                         shards = [torch.empty_like(parameter) for _ in range(self.tp_size)]
                         dist.all_gather(shards, parameter.contiguous(), group=tp_group)
-                        merged = self.bridge._weight_merge_across_tp(global_name, shards, parameter)
+                        merged = self.bridge._weight_merge_across_tp(global_name, shards, owner)
                     else:
                         merged = parameter.clone()
                 else:
