@@ -18,12 +18,15 @@ DISPATCH_MODES = {
 
 COMMANDS = {
     "run": ("rlplat.cli.run:run", "Train a policy (no arguments: the built-in demo)."),
+    "plan": ("rlplat.cli.plan:plan", "Predict a run's memory per device and phase, and its placement, from config.json alone."),
+    "sft": ("rlplat.cli.sft:sft", "Supervised fine-tuning on the same engines; its export is `rlplat run`'s model.path."),
     "config": ("rlplat.cli.config:app", "Inspect the resolved run config and what its keys mean."),
     "plugins": ("rlplat.cli.plugins:app", "List the installed plugins and what they register."),
     "plot": ("rlplat.cli.plot:plot", "Write a run's metrics as PNG charts."),
     "export": ("rlplat.cli.export:export", "Write a run's checkpoint as a Hugging Face model (LoRA merged) or its adapter."),
     "check-template": ("rlplat.cli.check_template:check_template",
                        "Check that a chat template only appends across turns (multi-turn training needs it)."),
+    "doctor": ("rlplat.cli.doctor:doctor", "Versions, devices, plugins and known-bad version combinations (exit 1 on one)."),
 }
 
 ROLES = {
