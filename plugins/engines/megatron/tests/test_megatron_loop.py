@@ -32,3 +32,4 @@ def test_ppo_with_a_tp2_actor_and_a_megatron_critic_runs_three_steps_and_the_rol
         for key in ("critic/vf_loss", "critic/grad_norm", "actor/pg_loss", "actor/grad_norm"):
             assert math.isfinite(record[key]), (key, record[key])
         assert record["critic/grad_norm"] > 0 and record["actor/grad_norm"] > 0
+        assert record["sync_probe/max_abs_diff"] <= 1e-5

@@ -1,0 +1,99 @@
+"""The megatron engine in this process (one rank): a Llama checkpoint against the fsdp2 engine, the value
+head of a critic (values, training, export as a token classifier), and the layout checks at load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlplat_engine_megatron.config import MegatronEngineConfig, check_layout
+from rlplat_engine_megatron.engine import MegatronEngine
+from megatron_testkit import TINY_QWEN2
+
+
+class ValueLoss:
+    def __call__(self, outputs, micro_batch):
+        batch = micro_batch.batch
+        error = (outputs["values"] - batch["returns"]) ** 2 * batch["response_mask"]
+        return 0.5 * error.sum() / micro_batch.meta_info["global_token_count"], {"test/vf": 1.0}
+
+
+def test_a_llama_checkpoint_gives_the_fsdp2_engines_log_probs_and_entropy(tmp_path, batch_of):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlplat_engine_fsdp2.engine import FSDP2Engine
+
+    config = AutoConfig.for_model("llama", vocab_size=16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(tmp_path / "llama"))
+    batch = batch_of(6)
+    megatron = MegatronEngine(dict(model_path=str(tmp_path / "llama")))
+    megatron.init_model()
+    fsdp2 = FSDP2Engine(dict(model_path=str(tmp_path / "llama"), dtype="float32"))
+    fsdp2.init_model()
+    ours, theirs = megatron.forward(batch, calculate_entropy=True), fsdp2.forward(batch, calculate_entropy=True)
+    valid = batch.batch["response_mask"].bool()
+    for key in ("log_probs", "entropy"):
+        assert float((ours.batch[key] - theirs.batch[key])[valid].abs().max()) <= 1e-5, key
+
+
+def test_a_value_model_returns_values_trains_and_exports_a_token_classifier(tmp_path, tiny_config, batch_of):
+    from transformers import AutoModelForTokenClassification
+
+    engine = MegatronEngine({**tiny_config, "value_model": True})
+    engine.init_model()
+    batch = batch_of(6)
+    values = engine.forward(batch).batch["values"]
+    assert values.shape == batch.batch["responses"].shape and values.dtype == torch.float32
+    metrics = engine.train_batch(batch, ValueLoss())
+    assert metrics["grad_norm"] > 0 and metrics["test/vf"] == pytest.approx(3.0)  # 3 micro-batches of 2 rows
+    after = engine.forward(batch).batch["values"]
+    assert not torch.equal(after, values)
+    engine.export_hf(str(tmp_path / "critic"))
+    model = AutoModelForTokenClassification.from_pretrained(str(tmp_path / "critic"), dtype=torch.float32).eval()
+    data = batch.batch
+    with torch.no_grad():
+        exported = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"], position_ids=data["position_ids"]).logits
+    response_length = data["responses"].shape[1]
+    exported = exported[:, -response_length - 1 : -1, 0]
+    valid = data["response_mask"].bool()
+    assert float((exported - after)[valid].abs().max()) <= 1e-5
+
+
+def test_layout_checks_name_every_size_that_does_not_fit():
+    from transformers import AutoConfig
+
+    hf = AutoConfig.for_model(**{**TINY_QWEN2, "num_key_value_heads": 2, "num_hidden_layers": 3})
+    config = MegatronEngineConfig(model_config=dict(TINY_QWEN2), tensor_parallel_size=4, pipeline_parallel_size=2)
+    with pytest.raises(ValueError) as raised:
+        check_layout(config, 6, hf)
+    message = str(raised.value)
+    assert "world size 6" in message and "2 key/value heads" in message and "3 layers" in message
+    assert check_layout(MegatronEngineConfig(model_config=dict(TINY_QWEN2), tensor_parallel_size=2), 4, AutoConfig.for_model(**TINY_QWEN2)) == 2
+
+
+def test_config_errors_are_raised_at_load():
+    with pytest.raises(ValueError, match="exactly one of model_path"):
+        MegatronEngineConfig()
+    with pytest.raises(ValueError, match="recompute_granularity"):
+        MegatronEngineConfig(model_config=dict(TINY_QWEN2), recompute_granularity="some")
+    with pytest.raises(ValueError, match="virtual_pipeline_parallel_size needs"):
+        MegatronEngineConfig(model_config=dict(TINY_QWEN2), virtual_pipeline_parallel_size=2)
+    with pytest.raises(Exception, match="tensor_paralel_size|tensor_parallel_size"):
+        MegatronEngine(dict(model_config=dict(TINY_QWEN2), tensor_paralel_size=2))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the substitutes exist on a CPU build only")
+def test_cpu_substitutes_are_confined_to_the_engines_calls(tiny_config, batch_of):
+    """After the engine's calls, CUDA requests fail again as a CPU build of torch makes them fail."""
+    engine = MegatronEngine(tiny_config)
+    engine.init_model()
+    engine.forward(batch_of(2))
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.empty(1, device="cuda")
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.cuda.current_device()
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(1).cuda()
+    assert torch.zeros(1).type() == "torch.FloatTensor"
