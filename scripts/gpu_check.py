@@ -209,7 +209,12 @@ def wheels_to_install(wheels: Iterable[Path], installed: dict[str, str]) -> list
 
 
 def installed_distributions() -> dict[str, str]:
-    return {normalise(dist.metadata["Name"]): dist.version for dist in importlib.metadata.distributions() if dist.metadata["Name"]}
+    """Normalised name -> version of what imports: the first of a name on ``sys.path`` wins."""
+    versions: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():
+        if dist.metadata["Name"]:
+            versions.setdefault(normalise(dist.metadata["Name"]), dist.version)
+    return versions
 
 
 def checkout_installed() -> bool:

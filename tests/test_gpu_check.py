@@ -27,6 +27,7 @@ import gpu_check  # noqa: E402
 import gpu_check_cases  # noqa: E402
 
 NO_GPU = not torch.cuda.is_available()
+DEVICE = "cuda"
 
 
 def record(name: str, status: str, figure: str = "a figure", seconds: float | None = 1.0) -> dict:
@@ -240,15 +241,21 @@ TINY_ENGINE = dict(model_config=dict(model_type="qwen2", vocab_size=16, hidden_s
                    seed=7, lr=1e-3, micro_batch_size_per_gpu=2, dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from rlplat.testing.tiny_models import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), seed=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(NO_GPU, reason="needs a CUDA GPU")
 class TestHFRolloutOnCUDA(TinyModelRolloutFixtures, RolloutEngineConformance):
-    @pytest.fixture(scope="class")
-    def engine(self, tmp_path_factory):
-        from rlplat.testing.tiny_models import save_tiny_model
+    @pytest.fixture
+    def engine(self, tiny_model_dir):
         from rlplat_rollout_hf.rollout import HFRollout
 
-        return HFRollout({"model_path": save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), seed=0), "device": "cuda"})
+        return HFRollout({"model_path": tiny_model_dir, "device": DEVICE})
 
     @pytest.fixture
     def rollout(self, engine):
