@@ -230,7 +230,7 @@ def torch_report() -> dict[str, Any]:
                              "nccl": None, "distributed": torch.distributed.is_available()}
     if torch.version.cuda:
         try:
-            facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            facts["nccl"] = nccl_version(torch.cuda.nccl.version())
         except Exception as error:
             facts["nccl"] = f"unreadable ({type(error).__name__})"
     devices = [{"device": "cpu", "name": platform.processor() or platform.machine(), "memory_gib": None}]
@@ -242,6 +242,14 @@ def torch_report() -> dict[str, Any]:
                             "capability": f"{properties.major}.{properties.minor}"})
     facts["devices"] = devices
     return facts
+
+
+def nccl_version(value: Any) -> str:
+    """``torch.cuda.nccl.version()`` as text: a tuple ``(2, 27, 3)`` in recent torch, an integer
+    ``22703`` (major * 10000 + minor * 100 + patch) in older ones."""
+    if isinstance(value, int):
+        return f"{value // 10000}.{value // 100 % 100}.{value % 100}"
+    return ".".join(map(str, value))
 
 
 def diagnose(versions: Mapping[str, str], requirements: Mapping[str, list[str]] | None = None, complete: bool = True) -> list[Problem]:

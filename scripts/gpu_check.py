@@ -274,7 +274,8 @@ def environment() -> dict[str, Any]:
         if torch.cuda.is_available():
             facts["gpu"] = torch.cuda.get_device_name(0)
             facts["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-            facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            version = torch.cuda.nccl.version()
+            facts["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
     except Exception as error:  # the report keeps what it could read
         facts["torch_error"] = f"{type(error).__name__}: {error}"
     return facts

@@ -36,7 +36,7 @@ DEMO_RISE = 0.05
 #: The Qwen2.5-0.5B shape (random weights): 494M parameters, 136M of them the tied embedding.
 QWEN2_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
-                 rope_theta=1000000.0, rms_norm_eps=1e-6)
+                 rms_norm_eps=1e-6)
 #: A mid-size Qwen2 (123M parameters: 90M in the layers, 33M the tied embedding) for memory figures that
 #: stand out of the allocator's noise.
 QWEN2_MEDIUM = dict(model_type="qwen2", vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,

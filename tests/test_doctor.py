@@ -127,3 +127,8 @@ def test_a_plugin_that_fails_to_import_makes_doctor_exit_1(write_dist, site, cli
     assert result.returncode == 1, result.stdout + result.stderr
     text = " ".join(result.stdout.split())
     assert "error: plugin 'broken' (broken-rlplat) failed to load" in text and "no_such_module_of_broken" in text
+
+
+def test_nccl_versions_read_as_torch_gives_them():
+    assert doctor.nccl_version((2, 27, 3)) == "2.27.3"
+    assert doctor.nccl_version(21803) == "2.18.3"
