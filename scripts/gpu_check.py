@@ -297,11 +297,17 @@ def run_check(check: Check, out: Path, log, timeout_s: float, smoke: bool) -> li
     log.write(f"\n===== {check.name}: {check.description}\n")
     log.flush()
     started = time.time()
+    # A process group of its own, so that a check stopped at its limit takes the processes it started
+    # (a training run, pytest) with it instead of leaving them on the GPU for the next check.
+    child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=child_environment(),
+                             start_new_session=True)
     try:
-        returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=child_environment(),
-                                    timeout=timeout_s).returncode
+        returncode = child.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        stop_group(child)
         return [failure_line(check.name, "timeout", f"stopped after {timeout_s:.0f} s (see {LOG_FILE})", time.time() - started)]
+    finally:
+        stop_group(child)  # what the check left running
     seconds = time.time() - started
     if not result_file.exists():
         return [failure_line(check.name, "error", f"exited {returncode} without a result (see {LOG_FILE})", seconds)]
@@ -310,6 +316,17 @@ def run_check(check: Check, out: Path, log, timeout_s: float, smoke: bool) -> li
     for record in lines:
         record["seconds"] = round(record.pop("seconds", seconds / len(lines)), 1)
     return lines
+
+
+def stop_group(child: subprocess.Popen) -> None:
+    """Kill every process of ``child``'s process group that still runs, and reap ``child``."""
+    import signal
+
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    child.wait()
 
 
 def run_child(name: str, result_file: Path, out: Path, smoke: bool) -> int:

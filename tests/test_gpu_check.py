@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,28 @@ def test_the_report_holds_the_environment_the_lines_and_their_counts(tmp_path):
     assert report["counts"]["pass"] == 1 and report["counts"]["error"] == 1 and report["exit_code"] == 1
     assert report["checks"] == lines and report["environment"] == {"torch": "2.11.0"}
     assert [path.name for path in tmp_path.iterdir()] == ["gpu-check.json"]
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (its parent may not reap it at once)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_stopped_check_takes_the_processes_it_started_with_it():
+    started = "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); " \
+              "print(p.pid, flush=True); time.sleep(120)"
+    child = subprocess.Popen([sys.executable, "-c", started], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    grandchild = int(child.stdout.readline())
+    assert running(grandchild)
+    gpu_check.stop_group(child)
+    deadline = time.monotonic() + 10
+    while running(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(grandchild) and child.returncode is not None
+    child.stdout.close()
 
 
 def test_a_failure_line_takes_only_the_statuses_of_a_check_without_result():
