@@ -28,7 +28,6 @@ import gpu_check  # noqa: E402
 import gpu_check_cases  # noqa: E402
 
 NO_GPU = not torch.cuda.is_available()
-DEVICE = "cuda"
 
 
 def record(name: str, status: str, figure: str = "a figure", seconds: float | None = 1.0) -> dict:
@@ -278,7 +277,7 @@ class TestHFRolloutOnCUDA(TinyModelRolloutFixtures, RolloutEngineConformance):
     def engine(self, tiny_model_dir):
         from rlplat_rollout_hf.rollout import HFRollout
 
-        return HFRollout({"model_path": tiny_model_dir, "device": DEVICE})
+        return HFRollout({"model_path": tiny_model_dir, "device": "auto"})  # the GPU, as cuda:<index>
 
     @pytest.fixture
     def rollout(self, engine):
