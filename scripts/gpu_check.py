@@ -4,7 +4,7 @@
 Without a CUDA GPU it refuses with one line and exit code 2, before it installs or runs anything.
 With one it
 
-1. installs what the machine lacks from the wheels in ``--wheels`` (``make gpu-check-wheels`` downloads
+1. installs what the machine lacks (and a setuptools older than 77) from the wheels in ``--wheels`` (``make gpu-check-wheels`` downloads
    them here: constraints/gpu-check.txt) with ``pip --no-index``, then rlplat and its built-in plugins
    from this checkout (editable, ``--no-deps --no-build-isolation``: Ray is not needed and not there);
 2. runs every check of :mod:`gpu_check_cases` in a process of its own (a fresh CUDA context each, so peak
@@ -193,9 +193,16 @@ def version_key(version: str) -> tuple:
     return tuple(int(part) for part in release.group(0).split(".")) if release else ()
 
 
-def wheels_to_install(wheels: Iterable[Path], installed: dict[str, str]) -> list[Path]:
+#: Installed versions older than these are replaced from the wheels: rlplat's pyproject.toml gives its
+#: license as an SPDX string, which setuptools reads from 77 on. Anything else present is kept as it is
+#: (replacing the machine's pytest would break the pytest plugins installed beside it).
+MINIMUM_VERSIONS = {"setuptools": "77"}
+
+
+def wheels_to_install(wheels: Iterable[Path], installed: dict[str, str], minimums: dict[str, str] = MINIMUM_VERSIONS) -> list[Path]:
     """The wheels whose distribution is missing from ``installed`` (normalised name -> version) or
-    installed at an older version; two wheels of one distribution are an error (pip would refuse)."""
+    installed older than its entry in ``minimums``; two wheels of one distribution are an error (pip
+    would refuse them)."""
     chosen, seen = [], {}
     for path in sorted(wheels):
         name, version = wheel_distribution(path)
@@ -203,7 +210,7 @@ def wheels_to_install(wheels: Iterable[Path], installed: dict[str, str]) -> list
             raise ValueError(f"two wheels of {name} in {path.parent}: {seen[name].name} and {path.name}; keep one")
         seen[name] = path
         present = installed.get(name)
-        if present is None or version_key(present) < version_key(version):
+        if present is None or (name in minimums and version_key(present) < version_key(minimums[name])):
             chosen.append(path)
     return chosen
 

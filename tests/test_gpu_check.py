@@ -130,12 +130,13 @@ def test_wheel_names_give_the_distribution_and_its_version():
         gpu_check.wheel_distribution(Path("tensordict-0.15.3.tar.gz"))
 
 
-def test_only_missing_or_older_distributions_are_installed():
+def test_missing_distributions_and_a_setuptools_older_than_77_are_installed_the_rest_kept():
     wheels = [Path(name) for name in ("tensordict-0.15.3-py3-none-any.whl", "setuptools-84.2.1-py3-none-any.whl",
                                       "pytest-9.2.0-py3-none-any.whl", "omegaconf-2.4.0-py3-none-any.whl")]
-    installed = {"setuptools": "70.1.0", "pytest": "9.2.0", "omegaconf": "2.10.0"}
+    installed = {"setuptools": "70.1.0", "pytest": "8.3.5", "omegaconf": "2.3.0"}
     assert [path.name for path in gpu_check.wheels_to_install(wheels, installed)] == [
         "setuptools-84.2.1-py3-none-any.whl", "tensordict-0.15.3-py3-none-any.whl"]
+    assert gpu_check.wheels_to_install(wheels[1:2], {"setuptools": "80.9.0"}) == []
 
 
 def test_two_wheels_of_one_distribution_are_refused():
