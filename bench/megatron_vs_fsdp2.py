@@ -4,16 +4,17 @@ ranks) with 2 CPU processes (gloo) on the same model, the same global batch and 
 Run with ``make bench`` (or ``.venv/bin/python bench/megatron_vs_fsdp2.py [--repetitions 7]``). The script
 launches two processes of itself (``--worker``); in them each contender in turn builds its engine from the
 same Hugging Face checkpoint (a Qwen2 of ~7M parameters written by the launcher), takes warm-up steps,
-then ``--repetitions`` timed ``train_batch`` calls (one optimizer step each, between barriers):
+then ``--repetitions`` timed ``train_batch`` calls (one optimizer step each, between barriers); this is
+repeated for ``--rounds`` rounds, the contenders taking turns, so that drift on a shared machine falls on
+all of them:
 
 - ``megatron TP=2``: one replica split over both processes by tensor parallelism (each takes the whole batch);
 - ``megatron PP=2``: one replica split into two pipeline stages (1F1B over the micro-batches);
 - ``fsdp2 DP=2``: each process takes half the rows, parameters sharded (FSDP2).
 
 Tokens/s counts the valid tokens (``attention_mask``) of the global batch per step; the table shows the
-median over the repetitions and each contender's ratio to fsdp2. One torch thread per process. The
-contenders run one after another in the same two processes (megatron's parallel state is rebuilt between
-layouts), so noise from the shared machine shows in the spread column (min-max of the repetitions).
+median over all timed steps and each contender's ratio to fsdp2; the spread column is the min-max. One
+torch thread per process. megatron's parallel state is rebuilt between layouts in the same two processes.
 """
 
 from __future__ import annotations
@@ -78,24 +79,23 @@ def worker(arguments) -> None:
         ("megatron PP=2", lambda: MegatronEngine(dict(common, pipeline_parallel_size=2)), False),
         ("fsdp2 DP=2", lambda: FSDP2Engine(dict(common, dtype="float32")), True),
     ]
-    results = {}
-    for name, build, data_parallel in contenders:
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        engine = build()
-        engine.init_model()
-        share = batch.chunk(dist.get_world_size())[dist.get_rank()] if data_parallel else batch
-        share.meta_info["ppo_mini_batch_size"] = None
-        times = []
-        for repetition in range(arguments.warmup + arguments.repetitions):
-            dist.barrier()
-            started = time.perf_counter()
-            engine.train_batch(share, PolicyGradientLoss())
-            dist.barrier()
-            if repetition >= arguments.warmup:
-                times.append(time.perf_counter() - started)
-        results[name] = [tokens / seconds for seconds in times]
-        del engine
+    results: dict[str, list[float]] = {name: [] for name, _, _ in contenders}
+    for _ in range(arguments.rounds):
+        for name, build, data_parallel in contenders:
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+            engine = build()
+            engine.init_model()
+            share = batch.chunk(dist.get_world_size())[dist.get_rank()] if data_parallel else batch
+            share.meta_info["ppo_mini_batch_size"] = None
+            for repetition in range(arguments.warmup + arguments.repetitions):
+                dist.barrier()
+                started = time.perf_counter()
+                engine.train_batch(share, PolicyGradientLoss())
+                dist.barrier()
+                if repetition >= arguments.warmup:
+                    results[name].append(tokens / (time.perf_counter() - started))
+            del engine
     if dist.get_rank() == 0:
         with open(arguments.out, "w") as handle:
             json.dump(results, handle)
@@ -118,7 +118,7 @@ def launch(arguments) -> dict:
             port = handle.getsockname()[1]
         out = os.path.join(scratch, "results.json")
         command = [sys.executable, os.path.abspath(__file__), "--worker", "--model", os.path.join(scratch, "model"), "--out", out,
-                   "--repetitions", str(arguments.repetitions), "--warmup", str(arguments.warmup)]
+                   "--repetitions", str(arguments.repetitions), "--warmup", str(arguments.warmup), "--rounds", str(arguments.rounds)]
         processes = [
             subprocess.Popen(command, env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                                            "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
@@ -135,8 +135,9 @@ def launch(arguments) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repetitions", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="times each contender is built and timed, in turn")
+    parser.add_argument("--repetitions", type=int, default=4, help="timed steps per round")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per round")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -154,7 +155,8 @@ def main() -> None:
     for name, rates in results.items():
         median = statistics.median(rates)
         print(f"{name:<16}{median:>20.0f}{f'{min(rates):.0f}-{max(rates):.0f}':>22}{median / reference:>9.2f}x")
-    print(f"median of {arguments.repetitions} steps each after {arguments.warmup} warm-up steps")
+    print(f"median of {arguments.rounds} rounds x {arguments.repetitions} steps per contender (each round rebuilds the engine "
+          f"and takes {arguments.warmup} warm-up step(s); rounds alternate between contenders)")
 
 
 if __name__ == "__main__":
