@@ -7,7 +7,9 @@ those events is the bytes of live tensor storage allocated since profiling start
 ``torch.cuda.memory_allocated()`` counts on a GPU (live blocks, without the allocator's cached free
 blocks; CUDA rounds each block up to 512 bytes, negligible for tensors of this size). Storages that
 existed before the meter started are not seen (their frees are not reported either), so a
-measurement starts before the engine or rollout is built.
+measurement starts before the engine or rollout is built. The profiler sees the allocations and frees
+of the measuring thread only; :class:`LiveStorageMeter` counts the storages themselves and sees frees
+in any thread (a process group's collectives).
 
 :class:`TensorMemoryMeter` records one run; :meth:`TensorMemoryMeter.phase` marks a span of it, and
 :meth:`TensorMemoryMeter.peaks` gives the peak live bytes within each span.
@@ -72,6 +74,89 @@ class TensorMemoryMeter:
         return sum(nbytes for _, nbytes in self.events)
 
 
+class LiveStorageMeter:
+    """Live tensor storage bytes counted from the storages themselves, whichever thread frees them.
+
+    :class:`TensorMemoryMeter` sees the frees of the thread that measures only: a collective's buffer that
+    gloo's worker thread releases would stay live for ever. This meter follows every storage an operator
+    returns in the measuring thread (a ``TorchDispatchMode``; the local tensors of FSDP2's DTensors too),
+    reads each one's current size after every operator (FSDP2 frees and re-allocates gathered
+    parameters by resizing their storage) and forgets a storage when it is freed, in any thread (a
+    weak-reference finalizer). It misses what an operator allocates and frees inside itself, so its peaks
+    sit a little below the allocator's."""
+
+    def __init__(self) -> None:
+        import threading
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        meter = self
+        self.storages: dict[int, "weakref.ref"] = {}
+        self.lock = threading.Lock()
+        self.current: list[str] = []
+        self.results: dict[str, int] = {}
+        self.last = 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                output = func(*args, **(kwargs or {}))
+                meter.observe(output)
+                return output
+
+        self.mode = Mode()
+
+    def observe(self, output) -> None:
+        import weakref
+
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        for leaf in tree_leaves(output):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            leaf = getattr(leaf, "_local_tensor", leaf)
+            if leaf.device.type == "meta":
+                continue
+            storage = leaf.untyped_storage()
+            key = id(storage)
+            with self.lock:
+                if key not in self.storages:
+                    self.storages[key] = weakref.ref(storage)
+                    weakref.finalize(storage, self.forget, key)
+        live = self.live_bytes()
+        for name in self.current:
+            self.results[name] = max(self.results.get(name, 0), live)
+
+    def forget(self, key: int) -> None:
+        with self.lock:
+            self.storages.pop(key, None)
+
+    def live_bytes(self) -> int:
+        with self.lock:
+            alive = [reference() for reference in self.storages.values()]
+        return sum(storage.nbytes() for storage in alive if storage is not None)
+
+    def __enter__(self) -> "LiveStorageMeter":
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.mode.__exit__(*exc_info)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.current.append(name)
+        self.results[name] = max(self.results.get(name, 0), self.live_bytes())
+        try:
+            yield
+        finally:
+            self.current.remove(name)
+
+    def peaks(self) -> dict[str, int]:
+        return dict(self.results)
+
+
 # -- measuring an engine or a rollout in phases, for comparing with the plan ----------------------------
 
 def synthetic_batch(rows: int, prompt_length: int, response_length: int, vocab_size: int, seed: int = 0):
@@ -126,6 +211,15 @@ class CudaPeaks:
         return dict(self.results)
 
 
+def cpu_meter():
+    """A CPU meter: :class:`LiveStorageMeter` in a process group (collectives free buffers in other
+    threads), :class:`TensorMemoryMeter` (the allocator's own accounting) otherwise."""
+    import torch
+
+    distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    return LiveStorageMeter() if distributed else TensorMemoryMeter()
+
+
 def measure_engine(engine_name: str, config: dict, rows: int, prompt_length: int, response_length: int) -> dict[str, int]:
     """Build the engine, run an update (the optimizer states exist from then on), then measure a forward
     (``forward``) and a second update (``update``): the steady state of a run's step. ``rows`` per process."""
@@ -138,7 +232,7 @@ def measure_engine(engine_name: str, config: dict, rows: int, prompt_length: int
     data = synthetic_batch(rows, prompt_length, response_length, vocab)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     data.meta_info["ppo_mini_batch_size"] = rows * world
-    with (CudaPeaks() if cuda else TensorMemoryMeter()) as meter:
+    with (CudaPeaks() if cuda else cpu_meter()) as meter:
         engine = registry.get("engine", engine_name)(config)
         engine.init_model()
         engine.train_batch(data, PolicyGradientLoss())
@@ -158,7 +252,7 @@ def measure_rollout(rollout_name: str, config: dict, rows: int, prompt_length: i
 
     vocab = int((config.get("model_config") or {}).get("vocab_size", 16))
     prompts = synthetic_batch(rows, prompt_length, 0, vocab).select(["input_ids", "attention_mask", "position_ids"])
-    with (CudaPeaks() if torch.cuda.is_available() else TensorMemoryMeter()) as meter:
+    with (CudaPeaks() if torch.cuda.is_available() else cpu_meter()) as meter:
         rollout = registry.get("rollout", rollout_name)(config)
         with meter.phase("generate"):
             rollout.generate(prompts, SamplingParams(max_new_tokens=response_length))
