@@ -64,16 +64,17 @@ def measure(specs: list[dict], world_size: int = 1) -> list[list[dict]]:
     return [[output[index] for output in outputs] for index in range(len(specs))]
 
 
-def predicted(kind: str, config: dict, length: int, processes: int = 1):
-    context = MemoryContext(role="actor" if kind == "engine" else "rollout", processes=processes, device="cpu",
-                            prompt_length=length, response_length=length, sequences_per_process=ROWS)
+def predicted(kind: str, config: dict, length: int, processes: int = 1, device: str = "cpu", model: dict = MODEL,
+              rows: int = ROWS):
+    context = MemoryContext(role="actor" if kind == "engine" else "rollout", processes=processes, device=device,
+                            prompt_length=length, response_length=length, sequences_per_process=rows)
     if kind == "engine":
         from rlplat_engine_fsdp2.memory import estimate
 
-        return estimate(dict(model_config=MODEL, ppo_mini_batch_size=ROWS * processes, **config), MODEL, context)
+        return estimate(dict(model_config=model, ppo_mini_batch_size=rows * processes, **config), model, context)
     from rlplat_rollout_hf.memory import estimate
 
-    return estimate(dict(model_config=MODEL, **config), MODEL, context)
+    return estimate(dict(model_config=model, **config), model, context)
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +112,30 @@ def test_fsdp2_on_two_processes_holds_half_the_training_state_per_process():
     for call in ("forward", "update"):
         measured, prediction = max(rank[call] for rank in ranks), estimate.during(call)
         assert within(prediction, measured), f"2 processes, {call}: predicted {prediction:,} B, measured {measured:,} B ({prediction / measured - 1:+.1%})"
+
+
+#: On a GPU: a model large enough that cuBLAS's workspace and CUDA's 512-byte rounding are noise (170M parameters).
+GPU_MODEL = dict(MODEL, vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                 num_key_value_heads=4, max_position_embeddings=1024, eos_token_id=31999)
+
+
+def gpu_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not gpu_available(), reason="the GPU check needs CUDA")
+def test_on_a_gpu_the_plan_matches_cudas_measured_peaks():
+    """CUDA's ``max_memory_allocated`` per call (:class:`rlplat.plan.measure.CudaPeaks`) against the plan with
+    ``device=cuda``: bfloat16 compute (the engine's ``auto``) and the hf rollout in bfloat16."""
+    specs = [dict(kind="engine", name="fsdp2", config=dict(model_config=GPU_MODEL, micro_batch_size_per_gpu=4), rows=8,
+                  prompt_length=256, response_length=256),
+             dict(kind="rollout", name="hf", config=dict(model_config=GPU_MODEL, dtype="bfloat16"), rows=8,
+                  prompt_length=256, response_length=256)]
+    engine, rollout = (peaks[0] for peaks in measure(specs))
+    plan = predicted("engine", dict(micro_batch_size_per_gpu=4), 256, device="cuda", model=GPU_MODEL, rows=8)
+    for call in ("forward", "update"):
+        assert within(plan.during(call), engine[call]), f"GPU {call}: predicted {plan.during(call):,} B, measured {engine[call]:,} B"
+    generation = predicted("rollout", {"dtype": "bfloat16"}, 256, device="cuda", model=GPU_MODEL, rows=8).during("generate")
+    assert within(generation, rollout["generate"]), f"GPU generation: predicted {generation:,} B, measured {rollout['generate']:,} B"
