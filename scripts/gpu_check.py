@@ -4,9 +4,10 @@
 Without a CUDA GPU it refuses with one line and exit code 2, before it installs or runs anything.
 With one it
 
-1. installs what the machine lacks (and a setuptools older than 77) from the wheels in ``--wheels`` (``make gpu-check-wheels`` downloads
-   them here: constraints/gpu-check.txt) with ``pip --no-index``, then rlplat and its built-in plugins
-   from this checkout (editable, ``--no-deps --no-build-isolation``: Ray is not needed and not there);
+1. installs what the machine lacks (and a setuptools older than 77) from the wheels in ``--wheels``
+   (``make gpu-check-wheels`` downloads them where there is network: constraints/gpu-check.txt) with
+   ``pip --no-index``, then rlplat and its built-in plugins from this checkout (editable, ``--no-deps
+   --no-build-isolation``: Ray is not needed and not there);
 2. runs every check of :mod:`gpu_check_cases` in a process of its own (a fresh CUDA context each, so peak
    memory is the check's own, and a crash or a hang fails that check alone), within a time budget;
 3. writes ``gpu-check.json`` (one line per check: status, figure, values, seconds) and ``gpu-check.log``
@@ -389,7 +390,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(args.out / LOG_FILE, "w") as log:
         if not (args.no_install or args.cpu_smoke):
             print("gpu-check: installing ...", flush=True)
-            lines.append(install(args.wheels.resolve(), log))
+            try:
+                lines.append(install(args.wheels.resolve(), log))
+            except (OSError, ValueError) as error:  # an unreadable or ambiguous wheel folder
+                lines.append(failure_line("install", "error", str(error)))
             print(f"  {lines[-1]['status']}: {lines[-1]['figure']}", flush=True)
         env = environment()
         if lines and lines[0]["status"] != "pass":
