@@ -61,6 +61,15 @@ def test_every_check_has_a_case_and_the_budget_fits_the_minimums():
     assert sum(check.minimum_s for check in gpu_check.CHECKS) <= gpu_check.DEFAULT_BUDGET_S <= 8 * 60
 
 
+def test_a_check_the_budget_cannot_fit_is_reported_not_run(tmp_path, capsys):
+    code = gpu_check.main(["--cpu-smoke", "--only", "rollout-sleep,demo", "--budget-s", "15", "--out", str(tmp_path)])
+    assert code == 1
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert [(line["check"], line["status"]) for line in report["checks"]] == [("rollout-sleep", "not run"), ("demo", "not run")]
+    assert report["checks"][0]["figure"].endswith("s of the 15 s budget left, it needs 20 s")
+    assert capsys.readouterr().out.splitlines()[-2] == "2 not run"
+
+
 def test_exit_code_is_0_only_when_something_passed_and_nothing_else_went_wrong():
     assert gpu_check.exit_code([record("a", "pass"), record("b", "info")]) == 0
     assert gpu_check.exit_code([record("a", "pass"), record("b", "fail")]) == 1
