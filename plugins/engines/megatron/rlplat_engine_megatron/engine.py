@@ -49,6 +49,7 @@ from rlplat_engine_megatron.schedule import WarmupSchedule, fixed_size_partition
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "responses")
 CHECKPOINT_MARKER = "rlplat_megatron_checkpoint.json"
+STAND_IN = "megatron_stand_in"
 
 
 class MegatronEngine(TrainingEngine):
@@ -212,9 +213,29 @@ class MegatronEngine(TrainingEngine):
             raise ValueError(f"MegatronEngine.{method}(): the batch has no rows")
 
     def plan(self, batch: DataProto, micro_batch_size: int) -> list[list[int]]:
+        """Row groups of the micro-batches. The interleaved (virtual pipeline) schedule needs a multiple of
+        the pipeline size: the rows are then spread over that many groups, and a group left empty (fewer
+        rows than stages) is run as a stand-in that contributes nothing (:meth:`micro_batches_of`)."""
         if self.config.use_dynamic_bsz:
-            return token_budget_partition(batch.batch["attention_mask"].sum(-1).tolist(), self.config.max_token_len_per_gpu)
-        return fixed_size_partition(len(batch), micro_batch_size)
+            groups = token_budget_partition(batch.batch["attention_mask"].sum(-1).tolist(), self.config.max_token_len_per_gpu)
+        else:
+            groups = fixed_size_partition(len(batch), micro_batch_size)
+        if len(self.chunks) > 1 and len(groups) % self.pp_size:
+            count = math.ceil(len(groups) / self.pp_size) * self.pp_size
+            rows = len(batch)
+            bounds = [rows * index // count for index in range(count + 1)]
+            groups = [list(range(bounds[index], bounds[index + 1])) for index in range(count)]
+        return groups
+
+    @staticmethod
+    def micro_batches_of(batch: DataProto, groups: list[list[int]], meta_info: dict[str, Any] | None = None) -> list[DataProto]:
+        """The micro-batches of ``groups``; an empty group becomes row 0 marked ``stand_in`` in its meta_info."""
+        micro_batches = []
+        for rows in groups:
+            micro_batch = batch.select_idxs(rows or [0])
+            extra = {**(meta_info or {}), **({STAND_IN: True} if not rows else {})}
+            micro_batches.append(micro_batch.with_meta_info(extra) if extra else micro_batch)
+        return micro_batches
 
     def model_inputs(self, micro_batch: DataProto) -> dict[str, torch.Tensor]:
         """Left-aligned rows and what is needed to read the response positions back."""
@@ -287,6 +308,8 @@ class MegatronEngine(TrainingEngine):
         pieces: list[dict[str, torch.Tensor]] = []
 
         def step(micro_batch: DataProto, inputs: Mapping[str, torch.Tensor], output: torch.Tensor) -> torch.Tensor:
+            if micro_batch.meta_info.get(STAND_IN):
+                return output.new_zeros(())
             outputs = self.outputs_of(output, inputs, temperature, calculate_entropy)
             pieces.append({key: outputs[key].detach().float().cpu() for key in keys})
             return output.new_zeros(())
@@ -294,7 +317,7 @@ class MegatronEngine(TrainingEngine):
         for chunk in self.chunks:
             chunk.eval()
         with torch.no_grad(), self.megatron():
-            self.run_schedule([batch.select_idxs(rows) for rows in groups], step, forward_only=True)
+            self.run_schedule(self.micro_batches_of(batch, groups), step, forward_only=True)
         rows, response_length = batch.batch["responses"].shape
         order = torch.tensor([row for rows_ in groups for row in rows_], dtype=torch.long)
         columns = {}
@@ -358,11 +381,13 @@ class MegatronEngine(TrainingEngine):
         tokens, sequences = self.dp_sum([float(mask.sum()), float((mask.sum(-1) > 0).sum())])
         meta_info = {**mini_batch.meta_info, "global_token_count": tokens, "global_sequence_count": int(sequences)}
         groups = self.plan(mini_batch, self.config.micro_batch_size_per_gpu)
-        micro_batches = [mini_batch.select_idxs(rows).with_meta_info(meta_info) for rows in groups]
+        micro_batches = self.micro_batches_of(mini_batch, groups, meta_info)
         losses: list[float] = []
         metrics: list[dict[str, float]] = []
 
         def step(micro_batch: DataProto, inputs: Mapping[str, torch.Tensor], output: torch.Tensor) -> torch.Tensor:
+            if micro_batch.meta_info.get(STAND_IN):
+                return output.sum() * 0.0
             outputs = self.outputs_of(output, inputs, temperature, calculate_entropy)
             loss, loss_metrics = loss_fn(outputs, micro_batch)
             losses.append(float(loss.detach()))

@@ -66,6 +66,8 @@ def main() -> None:
         output = engine.forward(batch, calculate_entropy=True)
         results[f"{name}/log_probs"] = collected(engine, output.batch["log_probs"])
         results[f"{name}/entropy"] = collected(engine, output.batch["entropy"])
+        if layout.get("single_row"):  # fewer rows than pipeline stages
+            results[f"{name}/single_row"] = collected(engine, engine.forward(batch.select_idxs([0])).batch["log_probs"])
         if layout.get("export"):
             directory = os.path.join(spec["scratch"], f"export-{name}")
             engine.export_hf(directory)

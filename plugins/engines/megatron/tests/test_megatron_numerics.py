@@ -3,7 +3,8 @@ PP=2 and TP=1 agree within 1e-5 and agree with the fsdp2 engine within 1e-5; one
 parameters agree within 1e-6 across TP=1 (two data-parallel ranks, each half the rows), TP=2 and PP=2;
 the distributed optimizer with full recompute and PP=2 with selective recompute take the same step; the
 HF export of a TP=2 model reproduces the checkpoint exactly; save -> load -> step repeats the
-uninterrupted step exactly (PP=2, distributed checkpoint); TP=2 x PP=2 on 4 processes. Each launch runs
+uninterrupted step exactly (PP=2, distributed checkpoint); TP=2 x PP=2 and PP=2 x VPP=2 (interleaved schedule, also on a
+single row: fewer micro-batches than stages) on 4 processes. Each launch runs
 every layout in the same processes (imports cost ~8 s a launch)."""
 
 from __future__ import annotations
@@ -112,12 +113,18 @@ def test_tp2_pp2_and_tp1_agree_with_each_other_and_with_fsdp2_and_export_and_res
 
 
 @pytest.mark.slow
-def test_tp2_by_pp2_on_four_processes_agrees_with_tp1(tmp_path):
-    model = write_checkpoint(tmp_path / "hf", num_key_value_heads=2, tie_word_embeddings=False)
+def test_tp2_by_pp2_and_an_interleaved_pipeline_on_four_processes_agree_with_tp1(tmp_path):
+    model = write_checkpoint(tmp_path / "hf", num_key_value_heads=2, tie_word_embeddings=False, num_hidden_layers=4)
     results = launch(4, {"model": model, "layouts": [
         {"name": "tp1"},
         {"name": "tp2pp2", "tp": 2, "pp": 2, "extra": {"use_distributed_optimizer": True}},
+        {"name": "pp2vpp2", "pp": 2, "extra": {"virtual_pipeline_parallel_size": 2}, "single_row": True},
     ]}, tmp_path)
     assert [info for info in results["tp2pp2/info"] if info[2]] == [(0, 1, True)]
+    assert [info for info in results["pp2vpp2/info"] if info[2]] == [(0, 2, True), (1, 2, True)]
     assert_log_probs_close(results["tp2pp2/log_probs"], results["tp1/log_probs"], "TP=2 x PP=2 vs TP=1")
     assert_weights_close(results["tp2pp2/weights"], results["tp1/weights"], "TP=2 x PP=2 vs TP=1")
+    assert_log_probs_close(results["pp2vpp2/log_probs"], results["tp1/log_probs"], "PP=2 x VPP=2 vs TP=1")
+    assert_weights_close(results["pp2vpp2/weights"], results["tp1/weights"], "PP=2 x VPP=2 vs TP=1")
+    valid = make_batch(8, seed=3).batch["response_mask"][0].bool()
+    assert float((results["pp2vpp2/single_row"][0] - results["tp1/log_probs"][0])[valid].abs().max()) <= LOG_PROB_TOLERANCE
