@@ -206,10 +206,18 @@ def test_the_rlplat_process_refuses_with_exit_code_2_and_no_traceback(cli_run, l
     assert "refused before anything starts" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_memory_check_warn_lets_the_run_pass_and_skip_makes_no_plan(llama_dir, tmp_path):
+def test_memory_check_warn_lets_the_run_pass_and_skip_makes_no_plan(llama_dir, tmp_path, capsys):
+    import typer
+
     from rlplat.cli.run import check_memory
     from rlplat.config import load_config
 
     arguments = refused_run_arguments(llama_dir, tmp_path)[1:-1]
-    for mode in ("warn", "skip"):
-        check_memory(load_config(overrides=[*arguments, f"cluster.memory_check={mode}"]))  # no exit
+    check_memory(load_config(overrides=[*arguments, "cluster.memory_check=warn"]))  # no exit
+    assert "the memory plan does not fit (cluster.memory_check=warn, running anyway)" in capsys.readouterr().err
+    (llama_dir / "config.json").unlink()  # without it no plan can be made: refused, unless no plan is asked for
+    with pytest.raises(typer.Exit) as refused:
+        check_memory(load_config(overrides=arguments))
+    assert refused.value.exit_code == 2 and "has no config.json" in capsys.readouterr().err
+    check_memory(load_config(overrides=[*arguments, "cluster.memory_check=skip"]))
+    assert capsys.readouterr().err == ""
