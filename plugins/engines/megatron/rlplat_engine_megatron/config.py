@@ -121,7 +121,10 @@ def check_layout(config: MegatronEngineConfig, world_size: int, hf_config: Any) 
     vpp = config.virtual_pipeline_parallel_size or 1
     problems = []
     if world_size % (tp * pp):
-        problems.append(f"world size {world_size} is not divisible by tensor_parallel_size x pipeline_parallel_size = {tp} x {pp}")
+        problems.append(
+            f"world size {world_size} is not divisible by tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} "
+            f"(a run needs cluster.backend=ray and cluster.devices_per_node a multiple of {tp * pp})"
+        )
     heads = hf_config.num_attention_heads
     groups = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % tp:
@@ -131,6 +134,9 @@ def check_layout(config: MegatronEngineConfig, world_size: int, hf_config: Any) 
     layers = hf_config.num_hidden_layers
     if layers % (pp * vpp):
         problems.append(f"the model's {layers} layers are not divisible by pipeline_parallel_size x virtual_pipeline_parallel_size = {pp} x {vpp}")
+    vocabulary = hf_config.vocab_size
+    if vocabulary % tp:
+        problems.append(f"the model's vocabulary of {vocabulary} tokens is not divisible by tensor_parallel_size={tp}")
     if problems:
         raise ValueError("megatron engine layout: " + "; ".join(problems))
     return world_size // (tp * pp)

@@ -84,9 +84,6 @@ class MegatronEngine(TrainingEngine):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.hf_config = hf_bridge.hf_config_of(config)
         self.dp_size = check_layout(config, self.world_size, self.hf_config)
-        if self.hf_config.vocab_size % config.tensor_parallel_size:
-            raise ValueError(f"megatron engine layout: the vocabulary of {self.hf_config.vocab_size} tokens is not divisible by "
-                             f"tensor_parallel_size={config.tensor_parallel_size}")
         with self.megatron():
             self.initialise_parallel_state()
             self.build()

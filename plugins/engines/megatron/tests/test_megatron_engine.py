@@ -64,13 +64,19 @@ def test_a_value_model_returns_values_trains_and_exports_a_token_classifier(tmp_
 def test_layout_checks_name_every_size_that_does_not_fit():
     from transformers import AutoConfig
 
-    hf = AutoConfig.for_model(**{**TINY_QWEN2, "num_key_value_heads": 2, "num_hidden_layers": 3})
+    hf = AutoConfig.for_model(**{**TINY_QWEN2, "num_key_value_heads": 2, "num_hidden_layers": 3, "vocab_size": 18})
     config = MegatronEngineConfig(model_config=dict(TINY_QWEN2), tensor_parallel_size=4, pipeline_parallel_size=2)
     with pytest.raises(ValueError) as raised:
         check_layout(config, 6, hf)
     message = str(raised.value)
-    assert "world size 6" in message and "2 key/value heads" in message and "3 layers" in message
+    assert "world size 6" in message and "2 key/value heads" in message and "3 layers" in message and "18 tokens" in message
     assert check_layout(MegatronEngineConfig(model_config=dict(TINY_QWEN2), tensor_parallel_size=2), 4, AutoConfig.for_model(**TINY_QWEN2)) == 2
+
+
+def test_a_layout_larger_than_the_world_is_refused_when_the_engine_is_built(tiny_config):
+    engine = MegatronEngine({**tiny_config, "tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="world size 1 is not divisible by tensor_parallel_size x pipeline_parallel_size = 2 x 1"):
+        engine.init_model()
 
 
 def test_config_errors_are_raised_at_load():
