@@ -144,3 +144,11 @@ def test_the_loss_mask_agrees_with_the_engine_layout_on_padded_rows():
     trained = batch["responses"][0][batch["response_mask"][0].bool()]
     expected = torch.tensor([token for token, keep in zip(example.input_ids, example.loss_mask) if keep])
     assert torch.equal(trained, expected)
+
+
+def test_a_dataset_batch_is_the_batch_of_its_examples(tmp_path):
+    data, _ = dataset(tmp_path, [{"prompt": "12+3=", "response": "15"}, {"prompt": "1+1=", "response": "2"},
+                                 {"prompt": "99+99=", "response": "198"}], arithmetic_tokenizer())
+    gathered = data.collate([2, 0]).batch
+    built = collate_examples([data[2], data[0]], data.pad_token_id).batch
+    assert all(torch.equal(gathered[key], built[key]) for key in built.keys())

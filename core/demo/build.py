@@ -11,8 +11,10 @@ arithmetic demo's reward model (:mod:`rlplat.demo.reward_model`) from the policy
    message, ``reward_model.ground_truth`` the decimal sum).
 2. The model: the arithmetic tokenizer and the 0.53M-parameter Qwen2 of :mod:`rlplat.testing.tiny_models`,
    initialised under the seed.
-3. The warm start: supervised steps on the training pairs (AdamW, lr 1e-3, batch 128, loss on the answer
-   and EOS only), with greedy accuracy on the whole validation split measured every ``--eval-every`` steps;
+3. The warm start: ``rlplat sft``'s library path (:class:`rlplat.sft.trainer.SFTTrainer`, the fsdp2 engine
+   in process) on the training pairs as ``prompt`` / ``response`` rows (AdamW, lr 1e-3, batch 128, no
+   gradient clipping, loss on the answer and EOS only), with greedy accuracy on the whole validation split
+   measured every ``--eval-every`` steps;
    training stops at the first evaluation at or above ``--threshold``. A threshold rather than a step count
    because the demo needs a model that is right sometimes, not one already solved (DEMO_NOTES: ~38% after
    ~200 steps, 73% after 300), and a threshold gives the same starting point whatever the machine's speed.
@@ -62,26 +64,10 @@ def task_rows(pairs: Sequence[tuple[int, int]], split: str) -> list[dict[str, An
     ]
 
 
-def supervised_tensors(pairs, tokenizer):
-    """``(input_ids, attention_mask, labels)`` of ``BOS a+b= sum EOS`` right-padded to one width, the
-    labels ``-100`` outside the answer and its EOS."""
-    import torch
-
-    sequences, answer_starts = [], []
-    for a, b in pairs:
-        prompt = tokenizer(f"{a}+{b}=")["input_ids"]
-        answer = tokenizer(str(a + b), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        sequences.append(prompt + answer)
-        answer_starts.append(len(prompt))
-    width = max(len(sequence) for sequence in sequences)
-    input_ids = torch.full((len(sequences), width), tokenizer.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    labels = torch.full_like(input_ids, -100)
-    for row, (sequence, start) in enumerate(zip(sequences, answer_starts)):
-        input_ids[row, : len(sequence)] = torch.as_tensor(sequence)
-        attention_mask[row, : len(sequence)] = 1
-        labels[row, start: len(sequence)] = input_ids[row, start: len(sequence)]
-    return input_ids, attention_mask, labels
+def supervised_rows(pairs: Sequence[tuple[int, int]]) -> list[dict[str, str]]:
+    """``rlplat sft`` rows (``prompt`` / ``response``), one per pair: with the arithmetic tokenizer (no chat
+    template) the prompt is ``BOS a+b=`` and the loss is on the sum and its EOS (:mod:`rlplat.sft.data`)."""
+    return [{"prompt": f"{a}+{b}=", "response": str(a + b)} for a, b in pairs]
 
 
 def greedy_accuracy(model, tokenizer, pairs: Sequence[tuple[int, int]], batch_size: int = 256) -> float:
@@ -107,36 +93,53 @@ def greedy_accuracy(model, tokenizer, pairs: Sequence[tuple[int, int]], batch_si
 
 def warm_start(model, tokenizer, train_pairs, val_pairs, *, seed: int, threshold: float, eval_every: int,
                max_steps: int, batch_size: int = 128, lr: float = 1e-3, log=print) -> list[dict[str, float]]:
-    """Supervised steps until greedy validation accuracy reaches ``threshold``; returns the evaluations
-    (``step``, ``val_accuracy``, ``loss``). Raises RuntimeError when ``max_steps`` pass without it."""
-    import torch
+    """Supervised steps until greedy validation accuracy reaches ``threshold``, through ``rlplat sft``'s
+    library path (:class:`rlplat.sft.trainer.SFTTrainer` on the fsdp2 engine, in this process): ``model``
+    and ``tokenizer`` are saved to a temporary folder, trained there, and the result is loaded back into
+    ``model``. Returns the evaluations (``step``, ``val_accuracy``, ``loss``: the step's training loss).
+    Raises RuntimeError when ``max_steps`` pass without reaching the threshold."""
+    import tempfile
 
-    input_ids, attention_mask, labels = supervised_tensors(train_pairs, tokenizer)
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
+    from rlplat.data import write_parquet
+    from rlplat.sft.config import load_sft_config
+    from rlplat.sft.trainer import SFTTrainer
+
     history = [{"step": 0, "val_accuracy": greedy_accuracy(model, tokenizer, val_pairs), "loss": None}]
-    order, position = torch.randperm(len(input_ids), generator=generator), 0
-    for step in range(1, max_steps + 1):
-        if position + batch_size > len(order):
-            order, position = torch.randperm(len(input_ids), generator=generator), 0
-        rows = order[position: position + batch_size]
-        position += batch_size
-        loss = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows], labels=labels[rows]).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % eval_every == 0:
+    with tempfile.TemporaryDirectory(prefix="rlplat-warm-start-") as work:
+        work = Path(work)
+        model.save_pretrained(work / "init")
+        tokenizer.save_pretrained(work / "init")
+        train_file = write_parquet(supervised_rows(train_pairs), work / "sft_train.parquet")
+        config = load_sft_config(None, [
+            f"model.path={work / 'init'}", f"data.train_files=[{train_file}]", f"data.train_batch_size={batch_size}",
+            f"data.seed={seed}", "data.max_length=16", f"actor.optim.lr={lr}", "actor.optim.grad_clip=null",
+            f"actor.micro_batch_size_per_gpu={batch_size}", f"trainer.total_training_steps={max_steps}",
+            f"trainer.test_freq={eval_every}", f"trainer.seed={seed}", f"trainer.output_dir={work / 'run'}",
+            "trainer.logger=[jsonl]", "trainer.resume=disable", "cluster.backend=local",
+        ])
+
+        def evaluate(trainer: Any, step: int) -> tuple[dict[str, float], bool]:
+            missing, unexpected = model.load_state_dict(trainer.full_weights(), strict=False)
+            if unexpected or any(name != "lm_head.weight" for name in missing):  # the tied head is given once
+                raise RuntimeError(f"the engine's weights do not fit the demo model: missing {missing}, unexpected {unexpected}")
             accuracy = greedy_accuracy(model, tokenizer, val_pairs)
-            history.append({"step": step, "val_accuracy": accuracy, "loss": loss.item()})
-            log(f"step {step}: loss {loss.item():.3f}, greedy validation accuracy {accuracy:.3f}")
-            if accuracy >= threshold:
-                model.eval()
-                return history
-    raise RuntimeError(
-        f"the warm start did not reach validation accuracy {threshold} within {max_steps} steps "
-        f"(last: {history[-1]['val_accuracy']:.3f}); raise --max-steps or lower --threshold"
-    )
+            loss = trainer.metrics.get("train/loss")
+            history.append({"step": step, "val_accuracy": accuracy, "loss": loss})
+            log(f"step {step}: loss {loss:.3f}, greedy validation accuracy {accuracy:.3f}")
+            return {"val/greedy_accuracy": accuracy}, accuracy >= threshold
+
+        trainer = SFTTrainer(config, evaluate=evaluate)
+        try:
+            trainer.fit()
+        finally:
+            trainer.shutdown()
+    model.eval()
+    if history[-1]["val_accuracy"] < threshold:
+        raise RuntimeError(
+            f"the warm start did not reach validation accuracy {threshold} within {max_steps} steps "
+            f"(last: {history[-1]['val_accuracy']:.3f}); raise --max-steps or lower --threshold"
+        )
+    return history
 
 
 def folder_bytes(folder: Path) -> int:
@@ -175,7 +178,8 @@ def build(out: Path, *, seed: int = 0, threshold: float = 0.35, eval_every: int 
         "train_prompts": len(train_pairs),
         "val_prompts": len(val_pairs),
         "parameters": sum(parameter.numel() for parameter in model.parameters()),
-        "warm_start": {"optimizer": "AdamW", "lr": 1e-3, "batch_size": 128, "loss": "answer tokens and EOS",
+        "warm_start": {"trainer": "rlplat sft (rlplat.sft.trainer.SFTTrainer, fsdp2 engine, in process)",
+                       "optimizer": "AdamW", "lr": 1e-3, "batch_size": 128, "loss": "answer tokens and EOS",
                        "threshold": threshold, "steps": history[-1]["step"]},
         "val_accuracy": history[-1]["val_accuracy"],
         "val_accuracy_history": history,

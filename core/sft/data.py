@@ -297,6 +297,15 @@ class SFTDataset:
         digest.update(self.token_ids.tobytes())
         digest.update(self.loss_masks.tobytes())
         self.fingerprint = digest.hexdigest()[:16]
+        self.splits = first_trained(self.loss_masks, self.offsets[:-1], lengths)
+        """Where each example's response starts (:func:`collate_examples`)."""
+
+    def collate(self, indices: Sequence[int]) -> DataProto:
+        """The batch of the examples at ``indices`` (:func:`collate_examples`)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        starts = self.offsets[indices]
+        return collate_flat(self.token_ids, self.loss_masks, starts, self.offsets[indices + 1] - starts, indices,
+                            self.pad_token_id, self.splits[indices])
 
     def _read_file(self, file_number: int, path: str, examples: list[Example]) -> list[tuple[str, int, int]]:
         config, where = self.config, f"{self.config_key}: {path}"
@@ -389,37 +398,47 @@ class SFTDataset:
 
 
 def collate_examples(rows: Sequence[Mapping[str, Any]], pad_token_id: int) -> DataProto:
-    """Examples -> one batch in the engine contract's layout (see the module docstring): the prompt (the
-    tokens before the first trained one, at least one token) left padded, the response right padded,
-    ``response_mask`` 1 on its trained tokens; non-tensor ``index``."""
+    """Examples (dicts with ``input_ids``, ``loss_mask`` and ``index``) -> one batch in the engine contract's
+    layout (see the module docstring): the prompt (the tokens before the first trained one, at least one
+    token) left padded, the response right padded, ``response_mask`` 1 on its trained tokens; non-tensor
+    ``index``."""
     if not rows:
         raise ValueError("collate_examples needs at least one example")
-    splits = []
-    for row in rows:
-        mask = row["loss_mask"]
-        first = next((position for position, value in enumerate(mask) if value and position > 0), len(mask))
-        splits.append(max(first, 1))
-    prompt_width = max(splits)
-    response_width = max(len(row["input_ids"]) - split for row, split in zip(rows, splits))
-    size = len(rows)
-    prompts = torch.full((size, prompt_width), pad_token_id, dtype=torch.long)
-    responses = torch.full((size, response_width), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((size, prompt_width), dtype=torch.long)
-    attention_tail = torch.zeros((size, response_width), dtype=torch.long)
-    response_mask = torch.zeros((size, response_width), dtype=torch.long)
-    for number, (row, split) in enumerate(zip(rows, splits)):
-        ids, mask = row["input_ids"], row["loss_mask"]
-        prompts[number, prompt_width - split:] = torch.as_tensor(ids[:split])
-        prompt_mask[number, prompt_width - split:] = 1
-        length = len(ids) - split
-        responses[number, :length] = torch.as_tensor(ids[split:])
-        attention_tail[number, :length] = 1
-        response_mask[number, :length] = torch.as_tensor(mask[split:])
-    attention_mask = torch.cat([prompt_mask, attention_tail], dim=1)
+    lengths = np.asarray([len(row["input_ids"]) for row in rows], dtype=np.int64)
+    starts = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(lengths)[:-1]])
+    token_ids = np.concatenate([np.asarray(row["input_ids"], dtype=np.int64) for row in rows])
+    loss_masks = np.concatenate([np.asarray(row["loss_mask"], dtype=np.int64) for row in rows])
+    return collate_flat(token_ids, loss_masks, starts, lengths, np.asarray([int(row["index"]) for row in rows]), pad_token_id)
+
+
+def first_trained(loss_masks: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Where each example's response starts: its first trained token after the first token (at least 1)."""
+    splits = np.empty(len(starts), dtype=np.int64)
+    for number, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist())):
+        trained = np.flatnonzero(loss_masks[start + 1: start + length])
+        splits[number] = 1 + (int(trained[0]) if len(trained) else length - 1)
+    return splits
+
+
+def collate_flat(token_ids: np.ndarray, loss_masks: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                 indices: np.ndarray, pad_token_id: int, splits: np.ndarray | None = None) -> DataProto:
+    """:func:`collate_examples` of examples stored end to end (``token_ids`` and ``loss_masks`` flat,
+    example ``i`` at ``starts[i]``, ``lengths[i]`` tokens), gathered in one vectorised pass."""
+    if splits is None:
+        splits = first_trained(loss_masks, starts, lengths)
+    prompt_width, response_width = int(splits.max()), int((lengths - splits).max())
+    columns = np.arange(prompt_width + response_width)[None, :]
+    source = starts[:, None] + splits[:, None] - prompt_width + columns
+    valid = (columns >= prompt_width - splits[:, None]) & (columns < prompt_width + (lengths - splits)[:, None])
+    source = np.where(valid, source, 0)
+    input_ids = torch.from_numpy(np.where(valid, token_ids[source], pad_token_id).astype(np.int64))
+    attention_mask = torch.from_numpy(valid.astype(np.int64))
+    trained = torch.from_numpy((np.where(valid, loss_masks[source], 0) != 0).astype(np.int64))
     position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
-    tensors = {"input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention_mask,
-               "position_ids": position_ids, "prompts": prompts, "responses": responses, "response_mask": response_mask}
-    return DataProto.from_dict(tensors, {"index": np.asarray([int(row["index"]) for row in rows], dtype=np.int64)})
+    tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+               "prompts": input_ids[:, :prompt_width], "responses": input_ids[:, prompt_width:],
+               "response_mask": trained[:, prompt_width:]}
+    return DataProto.from_dict(tensors, {"index": np.asarray(indices, dtype=np.int64)})
 
 
 class SFTLoader(StatefulLoader):
@@ -431,14 +450,13 @@ class SFTLoader(StatefulLoader):
         self.position += len(indices)
         if self.position >= self.rows_per_epoch:
             self.epoch, self.position = self.epoch + 1, 0
-        return collate_examples([self.dataset[int(index)] for index in indices], self.pad_token_id)
+        return self.dataset.collate(indices)
 
 
 def validation_batches(dataset: SFTDataset, batch_size: int | None) -> list[DataProto]:
     """The validation set in order, ``batch_size`` examples at a time (None: one batch)."""
     size = batch_size or len(dataset)
-    return [collate_examples([dataset[index] for index in range(start, min(start + size, len(dataset)))], dataset.pad_token_id)
-            for start in range(0, len(dataset), size)]
+    return [dataset.collate(np.arange(start, min(start + size, len(dataset)))) for start in range(0, len(dataset), size)]
 
 
 def build_sft_data(config: Any, tokenizer: Any) -> tuple[SFTLoader, SFTDataset | None]:

@@ -61,6 +61,8 @@ class SFTTrainer:
         self.group: Any = None
         self.pools: list[Any] = []
         self.step = 0
+        self.metrics: dict[str, float] = {}
+        """The current step's metrics (what ``evaluate`` may read)."""
 
     # -- workers ---------------------------------------------------------------------------------------
 
@@ -117,7 +119,7 @@ class SFTTrainer:
                 tracker.log(self.validate(), step=0)
             while self.step < self.total_steps:
                 self.step += 1
-                metrics = self.train_step()
+                metrics = self.metrics = self.train_step()
                 stop = False
                 due = (trainer.test_freq and self.step % trainer.test_freq == 0) or self.step == self.total_steps
                 if due:
