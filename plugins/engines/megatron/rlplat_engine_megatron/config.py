@@ -63,8 +63,6 @@ class MegatronEngineConfig(EngineBuildConfig):
     optimizer_offload: bool = False
     """GPU only: keep the optimizer state in CPU memory between updates (megatron's hybrid CPU/GPU
     optimizer; needs ``use_distributed_optimizer``)."""
-    param_offload: bool = False
-    """GPU only: move parameters and gradient buffers to CPU memory between phases (``offload``)."""
 
     def __post_init__(self) -> None:
         problems = []

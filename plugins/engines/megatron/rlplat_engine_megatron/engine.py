@@ -504,7 +504,7 @@ class MegatronEngine(TrainingEngine):
         tensors = {}
         for name, tensor in self.full_weights():
             if self.rank == 0:
-                tensors[name] = tensor.detach().float().cpu() if tensor.dtype != torch.float32 and self.compute_dtype() == torch.float32 else tensor.detach().cpu()
+                tensors[name] = tensor.detach().cpu()
         if self.rank == 0:
             hf_bridge.write_hf(path, tensors, self.hf_config, self.config.value_model, self.tokenizer_path())
         dist.barrier()
@@ -578,18 +578,12 @@ class MegatronEngine(TrainingEngine):
     # -- offload -----------------------------------------------------------------------------------
 
     def offload(self) -> None:
-        """GPU only (a no-op on CPU): parameters and gradient buffers to CPU memory."""
-        if self.on_cpu or not self.config.param_offload:
-            return
-        for chunk in self.chunks:
-            chunk.module.to("cpu")
-        torch.cuda.empty_cache()
+        """Nothing moves: megatron's DDP keeps the parameters and gradients in contiguous buffers that its
+        optimizer and gradient reduction hold views of, so they stay where they are (on CPU there is
+        nothing to free). The optimizer state offloads through megatron itself (``optimizer_offload``)."""
 
     def onload(self) -> None:
-        if self.on_cpu or not self.config.param_offload:
-            return
-        for chunk in self.chunks:
-            chunk.module.to("cuda")
+        """See :meth:`offload`."""
 
     # -- facts -------------------------------------------------------------------------------------
 
