@@ -221,3 +221,63 @@ def test_memory_check_warn_lets_the_run_pass_and_skip_makes_no_plan(llama_dir, t
     assert refused.value.exit_code == 2 and "has no config.json" in capsys.readouterr().err
     check_memory(load_config(overrides=[*arguments, "cluster.memory_check=skip"]))
     assert capsys.readouterr().err == ""
+
+
+def test_tensor_pipeline_and_data_parallel_sharding_of_the_training_state():
+    from rlplat.plan.estimate import training_state_items
+
+    # Megatron's layout for 8,030,261,248 parameters on TP 2 x PP 2 x DP 2 = 8 devices: bf16 weights and fp32
+    # gradients split by TP x PP (2,007,565,312 each), fp32 master weights and AdamW's moments split by DP too
+    # (distributed optimizer): 2 + 4 + (4 + 8) / 2 = 12 B per local parameter
+    items = {item.name: item.bytes for item in training_state_items(LLAMA3_8B_PARAMETERS, data_parallel=2, tensor_parallel=2,
+                                                                     pipeline_parallel=2)}
+    local = LLAMA3_8B_PARAMETERS // 4
+    assert items == {"parameters": local * 2, "gradients": local * 4, "master weights": local * 4 // 2,
+                     "optimizer states": local * 8 // 2}
+    assert sum(items.values()) == 12 * local == 24_090_783_744
+    # FSDP's layout is the same helper with everything sharded over 8: the 16 B per parameter of mixed-precision Adam
+    fsdp = training_state_items(LLAMA3_8B_PARAMETERS, data_parallel=8, weight_dtype="float32", master_dtype=None,
+                                shard_weights_and_gradients=True)
+    assert sum(item.bytes for item in fsdp) == 16 * LLAMA3_8B_PARAMETERS // 8
+
+
+class FixedEngine:
+    """A third party's engine class as the registry holds it: only the optional estimate matters here."""
+
+    @classmethod
+    def estimate_memory(cls, config, model_config, context):
+        from rlplat.plan import MemoryEstimate, MemoryItem
+
+        layers = model_config["num_hidden_layers"]
+        return MemoryEstimate((MemoryItem("weights", layers * GIB, ("resident",), f"{layers} layers x 1 GiB"),
+                               MemoryItem("workspace", GIB // context.processes, ("update",), "1 GiB over the processes")))
+
+
+class SilentEngine:
+    """An engine that gives no estimate (the contract's default)."""
+
+    @classmethod
+    def estimate_memory(cls, config, model_config, context):
+        return None
+
+
+def test_a_third_party_engine_plugs_its_own_estimate_into_the_plan(llama_dir):
+    import rlplat
+    from rlplat import registry
+
+    class Plugin:
+        @rlplat.hookimpl
+        def register_engines(self, register):
+            register("fixed-test-engine", FixedEngine)
+            register("silent-test-engine", SilentEngine)
+
+    registry.register_plugin(Plugin(), name="plan-test-engines")
+    try:
+        plan = plan_of(llama_dir, "actor.engine=fixed-test-engine", "rollout.name=hf", "cluster.devices_per_node=4")
+        actor = next(component for component in plan.components if component.role == "actor")
+        assert [(item.name, item.bytes) for item in actor.estimate.items] == [("weights", 32 * GIB), ("workspace", GIB // 4)]
+        assert plan.totals("actor")["update_actor"] - plan.totals("actor")["old_log_prob"] == GIB // 4
+        silent = plan_of(llama_dir, "actor.engine=silent-test-engine", "rollout.name=hf")
+        assert "actor (engine silent-test-engine): unknown, engine 'silent-test-engine' gives no memory estimate; not counted" in silent.notes()
+    finally:
+        registry.unregister_plugin("plan-test-engines")

@@ -248,3 +248,36 @@ def fraction_rollout_estimate(name: str, shape: ModelShape, dtype: str, fraction
         notes = (f"{name}: the KV cache holds {tokens:,} tokens, this step's sequences need {needed_tokens:,}: "
                  "they are decoded in turns",)
     return MemoryEstimate((weights, reserve, kv, bucket), notes, problems)
+
+
+def training_state_items(parameters: int, *, trainable: Optional[int] = None, data_parallel: int = 1, tensor_parallel: int = 1,
+                         pipeline_parallel: int = 1, weight_dtype: str = "bfloat16", master_dtype: Optional[str] = "float32",
+                         gradient_dtype: str = "float32", optimizer_bytes_per_parameter: int = 8,
+                         shard_master_and_optimizer: bool = True, shard_weights_and_gradients: bool = False,
+                         calls: tuple[str, ...] = ("resident",)) -> tuple[MemoryItem, ...]:
+    """Weights, gradients, master weights and optimizer states of one device of a model split over
+    ``tensor_parallel x pipeline_parallel`` (every device holds ``1 / (TP x PP)`` of the parameters) and
+    replicated or sharded over ``data_parallel``: ``shard_master_and_optimizer`` (ZeRO-1 / a distributed
+    optimizer) divides the master weights and optimizer states by DP, ``shard_weights_and_gradients``
+    (ZeRO-3 / FSDP) the weights and gradients too. ``master_dtype`` None: the weights are the master copy.
+    AdamW keeps ``optimizer_bytes_per_parameter`` = 8 (two float32 moments). For an engine with tensor or
+    pipeline parallelism (Megatron) to build its :class:`MemoryEstimate` from."""
+    trainable = parameters if trainable is None else trainable
+    model_split = tensor_parallel * pipeline_parallel
+    local, local_trainable = -(-parameters // model_split), -(-trainable // model_split)
+    weights_shards = data_parallel if shard_weights_and_gradients else 1
+    state_shards = data_parallel if shard_master_and_optimizer or shard_weights_and_gradients else 1
+    where = f"/ (TP {tensor_parallel} x PP {pipeline_parallel})"
+
+    def item(name: str, count: int, element: str, shards: int, extra: str = "") -> MemoryItem:
+        size = dtype_bytes(element) if element != "optimizer" else optimizer_bytes_per_parameter
+        label = element if element != "optimizer" else f"{optimizer_bytes_per_parameter} B"
+        detail = f"{count * model_split:,} {where} x {size} B ({label})" + (f" / DP {shards}" if shards > 1 else "") + extra
+        return MemoryItem(name, -(-count * size // shards), calls, detail)
+
+    items = [item("parameters", local, weight_dtype, weights_shards),
+             item("gradients", local_trainable, gradient_dtype, weights_shards)]
+    if master_dtype is not None:
+        items.append(item("master weights", local_trainable, master_dtype, state_shards))
+    items.append(item("optimizer states", local_trainable, "optimizer", state_shards))
+    return tuple(items)
