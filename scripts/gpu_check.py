@@ -11,7 +11,8 @@ With one it
 2. runs every check of :mod:`gpu_check_cases` in a process of its own (a fresh CUDA context each, so peak
    memory is the check's own, and a crash or a hang fails that check alone), within a time budget;
 3. writes ``gpu-check.json`` (one line per check: status, figure, values, seconds) and ``gpu-check.log``
-   (everything the checks printed) into ``--out``, and prints a summary table.
+   (everything the checks printed) into ``--out``, and prints a summary table; what the checks write
+   besides (the demo's run, pytest's XML) goes to ``--work``, so ``--out`` holds those two files alone.
 
 Exit code: 0 when every check passed, 1 when one failed or did not run, 2 when it refused.
 ``--cpu-smoke`` runs the same checks at toy sizes on the CPU with what is installed: it tests this script,
@@ -296,12 +297,12 @@ def child_environment() -> dict[str, str]:
     return env
 
 
-def run_check(check: Check, out: Path, log, timeout_s: float, smoke: bool) -> list[dict[str, Any]]:
+def run_check(check: Check, work: Path, log, timeout_s: float, smoke: bool) -> list[dict[str, Any]]:
     """Run one check in a process of its own; its lines, or one line saying why there are none."""
-    result_file = out / f".{check.name}.result.json"
+    result_file = work / f"{check.name}.result.json"
     result_file.unlink(missing_ok=True)
     command = [sys.executable, str(Path(__file__).resolve()), "--child", check.name, "--result-file", str(result_file),
-               "--out", str(out)] + (["--cpu-smoke"] if smoke else [])
+               "--work", str(work)] + (["--cpu-smoke"] if smoke else [])
     log.write(f"\n===== {check.name}: {check.description}\n")
     log.flush()
     started = time.time()
@@ -337,7 +338,7 @@ def stop_group(child: subprocess.Popen) -> None:
     child.wait()
 
 
-def run_child(name: str, result_file: Path, out: Path, smoke: bool) -> int:
+def run_child(name: str, result_file: Path, work: Path, smoke: bool) -> int:
     """Inside a check's own process: run it, write its lines (an exception becomes an ``error`` line)."""
     import traceback
 
@@ -346,7 +347,7 @@ def run_child(name: str, result_file: Path, out: Path, smoke: bool) -> int:
 
     started = time.time()
     try:
-        context = gpu_check_cases.Context(device="cpu" if smoke else "cuda", out=out, smoke=smoke)
+        context = gpu_check_cases.Context(device="cpu" if smoke else "cuda", work=work, smoke=smoke)
         lines = gpu_check_cases.CASES[name](context)
     except Exception as error:
         traceback.print_exc()
@@ -368,6 +369,7 @@ def select(only: str | None) -> list[Check]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu-check", help="folder of the report and the log")
+    parser.add_argument("--work", type=Path, default=REPO / "runs" / "gpu-check-work", help="folder of what the checks write besides")
     parser.add_argument("--wheels", type=Path, default=REPO / ".gpu-wheels", help="the wheels `make gpu-check-wheels` downloaded")
     parser.add_argument("--only", help=f"comma-separated checks to run (of {', '.join(CHECK_NAMES)})")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="seconds for all checks together, install included")
@@ -377,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--result-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        return run_child(args.child, args.result_file, args.out, args.cpu_smoke)
+        return run_child(args.child, args.result_file, args.work, args.cpu_smoke)
     checks = select(args.only)
     if not args.cpu_smoke:
         problem = gpu_problem()
@@ -386,6 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     started = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
     lines: list[dict[str, Any]] = []
     with open(args.out / LOG_FILE, "w") as log:
         if not (args.no_install or args.cpu_smoke):
@@ -406,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                           f"{check.minimum_s:.0f} s"))
                 continue
             print(f"gpu-check: {check.name} ...", flush=True)
-            produced = run_check(check, args.out, log, min(check.timeout_s, left), args.cpu_smoke)
+            produced = run_check(check, args.work, log, min(check.timeout_s, left), args.cpu_smoke)
             for record in produced:
                 print(f"  {record['status']}: {record['name']}: {record['figure']}", flush=True)
             lines += produced

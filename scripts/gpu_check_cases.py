@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,7 +52,8 @@ GIB = 2**30
 class Context:
     device: str
     """``cuda`` on the GPU machine, ``cpu`` under ``--cpu-smoke``."""
-    out: Path
+    work: Path
+    """Where a check writes what it needs on disk (the demo's run, pytest's report)."""
     smoke: bool = False
 
     @property
@@ -482,7 +484,7 @@ def junit_counts(path: Path) -> dict[str, Any]:
 
 def check_pytest_gpu(context: Context) -> list[dict]:
     files = gpu_test_files()
-    junit = context.out / "pytest-gpu.xml"
+    junit = context.work / "pytest-gpu.xml"
     command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}",
                *map(str, files)]
     result = subprocess.run(command, cwd=REPO, env=child_environment(), timeout=600)
@@ -506,7 +508,8 @@ def check_demo(context: Context) -> list[dict]:
     from rlplat.tracking import read_metrics
 
     steps = context.size(150, 2)
-    output_dir = context.out / "demo-run"
+    output_dir = context.work / "demo-run"
+    shutil.rmtree(output_dir, ignore_errors=True)  # a rerun's metrics must not follow the last run's
     command = [sys.executable, "-m", "rlplat.cli.main", "run", "--demo", "arith", f"trainer.total_training_steps={steps}",
                f"trainer.test_freq={context.size(50, 1)}", "trainer.save_freq=0", "trainer.resume=disable",
                f"trainer.output_dir={output_dir}", "trainer.logger=[console,jsonl]", f"cluster.use_gpu={str(context.cuda).lower()}"]

@@ -62,7 +62,8 @@ def test_every_check_has_a_case_and_the_budget_fits_the_minimums():
 
 
 def test_a_check_the_budget_cannot_fit_is_reported_not_run(tmp_path, capsys):
-    code = gpu_check.main(["--cpu-smoke", "--only", "rollout-sleep,demo", "--budget-s", "15", "--out", str(tmp_path)])
+    code = gpu_check.main(["--cpu-smoke", "--only", "rollout-sleep,demo", "--budget-s", "15", "--out", str(tmp_path),
+                           "--work", str(tmp_path / "work")])
     assert code == 1
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     assert [(line["check"], line["status"]) for line in report["checks"]] == [("rollout-sleep", "not run"), ("demo", "not run")]
@@ -211,7 +212,7 @@ def test_the_gpu_tests_found_include_this_file_and_the_backends():
 
 
 def smoke(name: str, tmp_path) -> list[dict]:
-    lines = gpu_check_cases.CASES[name](gpu_check_cases.Context(device="cpu", out=tmp_path, smoke=True))
+    lines = gpu_check_cases.CASES[name](gpu_check_cases.Context(device="cpu", work=tmp_path, smoke=True))
     assert lines and all(record["check"] == name and record["status"] == "pass" for record in lines), lines
     json.dumps(lines)  # the report can hold them
     return lines
@@ -255,13 +256,16 @@ def test_offload_at_toy_sizes_runs_the_four_variants_with_the_same_loss(tmp_path
 @pytest.mark.slow
 def test_the_driver_runs_a_check_in_its_own_process_and_reports_it(tmp_path):
     result = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--cpu-smoke", "--only", "rollout-sleep,demo",
-                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                             "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["gpu-check.json", "gpu-check.log"]
+    report = json.loads((tmp_path / "out/gpu-check.json").read_text())
     assert [line["check"] for line in report["checks"]] == ["rollout-sleep", "rollout-sleep", "demo"]
     assert report["counts"]["pass"] == 3 and report["exit_code"] == 0
     assert report["checks"][2]["values"]["accuracy"][0][0] == 0  # validation before the first step
-    assert "===== demo" in (tmp_path / "gpu-check.log").read_text()
+    assert "===== demo" in (tmp_path / "out/gpu-check.log").read_text()
+    assert (tmp_path / "work/demo-run/metrics.jsonl").exists()
     assert result.stdout.splitlines()[-2] == "3 pass"
 
 
