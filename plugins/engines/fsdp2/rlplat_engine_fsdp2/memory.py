@@ -98,7 +98,7 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
     if sharded:
         root = shape.embedding_parameters() + shape.hidden_size + shape.head_parameters(head)
         layer = shape.layer_parameters()
-        items.append(MemoryItem("gathered parameters", (root + 2 * layer) * b, calls,
+        items.append(MemoryItem("gathered parameters", (root + 2 * layer) * b, tuple(call for call in calls if call != "export"),
                                 f"FSDP all-gather in {compute}: root group ({root:,}) + 2 layers ({layer:,} each)"))
         if trains:
             items.append(MemoryItem("unsharded gradients", (root + layer) * b, ("update",),
@@ -137,7 +137,7 @@ def activation_item(shape: ModelShape, engine: Any, call: str, b: int, tokens: i
         logits = tokens * 4
     if call == "forward":
         layer = tokens * b * (2 * h + 3 * shape.active_intermediate())
-        return MemoryItem("activations", layer + logits, ("forward",),
+        return MemoryItem("forward activations", layer + logits, ("forward",),
                           f"{tokens:,} tokens per micro-batch, largest layer transient + logits of {response_tokens:,} response tokens, no gradients")
     per_layer = layer_activation_bytes(shape, b)
     final_norm = b * h + 2 * b * h + (4 * h if b != 4 else 0)
