@@ -281,3 +281,9 @@ def test_a_third_party_engine_plugs_its_own_estimate_into_the_plan(llama_dir):
         assert "actor (engine silent-test-engine): unknown, engine 'silent-test-engine' gives no memory estimate; not counted" in silent.notes()
     finally:
         registry.unregister_plugin("plan-test-engines")
+
+
+def test_plan_reads_the_engine_node_with_the_engines_own_reader(llama_dir):
+    code, _, stderr = invoke("plan", f"model.path={llama_dir}", "actor.engine_config.enable_gradient_checkpoint=true")
+    assert code == 2
+    assert "unknown key 'enable_gradient_checkpoint'. Did you mean 'enable_gradient_checkpointing'?" in stderr
