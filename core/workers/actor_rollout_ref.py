@@ -303,6 +303,11 @@ class ActorRolloutRefWorker(Worker):
             return DataProto(meta_info={"metrics": metrics})
         if from_forward.entropy_tokens and "actor/entropy" not in metrics:
             metrics["actor/entropy"] = from_forward.entropy_sum / from_forward.entropy_tokens
+        if not self.dispatch_info()[2]:
+            # The driver takes this data-parallel group's output from another rank: an engine's rank that
+            # computes no loss (a pipeline stage before the last) never sees the log-probs.
+            return DataProto.from_dict({"old_log_probs": torch.zeros(len(batch), batch.batch["responses"].shape[1])},
+                                       meta_info={"metrics": metrics})
         return DataProto.from_dict({"old_log_probs": from_forward.result()}, meta_info={"metrics": metrics})
 
     # -- weights -----------------------------------------------------------------------------------
