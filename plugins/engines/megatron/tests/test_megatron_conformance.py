@@ -1,5 +1,6 @@
 """The megatron engine passes rlplat's training-engine conformance suite (one rank, in this process, on
-CPU through the scoped substitutes), with fixed-size and token-budget micro-batches."""
+CPU through the scoped substitutes). Token-budget micro-batches are checked against TP=1 in
+test_megatron_numerics.py."""
 
 from __future__ import annotations
 
@@ -17,14 +18,3 @@ class TestMegatronEngine(TrainingEngineConformance):
     @pytest.fixture
     def engine_batch(self, batch_of):
         return batch_of(6)
-
-
-@pytest.mark.slow
-class TestMegatronEngineWithATokenBudget(TrainingEngineConformance):
-    @pytest.fixture
-    def engine_factory(self, tiny_config):
-        return lambda: MegatronEngine(tiny_config, use_dynamic_bsz=True, max_token_len_per_gpu=20)
-
-    @pytest.fixture
-    def engine_batch(self, batch_of):
-        return batch_of(6, seed=1)

@@ -1,6 +1,9 @@
-"""The megatron engine through the whole loop: PPO on the built-in demo with a TP=2 actor (Ray, two CPU
-processes) and a TP=2 megatron critic (value head), three steps, the weight-sync probe checking after every
-sync that the rollout scores what the actor scores (named_weights feeding the hf rollout)."""
+"""The megatron engine through the whole loop: PPO on the built-in demo with a PP=2 actor (Ray, two CPU
+processes) and a PP=2 megatron critic (value head) in the same processes, three steps, the weight-sync
+probe checking after every sync that the rollout scores what the actor scores (named_weights gathered from
+both stages feeding the hf rollout). With pipeline stages the first stage computes no loss, so this also
+covers the actor worker's on-policy update, whose old log-probs come from the last stage only. (GRPO with
+a TP=2 actor on the demo is measured in the README.)"""
 
 from __future__ import annotations
 
@@ -15,11 +18,11 @@ from rlplat.testing import fit_run
 pytestmark = pytest.mark.slow
 
 
-def test_ppo_with_a_tp2_actor_and_a_megatron_critic_runs_three_steps_and_the_rollout_gets_the_weights(tmp_path):
+def test_ppo_with_a_pp2_actor_and_a_pp2_megatron_critic_runs_three_steps_and_the_rollout_gets_the_weights(tmp_path):
     config = load_config(
         overrides=[
-            *overrides(), "critic.engine=megatron", "actor.engine_config.tensor_parallel_size=2",
-            "critic.engine_config.tensor_parallel_size=2", "cluster.backend=ray", "cluster.devices_per_node=2",
+            *overrides(), "critic.engine=megatron", "actor.engine_config.pipeline_parallel_size=2",
+            "critic.engine_config.pipeline_parallel_size=2", "cluster.backend=ray", "cluster.devices_per_node=2",
             "cluster.threads_per_process=1", "trainer.total_training_steps=3", "trainer.test_freq=3", "trainer.save_freq=1000",
             "trainer.val_before_train=false", "trainer.logger=[jsonl]", f"trainer.output_dir={tmp_path / 'run'}",
             "rollout.sync_probe.freq=1", "rollout.sync_probe.tolerance=1e-5",

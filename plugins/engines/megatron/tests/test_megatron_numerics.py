@@ -1,7 +1,7 @@
 """Numerics of the megatron engine on CPU (gloo), from the same Hugging Face weights: log-probs of TP=2,
 PP=2 and TP=1 agree within 1e-5 and agree with the fsdp2 engine within 1e-5; one training step's
 parameters agree within 1e-6 across TP=1 (two data-parallel ranks, each half the rows), TP=2 and PP=2;
-the distributed optimizer with full recompute and PP=2 with selective recompute take the same step; the
+the distributed optimizer with full recompute and PP=2 with selective recompute and token-budget micro-batches take the same step; the
 HF export of a TP=2 model reproduces the checkpoint exactly; save -> load -> step repeats the
 uninterrupted step exactly (PP=2, distributed checkpoint); TP=2 x PP=2 and PP=2 x VPP=2 (interleaved schedule, also on a
 single row: fewer micro-batches than stages) on 4 processes. Each launch runs
@@ -88,7 +88,8 @@ def test_tp2_pp2_and_tp1_agree_with_each_other_and_with_fsdp2_and_export_and_res
         {"name": "tp2", "tp": 2, "export": True},
         {"name": "pp2", "pp": 2, "resume": True},
         {"name": "dp2-distributed-recompute", "extra": {"use_distributed_optimizer": True, "recompute_granularity": "full"}},
-        {"name": "pp2-selective", "pp": 2, "extra": {"recompute_granularity": "selective"}},
+        {"name": "pp2-selective-budget", "pp": 2, "extra": {"recompute_granularity": "selective", "use_dynamic_bsz": True,
+                                                             "max_token_len_per_gpu": 24}},
     ]}, tmp_path)
     # Layouts: two data-parallel ranks at TP=1; one replica over both ranks at TP=2 (TP rank 0 collects)
     # and at PP=2 (the last stage collects).
@@ -104,7 +105,8 @@ def test_tp2_pp2_and_tp1_agree_with_each_other_and_with_fsdp2_and_export_and_res
     assert_weights_close(results["tp2/weights"], results["tp1/weights"], "TP=2 vs TP=1")
     assert_weights_close(results["pp2/weights"], results["tp1/weights"], "PP=2 vs TP=1")
     assert_weights_close(results["dp2-distributed-recompute/weights"], results["tp1/weights"], "distributed optimizer + full recompute vs TP=1")
-    assert_weights_close(results["pp2-selective/weights"], results["tp1/weights"], "PP=2 selective recompute vs TP=1")
+    assert_log_probs_close(results["pp2-selective-budget/log_probs"], reference, "PP=2 token budget vs TP=1")
+    assert_weights_close(results["pp2-selective-budget/weights"], results["tp1/weights"], "PP=2 selective recompute, token budget vs TP=1")
     for name in ("tp1", "tp2", "pp2"):
         assert results[f"{name}/largest_multi_tensor_bucket"] <= 64 << 10
     assert results["tp1/metrics"]["test/pg_loss"] == pytest.approx(results["tp2/metrics"]["test/pg_loss"], abs=1e-6)
