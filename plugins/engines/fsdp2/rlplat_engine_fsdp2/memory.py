@@ -11,8 +11,9 @@ What one process holds, as :mod:`rlplat_engine_fsdp2.engine` allocates it:
   the first step and kept.
 * **gathered parameters**: FSDP2 all-gathers a layer in the compute dtype for its forward and backward;
   the root group (embeddings, final norm, head) stays gathered from the forward to the backward, and
-  the next layer is prefetched: root + two layers. Unsharded gradients of the root and one layer wait
-  for their reduce-scatter in backward.
+  the next layer is prefetched: root + two layers. Backward's peak is at its start, where the output
+  layer's unsharded gradient (the head, or the tied embedding) joins every activation; a layer's
+  gradient comes as its activations go.
 * **activations** (update): per token of a micro-batch and per decoder layer, what autograd keeps of a
   Llama-style layer: the layer input and the residual (``2h``), the query, key and value after RoPE,
   the attention output and the output projection's input (``3q + 2kv``), the MLP's gate, activation,
@@ -101,8 +102,10 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
         items.append(MemoryItem("gathered parameters", (root + 2 * layer) * b, tuple(call for call in calls if call != "export"),
                                 f"FSDP all-gather in {compute}: root group ({root:,}) + 2 layers ({layer:,} each)"))
         if trains:
-            items.append(MemoryItem("unsharded gradients", (root + layer) * b, ("update",),
-                                    f"root group + 1 layer in {compute} before their reduce-scatter"))
+            output = shape.head_parameters(head) or shape.embedding_parameters()
+            items.append(MemoryItem("unsharded gradients", output * b, ("update",),
+                                    f"the output layer's ({output:,}) in {compute}, made first in backward, while every "
+                                    "activation is still held"))
     sequence, response = context.sequence_length, context.response_length
     per_process = max(context.sequences_per_process, 1)
     for call, rows_key in (("update", "micro_batch_size_per_gpu"), ("forward", "forward_micro_batch_size_per_gpu")):
