@@ -24,7 +24,10 @@ PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:  # "cuda" means the current device: name its index, so
+        device = torch.device("cuda", torch.cuda.current_device())  # it compares equal to the engine's weights
+    return device
 
 
 def build_model(config: HFRolloutConfig, device: torch.device):
