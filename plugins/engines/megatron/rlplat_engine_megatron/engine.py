@@ -533,6 +533,11 @@ class MegatronEngine(TrainingEngine):
         from megatron.core import dist_checkpointing
 
         self.require_model("save")
+        if self.global_step == 0:
+            raise RuntimeError(
+                f"MegatronEngine.save({path!r}) before the first optimizer step: megatron's optimizer creates its state "
+                "in that step, so there is nothing resumable to write yet (export_hf writes the weights)"
+            )
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
         dist.barrier()

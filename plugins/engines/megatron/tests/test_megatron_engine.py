@@ -79,6 +79,13 @@ def test_a_layout_larger_than_the_world_is_refused_when_the_engine_is_built(tiny
         engine.init_model()
 
 
+def test_saving_before_the_first_step_is_refused_naming_the_path(tiny_config, tmp_path):
+    engine = MegatronEngine(tiny_config)
+    engine.init_model()
+    with pytest.raises(RuntimeError, match="early-checkpoint.*before the first optimizer step"):
+        engine.save(str(tmp_path / "early-checkpoint"))
+
+
 def test_config_errors_are_raised_at_load():
     with pytest.raises(ValueError, match="exactly one of model_path"):
         MegatronEngineConfig()
