@@ -287,3 +287,9 @@ def test_plan_reads_the_engine_node_with_the_engines_own_reader(llama_dir):
     code, _, stderr = invoke("plan", f"model.path={llama_dir}", "actor.engine_config.enable_gradient_checkpoint=true")
     assert code == 2
     assert "unknown key 'enable_gradient_checkpoint'. Did you mean 'enable_gradient_checkpointing'?" in stderr
+
+
+def test_an_enabled_role_the_plan_cannot_count_is_named_in_the_notes(llama_dir):
+    plan = plan_of(llama_dir, "reward.manager=judge", "reward.config.model_path=/judge")
+    assert plan.unplanned == ["judge"]
+    assert "role judge: the plan has no estimate for it; not counted" in plan.notes()

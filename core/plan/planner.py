@@ -90,6 +90,8 @@ class RunPlan:
     pools: list[Pool]
     components: list[Component]
     phases: list[str]
+    unplanned: list[str] = dataclasses.field(default_factory=list)
+    """Enabled roles without a component in the plan (their memory is not counted)."""
 
     @property
     def devices_needed(self) -> int:
@@ -138,6 +140,7 @@ class RunPlan:
                  if component.estimate is not None for note in component.estimate.notes]
         notes += [f"{component.role} ({component.plugin}): unknown, {component.unknown_reason}; not counted"
                   for component in self.components if component.estimate is None]
+        notes += [f"role {name}: the plan has no estimate for it; not counted" for name in self.unplanned]
         return notes
 
     def to_dict(self) -> dict[str, Any]:
@@ -327,13 +330,26 @@ def plan_run(config: Any, algorithm: Any = None) -> RunPlan:
             component.resident_phases = ("reward_model",)
         phases.append("reward_model")
     roles = {component.role for component in components}
+    unplanned = unplanned_roles(config, algorithm, steps)
     phases.append("old_log_prob")
     if "reference" in roles:
         phases.append("ref_log_prob")
     if "critic" in roles:
         phases += ["values", "update_critic"]
     phases += ["update_actor", "weight_sync"]
-    return RunPlan("GPU" if gpu else "CPU", memory, memory_source, list(pools.values()), components, phases)
+    return RunPlan("GPU" if gpu else "CPU", memory, memory_source, list(pools.values()), components, phases, unplanned)
+
+
+#: The roles :func:`plan_run` builds components for (the rollout role is the rollout's pool).
+PLANNED_ROLES = ("actor", "rollout", "critic", "reward_model")
+
+
+def unplanned_roles(config: Any, algorithm: Any, steps: int) -> list[str]:
+    """Enabled roles (kind ``role``) the plan has no components for (a judge, a plugin's role)."""
+    from rlplat.contracts.role import RunContext
+    from rlplat.placement import enabled_roles
+
+    return [name for name in enabled_roles(RunContext(config, algorithm, steps)) if name not in PLANNED_ROLES]
 
 
 def rollout_dtype_matches(config: Any, actor_node: dict[str, Any], gpu: bool) -> bool:
