@@ -125,6 +125,7 @@ def gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not gpu_available(), reason="the GPU check needs CUDA")
 def test_on_a_gpu_the_plan_matches_cudas_measured_peaks():
     """CUDA's ``max_memory_allocated`` per call (:class:`rlplat.plan.measure.CudaPeaks`) against the plan with
