@@ -149,10 +149,11 @@ def build_chunks(bridge: Any, hf_config: Any, *, value_model: bool, use_te: bool
 def hf_names_of(bridge: Any, chunk: torch.nn.Module) -> dict[str, list[str]]:
     """``{local megatron parameter name: [HF names it holds]}`` of one model chunk (value head excluded)."""
     local_to_global = bridge._weight_name_mapping_mcore_local_to_global(chunk, consider_ep=False)
+    value_head = isinstance(getattr(chunk, "output_layer", None), ValueHead)
     return {
         local: bridge._weight_name_mapping_mcore_to_hf(name)
         for local, name in local_to_global.items()
-        if "_extra_state" not in local and not (isinstance(chunk.output_layer if hasattr(chunk, "output_layer") else None, ValueHead) and local in VALUE_HEAD_NAMES)
+        if "_extra_state" not in local and not (value_head and local in VALUE_HEAD_NAMES)
     }
 
 
