@@ -17,7 +17,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo demo-tools test test-fast test-gpu bench clean test-vllm test-sglang test-vllm-gpu test-sglang-gpu gpu-check-vllm gpu-check-sglang test-verl-compat
+.PHONY: setup demo demo-tools test test-fast test-gpu bench clean test-vllm test-sglang test-vllm-gpu test-sglang-gpu gpu-check-vllm gpu-check-sglang test-verl-compat gpu-check gpu-check-wheels
 
 setup: $(STAMP)
 
@@ -40,8 +40,9 @@ demo-tools: setup
 	$(VENV)/bin/rlplat run --demo retry-single trainer.resume=disable
 	$(VENV)/bin/python -m rlplat.demo.compare runs/demo-tools runs/demo-retry runs/demo-retry-single
 
+# --durations: the slowest tests, printed at the end, to keep the suite well under 20 minutes on 2 cores.
 test: setup
-	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not gpu" --durations=30 $(PYTEST_ARGS)
 
 # The quick loop while developing: everything but the tests marked slow (clusters, training runs, subprocess suites).
 test-fast: setup
@@ -72,6 +73,8 @@ bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python bench/packing.py
 	$(BENCH_VENV)/bin/python bench/math_scorers.py
 	$(BENCH_VENV)/bin/python bench/async_training.py
+	$(BENCH_VENV)/bin/python bench/sft_vs_trl.py
+	$(BENCH_VENV)/bin/python bench/megatron_vs_fsdp2.py
 
 # verl 0.9.1's own DataProto tests (tests/test_protocol_on_cpu.py, from its wheel) run against rlplat's
 # DataProto. verl comes without its dependencies into .verl-compat/ (rlplat's torch, ray and tensordict serve
@@ -126,6 +129,25 @@ gpu-check-vllm:
 
 gpu-check-sglang:
 	scripts/rollout_gpu_check.sh sglang
+
+# The prepared check of the GPU path for a bare one-GPU machine without network (scripts/gpu_check.py):
+# installs the wheels of .gpu-wheels with pip --no-index, then rlplat and its plugins from this checkout;
+# runs every check in <= 8 minutes on the in-process backend (no Ray); writes gpu-check.json and
+# gpu-check.log into GPU_CHECK_OUT. Without a CUDA GPU it refuses in one line (exit 2).
+# `make gpu-check-wheels` (on a machine with network) downloads the wheels: constraints/gpu-check.txt, pure Python, ~2.4 MB.
+GPU_WHEELS := .gpu-wheels
+GPU_CHECK_OUT ?= runs/gpu-check
+GPU_CHECK_ARGS ?=
+
+gpu-check:
+	$(PYTHON) scripts/gpu_check.py --wheels $(GPU_WHEELS) --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+
+gpu-check-wheels:
+	rm -rf $(GPU_WHEELS).partial && mkdir -p $(GPU_WHEELS).partial
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --implementation py --abi none --platform any \
+		--python-version 3.12 -d $(GPU_WHEELS).partial -r constraints/gpu-check.txt
+	rm -rf $(GPU_WHEELS) && mv $(GPU_WHEELS).partial $(GPU_WHEELS)
+	du -sh $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .venv-vllm .venv-sglang $(VERL_COMPAT)
