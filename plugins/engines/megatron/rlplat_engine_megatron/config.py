@@ -4,8 +4,10 @@ parallel layout (tensor, pipeline, virtual pipeline sizes; the data-parallel siz
 size), the distributed optimizer, activation recompute and precision.
 
 What can be checked without the model is checked here (values, choices); what needs the world size or
-the model's shape (world size divisible by TP x PP, heads and query groups by TP, layers by PP) is
-checked by :func:`check_layout` when the engine is built. This module imports no torch.
+the model's shape (world size divisible by TP x PP, heads and query groups by TP, layers by PP x VPP, the
+vocabulary by TP) is checked at load by the engine's memory estimate, which ``rlplat run`` computes before
+any worker starts (:func:`rlplat_engine_megatron.memory.layout_problems`), and again by
+:func:`check_layout` when the engine is built. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -115,26 +117,11 @@ def read_engine_config(config: Any) -> MegatronEngineConfig:
 def check_layout(config: MegatronEngineConfig, world_size: int, hf_config: Any) -> int:
     """The data-parallel size of ``config`` on ``world_size`` ranks for the model ``hf_config`` describes;
     raises ``ValueError`` listing every size that does not fit."""
-    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    vpp = config.virtual_pipeline_parallel_size or 1
-    problems = []
-    if world_size % (tp * pp):
-        problems.append(
-            f"world size {world_size} is not divisible by tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} "
-            f"(a run needs cluster.backend=ray and cluster.devices_per_node a multiple of {tp * pp})"
-        )
-    heads = hf_config.num_attention_heads
-    groups = getattr(hf_config, "num_key_value_heads", None) or heads
-    if heads % tp:
-        problems.append(f"the model's {heads} attention heads are not divisible by tensor_parallel_size={tp}")
-    if groups % tp:
-        problems.append(f"the model's {groups} key/value heads are not divisible by tensor_parallel_size={tp}")
-    layers = hf_config.num_hidden_layers
-    if layers % (pp * vpp):
-        problems.append(f"the model's {layers} layers are not divisible by pipeline_parallel_size x virtual_pipeline_parallel_size = {pp} x {vpp}")
-    vocabulary = hf_config.vocab_size
-    if vocabulary % tp:
-        problems.append(f"the model's vocabulary of {vocabulary} tokens is not divisible by tensor_parallel_size={tp}")
+    from rlplat_engine_megatron.memory import layout_problems
+
+    sizes = {"num_attention_heads": hf_config.num_attention_heads, "num_hidden_layers": hf_config.num_hidden_layers,
+             "vocab_size": hf_config.vocab_size, "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None)}
+    problems = layout_problems(config, world_size, sizes)
     if problems:
         raise ValueError("megatron engine layout: " + "; ".join(problems))
-    return world_size // (tp * pp)
+    return world_size // (config.tensor_parallel_size * config.pipeline_parallel_size)

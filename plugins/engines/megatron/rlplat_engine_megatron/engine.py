@@ -592,6 +592,14 @@ class MegatronEngine(TrainingEngine):
 
     # -- facts -------------------------------------------------------------------------------------
 
+    @classmethod
+    def estimate_memory(cls, config: Any, model_config: Mapping[str, Any], context: Any) -> Any:
+        """One rank's memory per call, from the config and ``config.json`` alone (:mod:`rlplat_engine_megatron.memory`);
+        raises ``ValueError`` naming the keys when the layout does not fit the role's processes or the model."""
+        from rlplat_engine_megatron.memory import estimate
+
+        return estimate(config, model_config, context)
+
     def state(self) -> Mapping[str, Any]:
         facts: dict[str, Any] = {"step": self.global_step}
         if self.chunks:

@@ -75,7 +75,7 @@ def test_layout_checks_name_every_size_that_does_not_fit():
 
 def test_a_layout_larger_than_the_world_is_refused_when_the_engine_is_built(tiny_config):
     engine = MegatronEngine({**tiny_config, "tensor_parallel_size": 2})
-    with pytest.raises(ValueError, match="world size 1 is not divisible by tensor_parallel_size x pipeline_parallel_size = 2 x 1"):
+    with pytest.raises(ValueError, match="world size 1 is not divisible by tensor_parallel_size=2 x pipeline_parallel_size=1 = 2"):
         engine.init_model()
 
 
