@@ -64,9 +64,35 @@ def test_a_missing_reward_function_lists_the_functions_the_file_defines(reward_f
         load_config(None, arguments("reward.custom_function.name=no_such_function", reward_file))
 
 
-@pytest.mark.slow
+def cli_exit(argv: list[str], capsys) -> tuple[int, str]:
+    """``rlplat <argv>`` in this process: its exit code and what it wrote to stderr."""
+    from rlplat.cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    return exited.value.code, capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("override", "message"), MISSPELLED[::2] + MISTYPED[::2] + OTHER)
-def test_rlplat_run_exits_2_in_one_line_within_10_s_and_creates_no_run_directory(override, message, reward_file, tmp_path, cli_run):
+def test_rlplat_run_exits_2_in_one_line_within_10_s_and_creates_no_run_directory(override, message, reward_file, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    code, stderr = cli_exit(["run", *arguments(override, reward_file)[len(demo_overrides()):], f"trainer.output_dir={run_dir}"],
+                            capsys)
+    elapsed = time.monotonic() - started
+    assert code == 2, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("rlplat: config error:")]
+    assert len(errors) == 1 and message in errors[0], stderr
+    assert "Traceback" not in stderr
+    assert elapsed < 10, f"took {elapsed:.1f} s"
+    assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_the_installed_command_exits_2_in_one_line_within_10_s_from_a_fresh_process(reward_file, tmp_path, cli_run):
+    """As a user runs it: a new process that imports rlplat, loads the config and stops, within 10 s, in
+    one line, without a traceback or a run directory (the cases above check every message in-process)."""
+    override, message = MISSPELLED[0]
     run_dir = tmp_path / "run"
     started = time.monotonic()
     result = cli_run("run", *arguments(override, reward_file)[len(demo_overrides()):], f"trainer.output_dir={run_dir}")
