@@ -40,6 +40,7 @@ master weights off the device outside the step. Sequences are taken at their ful
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 from rlplat.plan.estimate import MemoryContext, MemoryEstimate, MemoryItem, ModelShape, dtype_bytes, human_bytes, training_state_items
@@ -142,14 +143,18 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
                                  shard_master_and_optimizer=engine.use_distributed_optimizer, calls=("resident",))
     offloads = gpu and engine.optimizer_offload
     items, notes = [], []
+    total = shape.parameters(head)
+    split = f"{local * tp * pp:,} / (TP {tp} x PP {pp})"
     for item in state:
         if item.name == "optimizer states" and not trains:
             continue
+        if tp * pp > 1:  # the count is the largest stage's rank's, not the model's over TP x PP
+            item = dataclasses.replace(item, detail=item.detail.replace(split, f"{local:,} (stage {stage}'s rank; the model's {total:,} over TP {tp} x PP {pp})"))
         if offloads and item.name in ("optimizer states", "master weights"):
             item = MemoryItem(item.name, item.bytes, ("update",), item.detail + ", offloaded outside the step")
         items.append(item)
     notes.append(f"TP {tp} x PP {pp} x DP {dp}: the figures are the largest pipeline stage's (stage {stage}, "
-                 f"{local:,} parameters on a rank of the model's {shape.parameters(head):,})")
+                 f"{local:,} parameters on a rank of the model's {total:,})")
     if not trains:
         notes.append("the gradient buffer (and master weights) exist from the build; AdamW's moments only after a step")
     if not gpu and engine.optimizer_offload:

@@ -110,7 +110,7 @@ def test_rlplat_plan_shows_the_megatron_figures(tmp_path):
     (actor,) = [component for component in plan["pools"][0]["components"] if component["role"] == "actor"]
     assert actor["plugin"] == "engine megatron" and actor["known"]
     details = {item["name"]: item["detail"] for item in actor["items"]}
-    assert "/ (TP 2 x PP 1)" in details["parameters"] and "/ DP 2" in details["optimizer states"]
+    assert "(stage 0's rank; the model's 4,198,656 over TP 2 x PP 1)" in details["parameters"] and "/ DP 2" in details["optimizer states"]
     assert "weight-sync bucket" in details
     assert any("TP 2 x PP 1 x DP 2" in note for note in plan["notes"])
 
@@ -121,12 +121,20 @@ def test_rlplat_run_refuses_a_tensor_parallel_size_the_processes_do_not_divide_b
     model = write_model(tmp_path / "model")
     train = write_parquet([{"data_source": "arith", "prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}],
                           tmp_path / "train.parquet")
-    result = cli(["run", "--engine", "megatron", f"model.path={model}", f"data.train_files=[{train}]", "data.train_batch_size=2",
-                  "actor.ppo_mini_batch_size=2", "cluster.backend=ray", "cluster.devices_per_node=2",
-                  f"trainer.output_dir={tmp_path / 'run'}", "actor.engine_config.tensor_parallel_size=3"])
+    arguments = ["run", "--engine", "megatron", f"model.path={model}", f"data.train_files=[{train}]", "data.train_batch_size=2",
+                 "actor.ppo_mini_batch_size=2", "cluster.backend=ray", "cluster.devices_per_node=2",
+                 f"trainer.output_dir={tmp_path / 'run'}", "actor.engine_config.tensor_parallel_size=3"]
+    result = cli(arguments)
     assert result.exit_code == 2, result.output
     assert "actor.engine_config.tensor_parallel_size=3" in result.output and "world size 2" in result.output
     assert not (tmp_path / "run").exists()
+    # a layout error is a config error, not a memory figure: cluster.memory_check=warn does not let it through
+    warned = cli([*arguments, "cluster.memory_check=warn"])
+    assert warned.exit_code == 2 and "actor.engine_config.tensor_parallel_size=3" in warned.output
+    # what the engine's config can check alone is checked by its schema when the config is loaded
+    alone = cli([*arguments[:-1], "actor.engine_config.recompute_granularity=all", "actor.engine_config.virtual_pipeline_parallel_size=2"])
+    assert alone.exit_code == 2 and "recompute_granularity 'all' is not one of" in alone.output
+    assert "virtual_pipeline_parallel_size needs pipeline_parallel_size >= 2" in alone.output
 
 
 def free_port() -> int:
