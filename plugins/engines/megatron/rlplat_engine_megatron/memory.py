@@ -33,7 +33,7 @@ What one rank holds, as :mod:`rlplat_engine_megatron.engine` allocates it (DP = 
   the merged tensor and its Hugging Face pieces (the largest parameter, three times), beside the bucket
   being filled (compute dtype) and the rank's own shards.
 
-On CPU ``optimizer_offload`` is refused by nothing but moves nothing; on a GPU it keeps the moments and
+On CPU ``optimizer_offload`` moves nothing; on a GPU it keeps the moments and
 master weights off the device outside the step. Sequences are taken at their full length
 (``data.max_prompt_length + rollout.response_length``).
 """
