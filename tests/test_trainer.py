@@ -81,14 +81,22 @@ def run_config(assets, output_dir, *extra, algo="grpo", validate=True):
     return load_config(overrides=overrides, algo=algo) if validate else overrides
 
 
-def test_a_run_killed_after_its_first_checkpoint_resumes_to_the_same_metrics(assets, tmp_path):
+@pytest.fixture(scope="module")
+def straight(assets, tmp_path_factory):
+    """One uninterrupted 4-step run (checkpoints at steps 2 and 4), shared by the tests that check it or
+    compare with it: its directory and its metric records."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    return run, train(run_config(assets, run, "trainer.save_freq=2"))
+
+
+def test_a_run_killed_after_its_first_checkpoint_resumes_to_the_same_metrics(assets, straight, tmp_path):
     import os
     import signal
     import subprocess
     import sys
     import time
 
-    straight = train(run_config(assets, tmp_path / "straight", "trainer.save_freq=2"))
+    _, straight = straight
     killed = tmp_path / "killed"
     overrides = list(run_config(assets, killed, "trainer.save_freq=2", validate=False))
     script = (
@@ -143,20 +151,20 @@ def largest_weight_change(trainer, model_dir) -> float:
     return max(float((tensor - initial[name]).abs().max()) for bucket in engine.named_weights() for name, tensor in bucket)
 
 
-def test_grpo_trains_logs_validates_and_checkpoints(assets, tmp_path):
-    records = train(run_config(assets, tmp_path / "run", "trainer.save_freq=2"))
+def test_grpo_trains_logs_validates_and_checkpoints(straight):
+    run, records = straight
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     assert "val/arith/acc/mean" in records[0] and "val/arith/score/mean" in records[2]
     for record in records[1:]:
         for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "response_length/mean", "timing_s/gen"):
             assert math.isfinite(record[key]), key
         assert record["rollout/log_prob_diff_max"] < 1e-4
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("global_step_*")) == ["global_step_2", "global_step_4"]
-    assert (tmp_path / "run" / "config.yaml").exists()
+    assert sorted(p.name for p in (run / "checkpoints").glob("global_step_*")) == ["global_step_2", "global_step_4"]
+    assert (run / "config.yaml").exists()
 
 
-def test_a_resumed_run_repeats_the_uninterrupted_one_exactly(assets, tmp_path):
-    straight = train(run_config(assets, tmp_path / "straight", "trainer.save_freq=2"))
+def test_a_resumed_run_repeats_the_uninterrupted_one_exactly(assets, straight, tmp_path):
+    _, straight = straight
     train(run_config(assets, tmp_path / "resumed", "trainer.save_freq=2", "trainer.total_training_steps=2"))
     resumed = train(run_config(assets, tmp_path / "resumed", "trainer.save_freq=2"))
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
