@@ -12,10 +12,21 @@ from rlplat.testing.tiny_models import save_tiny_model
 REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float(solution_str.strip() == ground_truth)\n"
 
 
-def test_help_lists_the_installed_algorithms_engines_and_rollouts(cli_run):
-    result = cli_run("run", "--help", env={"COLUMNS": "200"})
-    assert result.returncode == 0
-    text = " ".join(result.stdout.split())
+def cli(argv: list[str], capfd) -> tuple[int, str, str]:
+    """``rlplat <argv>`` in this process: its exit code, stdout and stderr."""
+    from rlplat.cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    out, err = capfd.readouterr()
+    return exited.value.code, out, err
+
+
+def test_help_lists_the_installed_algorithms_engines_and_rollouts(capfd, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    code, stdout, _ = cli(["run", "--help"], capfd)
+    assert code == 0
+    text = " ".join(stdout.split())
     assert "Installed algorithms: dapo, dr_grpo, grpo, gspo, ppo, reinforce_pp, remax, rloo." in text
     assert "Engines: fsdp2." in text
     # the backend rollouts are installed without their backend in this environment
@@ -32,7 +43,7 @@ def test_a_config_error_exits_2_in_seconds_with_one_paragraph_and_no_traceback(c
 
 
 @pytest.mark.slow
-def test_a_short_run_prints_its_directory_and_writes_config_metrics_and_checkpoint(cli_run, tmp_path):
+def test_a_short_run_prints_its_directory_and_writes_config_metrics_and_checkpoint(capfd, tmp_path):
     model = save_tiny_model(tmp_path / "model")
     rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{a}+1="}], "reward_model": {"ground_truth": str(a + 1)}}
             for a in range(10, 14)]
@@ -40,15 +51,15 @@ def test_a_short_run_prints_its_directory_and_writes_config_metrics_and_checkpoi
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
     run_dir = tmp_path / "run"
-    result = cli_run(
+    code, _, stderr = cli([
         "run", "--algo", "grpo", "--engine", "fsdp2", "--rollout", "hf",
         f"model.path={model}", f"data.train_files=[{train}]", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
         "rollout.n=2", "rollout.response_length=3", f"reward.custom_function.path={reward}", "cluster.backend=local",
         f"trainer.output_dir={run_dir}", "trainer.total_training_steps=2", "trainer.logger=[console,jsonl]",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"rlplat: run directory {run_dir}" in result.stderr
-    assert "step 2/2" in result.stderr
+    ], capfd)
+    assert code == 0, stderr[-3000:]
+    assert f"rlplat: run directory {run_dir}" in stderr
+    assert "step 2/2" in stderr
     assert (run_dir / "config.yaml").exists() and (run_dir / "metrics.jsonl").exists()
     assert (run_dir / "checkpoints" / "global_step_2" / "COMPLETE").exists()
 
