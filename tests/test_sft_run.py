@@ -78,6 +78,7 @@ def test_a_config_error_names_the_key_before_any_worker_starts(task, tmp_path, o
     assert says in str(error.value)
 
 
+@pytest.mark.slow
 def test_a_malformed_row_stops_the_command_with_its_file_row_and_column(task, tmp_path, cli_run):
     bad = write_parquet([{"prompt": "1+1=", "response": "2"}, {"prompt": "", "response": "2"}], tmp_path / "bad.parquet")
     result = cli_run("sft", *arguments(task, tmp_path / "run", f"data.train_files=[{bad}]", "data.train_batch_size=1"))
