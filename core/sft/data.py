@@ -44,7 +44,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
@@ -470,7 +469,3 @@ def build_sft_data(config: Any, tokenizer: Any) -> tuple[SFTLoader, SFTDataset |
     loader = SFTLoader(train, config.train_batch_size, shuffle=config.shuffle, seed=config.seed, drop_last=config.drop_last)
     return loader, val
 
-
-def steps_per_epoch(rows: int, config: SFTDataConfig) -> int:
-    per_epoch = rows / config.train_batch_size
-    return int(per_epoch if config.drop_last else math.ceil(per_epoch))
