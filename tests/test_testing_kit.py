@@ -1,16 +1,56 @@
 """The conformance suites of rlplat.testing pass a correct implementation and catch broken ones.
 
-Each case writes a plugin author's test module with pytester and runs it in a subprocess (torch
-cannot be imported twice in one process, which pytester's in-process runs would do).
+Each suite is written as a plugin author's test module, once with a correct implementation and once with
+a broken one; all of them run in one pytest subprocess (torch cannot be imported twice in one process,
+which pytester's in-process runs would do), and each case checks its two modules' outcomes.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass, field
 
 import pytest
 
 pytestmark = pytest.mark.slow  # starts processes or clusters: left out of `make test-fast`
+
+
+@dataclass
+class ModuleRun:
+    """One suite module's outcomes in the shared run: counts by outcome, and its report as pytest prints
+    it: each failing test's id and details, then the short summary (``FAILED id - message``)."""
+
+    counts: dict[str, int] = field(default_factory=lambda: {"passed": 0, "failed": 0, "skipped": 0, "errors": 0})
+    details: list[str] = field(default_factory=list)
+    summary: list[str] = field(default_factory=list)
+
+    @property
+    def lines(self) -> list[str]:
+        return self.details + self.summary
+
+    @property
+    def ret(self) -> int:
+        return 1 if self.counts["failed"] or self.counts["errors"] else 0
+
+    def assert_outcomes(self, passed: int = 0, failed: int = 0, skipped: int = 0, errors: int = 0) -> None:
+        assert self.counts == {"passed": passed, "failed": failed, "skipped": skipped, "errors": errors}, "\n".join(self.lines)
+
+    def fnmatch_lines(self, patterns: list[str]) -> None:
+        pytest.LineMatcher(self.lines).fnmatch_lines(patterns)
+
+
+SUITES = {}  # module name -> (template, implementation); filled below, next to each suite
+
+
+def suite_run(template: str, implementation: str) -> str:
+    name = f"test_suite_{len(SUITES)}"
+    SUITES[name] = (template, implementation)
+    return name
+
 
 SCORER_SUITE = """
     import pytest
@@ -33,6 +73,8 @@ SCORER_SUITE = """
         def scorer_cases(self):
             return [ScorerCase("t", "4", "4", {"id": 1}, 1.0), ScorerCase("t", "5", "4", None, 0.0)]
 """
+SCORER_SUITE_GOOD = suite_run(SCORER_SUITE, "good")
+SCORER_SUITE_BROKEN = suite_run(SCORER_SUITE, "broken")
 
 ESTIMATOR_SUITE = """
     import pytest
@@ -61,6 +103,8 @@ ESTIMATOR_SUITE = """
         def estimator_config(self):
             return None
 """
+ESTIMATOR_SUITE_GOOD = suite_run(ESTIMATOR_SUITE, "good")
+ESTIMATOR_SUITE_BROKEN = suite_run(ESTIMATOR_SUITE, "broken")
 
 LOSS_SUITE = """
     import pytest
@@ -86,6 +130,8 @@ LOSS_SUITE = """
         def policy_loss_config(self):
             return {}
 """
+LOSS_SUITE_GOOD = suite_run(LOSS_SUITE, "good")
+LOSS_SUITE_BROKEN = suite_run(LOSS_SUITE, "broken")
 
 ALGORITHM_SUITE = """
     import pytest
@@ -126,6 +172,8 @@ ALGORITHM_SUITE = """
         def algorithm(self):
             return IMPLEMENTATION()
 """
+ALGORITHM_SUITE_GOOD = suite_run(ALGORITHM_SUITE, "good")
+ALGORITHM_SUITE_BROKEN = suite_run(ALGORITHM_SUITE, "broken")
 
 COMMAND_SUITE = """
     import pytest
@@ -149,44 +197,75 @@ COMMAND_SUITE = """
         def command_name(self):
             return "things"
 """
+COMMAND_SUITE_GOOD = suite_run(COMMAND_SUITE, "good")
+COMMAND_SUITE_BROKEN = suite_run(COMMAND_SUITE, "broken")
 
 
-def run_suite(pytester, template: str, implementation: str):
-    pytester.makepyfile(test_suite=textwrap.dedent(template.replace("IMPLEMENTATION", implementation)))
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
+@pytest.fixture(scope="module")
+def suite_runs(tmp_path_factory) -> dict[str, ModuleRun]:
+    """Every suite module written to one directory and run by one pytest subprocess; the outcomes per module."""
+    directory = tmp_path_factory.mktemp("suites")
+    (directory / "pytest.ini").write_text("[pytest]\n")
+    for name, (template, implementation) in SUITES.items():
+        (directory / f"{name}.py").write_text(textwrap.dedent(template.replace("IMPLEMENTATION", implementation)))
+    report = directory / "report.xml"
+    environment = {key: value for key, value in os.environ.items() if key != "PYTEST_ADDOPTS"}
+    finished = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={report}",
+                               f"--basetemp={directory / 'tmp'}", str(directory)],
+                              cwd=directory, capture_output=True, text=True, env=environment, timeout=600)
+    assert report.exists(), finished.stdout[-3000:] + finished.stderr[-3000:]
+    runs = {name: ModuleRun() for name in SUITES}
+    for case in ElementTree.parse(report).iter("testcase"):
+        module = case.get("classname", "").split(".")[0]
+        run = runs[module]
+        node = f"{case.get('classname')}::{case.get('name')}"
+        problems = [child for child in case if child.tag in ("failure", "error")]
+        if any(child.tag == "error" for child in problems):
+            run.counts["errors"] += 1
+        elif problems:
+            run.counts["failed"] += 1
+        elif any(child.tag == "skipped" for child in case):
+            run.counts["skipped"] += 1
+        else:
+            run.counts["passed"] += 1
+        for problem in problems:
+            run.details.append(f"_____ {node} _____")
+            run.details.extend((problem.text or "").splitlines())
+            run.summary.append(f"{'ERROR' if problem.tag == 'error' else 'FAILED'} {node} - {problem.get('message', '')}")
+    return runs
 
 
-def test_scorer_suite(pytester):
-    run_suite(pytester, SCORER_SUITE, "good").assert_outcomes(passed=8, skipped=1)
-    broken = run_suite(pytester, SCORER_SUITE, "broken")
+def test_scorer_suite(suite_runs):
+    suite_runs[SCORER_SUITE_GOOD].assert_outcomes(passed=8, skipped=1)
+    broken = suite_runs[SCORER_SUITE_BROKEN]
     broken.assert_outcomes(passed=1, failed=7, skipped=1)
-    broken.stdout.fnmatch_lines(["*test_does_not_modify_its_inputs*", "*test_cases_score_as_expected*"])
+    broken.fnmatch_lines(["*test_does_not_modify_its_inputs*", "*test_cases_score_as_expected*"])
 
 
-def test_estimator_suite(pytester):
-    run_suite(pytester, ESTIMATOR_SUITE, "good").assert_outcomes(passed=6)
-    broken = run_suite(pytester, ESTIMATOR_SUITE, "broken")
+def test_estimator_suite(suite_runs):
+    suite_runs[ESTIMATOR_SUITE_GOOD].assert_outcomes(passed=6)
+    broken = suite_runs[ESTIMATOR_SUITE_BROKEN]
     broken.assert_outcomes(passed=4, failed=2)
-    broken.stdout.fnmatch_lines(["*test_is_zero_where_the_response_mask_is_zero*", "*test_mismatched_shapes_raise*"])
+    broken.fnmatch_lines(["*test_is_zero_where_the_response_mask_is_zero*", "*test_mismatched_shapes_raise*"])
 
 
-def test_policy_loss_suite(pytester):
-    run_suite(pytester, LOSS_SUITE, "good").assert_outcomes(passed=13)
-    broken = run_suite(pytester, LOSS_SUITE, "broken")
-    broken.stdout.fnmatch_lines(["*test_masked_tokens_get_no_gradient*", "*test_unknown_aggregation_mode*"])
+def test_policy_loss_suite(suite_runs):
+    suite_runs[LOSS_SUITE_GOOD].assert_outcomes(passed=13)
+    broken = suite_runs[LOSS_SUITE_BROKEN]
+    broken.fnmatch_lines(["*test_masked_tokens_get_no_gradient*", "*test_unknown_aggregation_mode*"])
     assert broken.ret != 0
 
 
-def test_algorithm_suite_and_the_temporary_plugin_fixture(pytester):
-    run_suite(pytester, ALGORITHM_SUITE, "good").assert_outcomes(passed=8, skipped=1)
-    broken = run_suite(pytester, ALGORITHM_SUITE, "broken")
+def test_algorithm_suite_and_the_temporary_plugin_fixture(suite_runs):
+    suite_runs[ALGORITHM_SUITE_GOOD].assert_outcomes(passed=8, skipped=1)
+    broken = suite_runs[ALGORITHM_SUITE_BROKEN]
     broken.assert_outcomes(passed=5, failed=3, skipped=1)
-    broken.stdout.fnmatch_lines(["*Did you mean 'kit_estimator'*", "*unknown config key 'algorithm.gama'*"])
+    broken.fnmatch_lines(["*Did you mean 'kit_estimator'*", "*unknown config key 'algorithm.gama'*"])
 
 
-def test_command_suite(pytester):
-    run_suite(pytester, COMMAND_SUITE, "good").assert_outcomes(passed=2)
-    run_suite(pytester, COMMAND_SUITE, "broken").assert_outcomes(failed=2)
+def test_command_suite(suite_runs):
+    suite_runs[COMMAND_SUITE_GOOD].assert_outcomes(passed=2)
+    suite_runs[COMMAND_SUITE_BROKEN].assert_outcomes(failed=2)
 
 
 def test_isolated_registry_starts_empty_and_temporary_plugins_are_removed(isolated_registry, register_temporary_plugin):
@@ -234,6 +313,8 @@ PARSER_SUITE = """
         def parser(self):
             return IMPLEMENTATION()
 """
+PARSER_SUITE_GOOD = suite_run(PARSER_SUITE, "Good")
+PARSER_SUITE_BROKEN = suite_run(PARSER_SUITE, "Broken")
 
 TOOL_SUITE = """
     import pytest
@@ -264,6 +345,8 @@ TOOL_SUITE = """
         def tool_cases(self):
             return [ToolCase({"text": "ab"}, "AB"), ToolCase({"text": 3}, "error", error=True)]
 """
+TOOL_SUITE_GOOD = suite_run(TOOL_SUITE, "Good")
+TOOL_SUITE_BROKEN = suite_run(TOOL_SUITE, "Broken")
 
 ENVIRONMENT_SUITE = """
     import pytest
@@ -296,6 +379,8 @@ ENVIRONMENT_SUITE = """
         def environment_cases(self):
             return [EnvironmentCase({"answer": "4"}, "4", "5")]
 """
+ENVIRONMENT_SUITE_GOOD = suite_run(ENVIRONMENT_SUITE, "Good")
+ENVIRONMENT_SUITE_BROKEN = suite_run(ENVIRONMENT_SUITE, "Broken")
 
 AGENT_LOOP_SUITE = """
     import dataclasses
@@ -350,33 +435,35 @@ AGENT_LOOP_SUITE = """
         def make_client(self):
             return lambda: ScriptedClient(TOKENIZER, ["hello there"], TOKENIZER.convert_tokens_to_ids("<|im_end|>"))
 """
+AGENT_LOOP_SUITE_GOOD = suite_run(AGENT_LOOP_SUITE, "Good")
+AGENT_LOOP_SUITE_BROKEN = suite_run(AGENT_LOOP_SUITE, "Broken")
 
 
-def test_tool_call_parser_suite(pytester):
-    run_suite(pytester, PARSER_SUITE, "Good").assert_outcomes(passed=16)
-    broken = run_suite(pytester, PARSER_SUITE, "Broken")
-    broken.stdout.fnmatch_lines(["*test_format_then_parse_gives_the_calls_back*", "*test_text_without_calls_is_content*"])
+def test_tool_call_parser_suite(suite_runs):
+    suite_runs[PARSER_SUITE_GOOD].assert_outcomes(passed=16)
+    broken = suite_runs[PARSER_SUITE_BROKEN]
+    broken.fnmatch_lines(["*test_format_then_parse_gives_the_calls_back*", "*test_text_without_calls_is_content*"])
     assert broken.ret != 0
 
 
-def test_tool_suite(pytester):
-    run_suite(pytester, TOOL_SUITE, "Good").assert_outcomes(passed=6)
-    broken = run_suite(pytester, TOOL_SUITE, "Broken")
-    broken.stdout.fnmatch_lines(["*test_bad_arguments_are_an_error_result_not_an_exception*"])
+def test_tool_suite(suite_runs):
+    suite_runs[TOOL_SUITE_GOOD].assert_outcomes(passed=6)
+    broken = suite_runs[TOOL_SUITE_BROKEN]
+    broken.fnmatch_lines(["*test_bad_arguments_are_an_error_result_not_an_exception*"])
     assert broken.ret != 0
 
 
-def test_environment_suite(pytester):
-    run_suite(pytester, ENVIRONMENT_SUITE, "Good").assert_outcomes(passed=4)
-    broken = run_suite(pytester, ENVIRONMENT_SUITE, "Broken")
-    broken.stdout.fnmatch_lines(["*test_solving_answer_ends_with_more_reward_than_failing*", "*test_does_not_modify_the_row*"])
+def test_environment_suite(suite_runs):
+    suite_runs[ENVIRONMENT_SUITE_GOOD].assert_outcomes(passed=4)
+    broken = suite_runs[ENVIRONMENT_SUITE_BROKEN]
+    broken.fnmatch_lines(["*test_solving_answer_ends_with_more_reward_than_failing*", "*test_does_not_modify_the_row*"])
     assert broken.ret != 0
 
 
-def test_agent_loop_suite(pytester):
-    run_suite(pytester, AGENT_LOOP_SUITE, "Good").assert_outcomes(passed=5)
-    broken = run_suite(pytester, AGENT_LOOP_SUITE, "Broken")
-    broken.stdout.fnmatch_lines(["*test_trajectories_hold_exactly_the_sampled_tokens*"])
+def test_agent_loop_suite(suite_runs):
+    suite_runs[AGENT_LOOP_SUITE_GOOD].assert_outcomes(passed=5)
+    broken = suite_runs[AGENT_LOOP_SUITE_BROKEN]
+    broken.fnmatch_lines(["*test_trajectories_hold_exactly_the_sampled_tokens*"])
     assert broken.ret != 0
 
 
@@ -412,10 +499,12 @@ JUDGE_PARSER_SUITE = """
         def judge_parser_cases(self):
             return [JudgeParserCase("Rating: 7", 7.0), JudgeParserCase("I cannot say.", None)]
 """
+JUDGE_PARSER_SUITE_GOOD = suite_run(JUDGE_PARSER_SUITE, "Good")
+JUDGE_PARSER_SUITE_BROKEN = suite_run(JUDGE_PARSER_SUITE, "Broken")
 
 
-def test_judge_parser_suite(pytester):
-    run_suite(pytester, JUDGE_PARSER_SUITE, "Good").assert_outcomes(passed=26)
-    broken = run_suite(pytester, JUDGE_PARSER_SUITE, "Broken")
-    broken.stdout.fnmatch_lines(["*test_cases_parse_as_expected*", "*test_scores_fall_in_the_declared_range*"])
+def test_judge_parser_suite(suite_runs):
+    suite_runs[JUDGE_PARSER_SUITE_GOOD].assert_outcomes(passed=26)
+    broken = suite_runs[JUDGE_PARSER_SUITE_BROKEN]
+    broken.fnmatch_lines(["*test_cases_parse_as_expected*", "*test_scores_fall_in_the_declared_range*"])
     assert broken.ret != 0
