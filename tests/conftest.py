@@ -95,6 +95,25 @@ def cli_run():
     return run_cli
 
 
+@pytest.fixture
+def cli_in_process(capfd):
+    """``cli_in_process(*args)``: ``rlplat <args>`` run by ``rlplat.cli.main.main`` in this process (no new
+    interpreter); returns a CompletedProcess with its exit code and what it wrote to stdout and stderr."""
+    from rlplat.cli.main import main
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capfd.readouterr()  # what came before is not the command's output
+        try:
+            main([str(arg) for arg in args])
+            code = 0
+        except SystemExit as exited:
+            code = exited.code if isinstance(exited.code, int) else (0 if exited.code is None else 1)
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(["rlplat", *args], code, out, err)
+
+    return run
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     """A local Ray cluster for one test module (dashboard off, 127.0.0.1, token auth off), then stopped."""
