@@ -109,16 +109,17 @@ def engine_log_probs(run, batch: DataProto) -> torch.Tensor:
         return engine.forward(batch).batch["log_probs"]
 
 
-def test_exports_a_model_that_transformers_loads_with_the_engines_log_probs(full_run, assets, tmp_path, cli_run):
+def test_exports_a_model_that_transformers_loads_with_the_engines_log_probs(full_run, assets, tmp_path, cli_run, cli_in_process):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "exported"
     out.mkdir()
     (out / "stale.txt").write_text("from an earlier export")
-    refused = cli_run("export", str(full_run), "--out", str(out))
+    refused = cli_in_process("export", str(full_run), "--out", str(out))
     assert refused.returncode == 2
     assert "exists and is not empty; pass --force" in refused.stderr
-    result = cli_run("export", str(full_run), "--out", str(out), "--force")  # the run directory: its newest checkpoint
+    # the installed command, as a user runs it; the run directory: its newest checkpoint
+    result = cli_run("export", str(full_run), "--out", str(out), "--force")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(out)
     assert "global_step_2 (step 2)" in result.stderr
@@ -133,40 +134,40 @@ def test_exports_a_model_that_transformers_loads_with_the_engines_log_probs(full
     assert tokenizer("7+7=")["input_ids"] == arithmetic_tokenizer()("7+7=")["input_ids"]
 
 
-def test_adapter_export_of_a_full_fine_tuning_run_is_refused(full_run, tmp_path, cli_run):
-    result = cli_run("export", str(full_run), "--out", str(tmp_path / "adapter"), "--adapter")
+def test_adapter_export_of_a_full_fine_tuning_run_is_refused(full_run, tmp_path, cli_in_process):
+    result = cli_in_process("export", str(full_run), "--out", str(tmp_path / "adapter"), "--adapter")
     assert result.returncode == 2
     assert "without LoRA (actor.lora.rank=0" in result.stderr
     assert not (tmp_path / "adapter").exists()
 
 
-def test_a_missing_or_incomplete_checkpoint_is_refused(full_run, tmp_path, cli_run):
-    missing = cli_run("export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out"))
+def test_a_missing_or_incomplete_checkpoint_is_refused(full_run, tmp_path, cli_in_process):
+    missing = cli_in_process("export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     incomplete = tmp_path / "run" / "checkpoints" / "global_step_3"
     incomplete.mkdir(parents=True)
-    result = cli_run("export", str(incomplete), "--out", str(tmp_path / "out"))
+    result = cli_in_process("export", str(incomplete), "--out", str(tmp_path / "out"))
     assert result.returncode == 2 and "has no COMPLETE marker" in result.stderr
-    empty = cli_run("export", str(tmp_path / "run"), "--out", str(tmp_path / "out"))
+    empty = cli_in_process("export", str(tmp_path / "run"), "--out", str(tmp_path / "out"))
     assert empty.returncode == 2 and "holds no complete checkpoint" in empty.stderr
 
 
-def test_a_run_without_its_config_is_refused(full_run, tmp_path, cli_run):
+def test_a_run_without_its_config_is_refused(full_run, tmp_path, cli_in_process):
     shutil.copytree(full_run / "checkpoints", tmp_path / "run" / "checkpoints")
-    result = cli_run("export", str(tmp_path / "run"), "--out", str(tmp_path / "out"))
+    result = cli_in_process("export", str(tmp_path / "run"), "--out", str(tmp_path / "out"))
     assert result.returncode == 2
     assert f"{tmp_path / 'run' / 'config.yaml'} does not exist" in result.stderr
 
 
 @pytest.mark.skipif(not ENGINE_HAS_LORA, reason="the fsdp2 engine has no LoRA adapters (FSDP2Engine.supports_lora is False)")
-def test_lora_exports_merged_and_as_an_adapter_peft_loads(lora_run, assets, tmp_path, cli_run):
+def test_lora_exports_merged_and_as_an_adapter_peft_loads(lora_run, assets, tmp_path, cli_in_process):
     import peft
     from transformers import AutoModelForCausalLM
 
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
     checkpoint = lora_run / "checkpoints" / "global_step_2"
     for arguments in (["--out", str(merged)], ["--out", str(adapter), "--adapter"]):
-        result = cli_run("export", str(checkpoint), *arguments)
+        result = cli_in_process("export", str(checkpoint), *arguments)
         assert result.returncode == 0, result.stderr
     batch = scoring_batch()
     trained = engine_log_probs(lora_run, batch)
