@@ -55,6 +55,8 @@ class Chart:
     wanted: str
     select: Callable[[str], Optional[str]]
     grouped_bars: bool = False
+    kind: str = "rl"
+    """Which runs draw it: ``rl`` (``rlplat run``), ``sft`` (``rlplat sft``: its metrics hold ``train/loss``), ``any``."""
 
 
 CHARTS = (
@@ -65,8 +67,10 @@ CHARTS = (
     Chart("response_length", "Response length", "tokens", "response_length/mean", exact("response_length/mean")),
     Chart("kl", "KL divergence", "KL", "actor/ppo_kl or actor/kl_loss", exact("actor/ppo_kl", "actor/kl_loss")),
     Chart("entropy", "Entropy", "entropy", "actor/entropy", exact("actor/entropy")),
+    Chart("loss", "Loss", "NLL per token", "train/loss or val/loss", exact("train/loss", "val/loss"), kind="sft"),
+    Chart("perplexity", "Validation perplexity", "perplexity", "val/perplexity", exact("val/perplexity"), kind="sft"),
     # Stages nest (the trainer times reward inside gen), so they are grouped side by side, not stacked.
-    Chart("timing", "Stage timing", "seconds", "timing_s/*", timing_stage, grouped_bars=True),
+    Chart("timing", "Stage timing", "seconds", "timing_s/*", timing_stage, grouped_bars=True, kind="any"),
 )
 
 
@@ -134,7 +138,7 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 
 def plot(run_dir: Path = typer.Argument(..., help="A run's output directory (it holds metrics.jsonl).")) -> None:
     """Write PNG charts of a run's metrics (reward, validation accuracy, response length, KL, entropy,
-    stage timing) to RUN_DIR/plots/ and print their paths; charts without data are skipped with a note."""
+    stage timing; for an ``rlplat sft`` run: loss, validation perplexity, stage timing) to RUN_DIR/plots/ and print their paths; charts without data are skipped with a note."""
     from rlplat.tracking import METRICS_FILE, read_metrics
 
     if not run_dir.exists():
@@ -157,7 +161,8 @@ def plot(run_dir: Path = typer.Argument(..., help="A run's output directory (it 
 
     output = run_dir / PLOTS_DIRECTORY
     written = []
-    for chart in CHARTS:
+    kind = "sft" if any("train/loss" in record for record in records) else "rl"
+    for chart in (chart for chart in CHARTS if chart.kind in (kind, "any")):
         series = chart_series(records, chart)
         if not series:
             typer.echo(f"rlplat plot: skipped {chart.name}: no values of {chart.wanted} in {metrics_path}", err=True)

@@ -56,6 +56,18 @@ def test_plot_writes_one_png_per_chart_and_prints_their_paths(tmp_path, cli_run)
     assert "skipped" not in result.stderr
 
 
+def test_an_sft_run_gets_its_loss_perplexity_and_timing_charts_and_no_rl_notes(tmp_path, cli_run):
+    run_dir = tmp_path / "sft"
+    records = [{"step": step, "time": 1000.0 + step, "train/loss": 2.0 / step, "train/grad_norm": 1.0, "timing_s/step": 0.2}
+               for step in (1, 2, 3)]
+    records[1].update({"val/loss": 1.5, "val/perplexity": math.exp(1.5), "timing_s/validate": 0.1})
+    write_metrics(run_dir, records)
+    result = cli_run("plot", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [str(run_dir / "plots" / f"{name}.png") for name in ("loss", "perplexity", "timing")]
+    assert "skipped" not in result.stderr  # the RL charts (reward, KL, ...) are not an SFT run's
+
+
 def test_charts_without_values_are_skipped_with_a_note(tmp_path, cli_run):
     run_dir = tmp_path / "run"
     write_metrics(run_dir, [
