@@ -44,12 +44,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rlplat.contracts.engine import LossFunction, TrainingEngine
+from rlplat.engine_kit import WarmupSchedule, fixed_size_partition, token_budget_partition, weight_buckets
 from rlplat.lora import LoraConfig, read_lora
 from rlplat.protocol import DataProto
 from rlplat_engine_fsdp2 import checkpoint, lora, modeling
 from rlplat_engine_fsdp2.config import FSDP2EngineConfig, read_engine_config
-from rlplat_engine_fsdp2.micro_batches import fixed_size_partition, token_budget_partition
-from rlplat_engine_fsdp2.schedule import WarmupSchedule
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "responses")
 REWARD_MODEL_INPUTS = ("input_ids", "attention_mask")
@@ -391,17 +390,7 @@ class FSDP2Engine(TrainingEngine):
         loads the adapter separately). A collective: every rank must consume the whole generator."""
         self.require_model("named_weights")
         self.onload_parameters()
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, full in self.full_weights():
-            nbytes = full.numel() * full.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, full))
-            size += nbytes
-        if bucket:
-            yield bucket
+        yield from weight_buckets(self.full_weights(), bucket_bytes)
         self.offload_parameters_if_configured()
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -16,9 +16,8 @@ from rlplat.losses import aggregate_loss
 from rlplat_engine_fsdp2.config import FSDP2EngineConfig, read_engine_config
 from rlplat_engine_fsdp2 import modeling
 from rlplat_engine_fsdp2.engine import FSDP2Engine, full_tensor
-from rlplat_engine_fsdp2.micro_batches import balanced_partition, fixed_size_partition, token_budget_partition
+from rlplat.engine_kit import WarmupSchedule, balanced_partition, fixed_size_partition, token_budget_partition
 from rlplat_engine_fsdp2.modeling import response_entropy, response_log_probs
-from rlplat_engine_fsdp2.schedule import WarmupSchedule
 
 
 class SumOfLogProbs:

@@ -41,11 +41,11 @@ import torch
 import torch.distributed as dist
 
 from rlplat.contracts.engine import DataParallelInfo, LossFunction, TrainingEngine
+from rlplat.engine_kit import WarmupSchedule, fixed_size_partition, token_budget_partition, weight_buckets
 from rlplat.protocol import DataProto
 from rlplat_engine_megatron import bridge as hf_bridge
 from rlplat_engine_megatron import cpu, vocab_parallel
 from rlplat_engine_megatron.config import MegatronEngineConfig, check_layout, read_engine_config
-from rlplat_engine_megatron.schedule import WarmupSchedule, fixed_size_partition, token_budget_partition
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "responses")
 CHECKPOINT_MARKER = "rlplat_megatron_checkpoint.json"
@@ -486,17 +486,7 @@ class MegatronEngine(TrainingEngine):
         gathered one parameter at a time, so a rank holds at most one bucket beyond its own shards. A
         collective: every rank must consume the whole generator."""
         self.require_model("named_weights")
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in self.full_weights():
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            size += nbytes
-        if bucket:
-            yield bucket
+        yield from weight_buckets(self.full_weights(), bucket_bytes)
 
     def export_hf(self, path: str) -> None:
         """Write a HF directory (rank 0): ``*ForCausalLM`` or, for a value model, ``*ForTokenClassification``."""

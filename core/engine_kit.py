@@ -1,0 +1,108 @@
+"""Pieces every training engine needs, written once (``rlplat.engine_kit``; no torch at import):
+
+* :class:`WarmupSchedule`: the learning-rate multiplier (linear warm-up, then constant or cosine decay:
+  verl's formulas);
+* :func:`fixed_size_partition`, :func:`balanced_partition`, :func:`token_budget_partition`: how a
+  mini-batch's rows are grouped into micro-batches (a row count, or a token budget with a balanced
+  partition, greedy longest-processing-time first);
+* :func:`weight_buckets`: named tensors gathered into buckets of at most a byte budget, the shape of
+  :meth:`rlplat.contracts.TrainingEngine.named_weights`.
+
+The partitions only plan (lists of row indices) and are deterministic, so every rank of a model replica
+plans the same groups; an engine whose collectives need every rank to run the same number of forwards
+agrees the count with the other ranks itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from typing import Any, Iterable, Iterator, Sequence
+
+
+@dataclasses.dataclass
+class WarmupSchedule:
+    """Multiplier of the peak learning rate at optimizer step ``step`` (``torch.optim.lr_scheduler.LambdaLR``).
+
+    Warm-up: ``step / warmup_steps`` for ``step < warmup_steps`` (so step 0 trains with lr 0, as verl's
+    and Hugging Face's schedules do). ``cosine`` then follows
+    ``min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(pi * progress)) / 2`` with
+    ``progress = (step - warmup_steps) / (total_steps - warmup_steps)``, held at the floor afterwards.
+    A plain object of numbers, so ``LambdaLR.state_dict`` records it and it loads with ``weights_only``.
+    """
+
+    kind: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return step / max(1, self.warmup_steps)
+        if self.kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def fixed_size_partition(rows: int, micro_batch_size: int) -> list[list[int]]:
+    """Consecutive groups of ``micro_batch_size`` rows (the last may be shorter)."""
+    return [list(range(start, min(start + micro_batch_size, rows))) for start in range(0, rows, micro_batch_size)]
+
+
+def balanced_partition(weights: Sequence[int], parts: int) -> list[list[int]]:
+    """``parts`` groups of row indices whose weight sums are close: each row, heaviest first, goes to the
+    lightest group so far (ties broken by group index, so the result is deterministic).
+
+    Each group lists its rows in ascending order and groups are ordered by their first row; with more
+    groups than rows the surplus groups are empty and come last.
+    """
+    if parts < 1:
+        raise ValueError(f"balanced_partition needs at least one part, got {parts}")
+    order = sorted(range(len(weights)), key=lambda row: (-weights[row], row))
+    heap = [(0, 0, part) for part in range(parts)]
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    for row in order:
+        load, count, part = heapq.heappop(heap)
+        groups[part].append(row)
+        heapq.heappush(heap, (load + weights[row], count + 1, part))
+    filled = sorted((sorted(group) for group in groups if group), key=lambda group: group[0])
+    return filled + [[] for _ in range(parts - len(filled))]
+
+
+def token_budget_partition(weights: Sequence[int], budget: int, min_parts: int = 1) -> list[list[int]]:
+    """The fewest balanced groups (at least ``min_parts``) whose weight sums each fit in ``budget``.
+
+    Raises ``ValueError`` when one row alone exceeds the budget.
+    """
+    heaviest = max(weights, default=0)
+    if heaviest > budget:
+        row = list(weights).index(heaviest)
+        raise ValueError(
+            f"row {row} has {heaviest} tokens, more than max_token_len_per_gpu={budget}; raise the budget "
+            "to at least the longest sequence (prompt + response)"
+        )
+    parts = max(min_parts, math.ceil(sum(weights) / budget), 1)
+    while True:
+        groups = balanced_partition(weights, parts)
+        if all(sum(weights[row] for row in group) <= budget for group in groups):
+            return groups
+        parts += 1
+
+
+def weight_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
+    """``(name, tensor)`` pairs in buckets of at most ``bucket_bytes`` (a larger tensor alone), in order.
+    The pairs are drawn one at a time, so a caller that gathers each tensor on demand holds at most one
+    bucket beyond its own shards."""
+    bucket: list[tuple[str, Any]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
