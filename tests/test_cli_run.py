@@ -28,7 +28,7 @@ def test_help_lists_the_installed_algorithms_engines_and_rollouts(capfd, monkeyp
     assert code == 0
     text = " ".join(stdout.split())
     assert "Installed algorithms: dapo, dr_grpo, grpo, gspo, ppo, reinforce_pp, remax, rloo." in text
-    assert "Engines: fsdp2." in text
+    assert "Engines: fsdp2, megatron." in text
     # the backend rollouts are installed without their backend in this environment
     assert "Rollouts: hf (unavailable here: sglang, vllm; see rlplat plugins list)." in text
 
