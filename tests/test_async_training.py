@@ -4,10 +4,11 @@ sync, dropped samples regenerated, a separate rollout pool, and lossless resume 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -166,41 +167,6 @@ def test_separate_async_generates_in_its_own_pool_and_resumes_exactly(assets, tm
     assert trained(tmp_path / "resumed") == trained(tmp_path / "straight")[3:]
 
 
-def kill_and_restart(context, arguments: list[str], run: Path, chooser: random.Random, times: int = 10) -> int:
-    """Start the run in a child, SIGKILL it at a random moment after it trained a step beyond where it
-    resumed, ``times`` times (fewer if it finishes first); the number of kills."""
-    from rlplat.testing.runs import fit_overrides
-
-    kills = 0
-    while kills < times:
-        process = context.Process(target=fit_overrides, args=(arguments,))
-        process.start()
-        started = time.monotonic()
-        progress = len(trained(run)) if (run / "trained_prompts.jsonl").exists() else 0
-        while process.is_alive() and time.monotonic() - started < 120:
-            if (len(trained(run)) if (run / "trained_prompts.jsonl").exists() else 0) > progress:
-                break
-            time.sleep(0.02)
-        if not process.is_alive():
-            process.join()
-            assert process.exitcode == 0, f"the run failed with exit code {process.exitcode} (its stderr is above)"
-            break  # finished before it could be killed
-        time.sleep(chooser.uniform(0.0, 0.4))
-        os.kill(process.pid, signal.SIGKILL)
-        process.join()
-        kills += 1
-    return kills
-
-
-def stop_forkserver() -> None:
-    """Stop multiprocessing's fork server, so the test leaves no process behind."""
-    from multiprocessing import forkserver
-
-    stop = getattr(forkserver._forkserver, "_stop", None)
-    if stop is not None:
-        stop()
-
-
 def test_a_run_killed_ten_times_trains_every_prompt_of_each_epoch_once(assets, tmp_path):
     """SIGKILL at random points (generation, update, checkpoint), resume each time: the steps kept are
     exactly those of an uninterrupted run, and each epoch's prompts are trained once."""
@@ -210,14 +176,28 @@ def test_a_run_killed_ten_times_trains_every_prompt_of_each_epoch_once(assets, t
 
     run = tmp_path / "killed"
     arguments = overrides(assets, run, *settings)
-    # Each try is a fresh process forked from a server that imported rlplat, torch and transformers once
-    # (and ran nothing else), so the ten kills do not pay ten interpreter starts.
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["rlplat.testing.runs", "rlplat.trainer", "rlplat.config", "torch", "transformers"])
-    try:
-        kills = kill_and_restart(context, arguments, run, random.Random(17))
-    finally:
-        stop_forkserver()
+    script = ("from rlplat.config import load_config\nfrom rlplat.trainer import Trainer\n"
+              f"trainer = Trainer(load_config(overrides={arguments!r}, algo='grpo'))\n"
+              "try:\n    trainer.fit()\nfinally:\n    trainer.shutdown()\n")
+    chooser = random.Random(17)
+    kills = 0
+    while kills < 10:
+        process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        started = time.monotonic()
+        progress = len(trained(run)) if (run / "trained_prompts.jsonl").exists() else 0
+        # wait until the run has trained a step beyond where it resumed, then kill at a random moment
+        while process.poll() is None and time.monotonic() - started < 120:
+            now = len(trained(run)) if (run / "trained_prompts.jsonl").exists() else 0
+            if now > progress:
+                break
+            time.sleep(0.02)
+        if process.poll() is not None:
+            assert process.returncode == 0, process.stderr.read().decode()[-3000:]
+            break  # finished before it could be killed
+        time.sleep(chooser.uniform(0.0, 0.4))
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        kills += 1
     assert kills >= 5, "the run finished too quickly to be killed often"
     fit(load_config(overrides=arguments, algo="grpo"))
     assert trained(run) == trained(straight)
