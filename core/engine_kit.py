@@ -106,3 +106,18 @@ def weight_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int) 
         size += nbytes
     if bucket:
         yield bucket
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def tokenizer_folder(tokenizer_path: str | None, model_path: str | None) -> str | None:
+    """The folder an engine's Hugging Face export copies the tokenizer from: ``tokenizer_path`` when set,
+    else ``model_path`` when it holds a tokenizer, else None."""
+    import os
+
+    if tokenizer_path is not None:
+        return tokenizer_path
+    if model_path is not None and any(os.path.isfile(os.path.join(model_path, name)) for name in TOKENIZER_FILES):
+        return model_path
+    return None

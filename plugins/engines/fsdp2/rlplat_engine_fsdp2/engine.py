@@ -44,7 +44,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rlplat.contracts.engine import LossFunction, TrainingEngine
-from rlplat.engine_kit import WarmupSchedule, fixed_size_partition, token_budget_partition, weight_buckets
+from rlplat.engine_kit import WarmupSchedule, fixed_size_partition, token_budget_partition, tokenizer_folder, weight_buckets
 from rlplat.lora import LoraConfig, read_lora
 from rlplat.protocol import DataProto
 from rlplat_engine_fsdp2 import checkpoint, lora, modeling
@@ -495,13 +495,7 @@ class FSDP2Engine(TrainingEngine):
         self.offload_parameters_if_configured()
 
     def tokenizer_path(self) -> str | None:
-        if self.config.tokenizer_path is not None:
-            return self.config.tokenizer_path
-        path = self.config.model_path
-        markers = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-        if path is not None and any(os.path.isfile(os.path.join(path, marker)) for marker in markers):
-            return path
-        return None
+        return tokenizer_folder(self.config.tokenizer_path, self.config.model_path)
 
     # -- offload -----------------------------------------------------------------------------------
 

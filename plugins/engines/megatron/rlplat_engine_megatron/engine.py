@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from rlplat.contracts.engine import DataParallelInfo, LossFunction, TrainingEngine
-from rlplat.engine_kit import WarmupSchedule, fixed_size_partition, token_budget_partition, weight_buckets
+from rlplat.engine_kit import WarmupSchedule, fixed_size_partition, token_budget_partition, tokenizer_folder, weight_buckets
 from rlplat.protocol import DataProto
 from rlplat_engine_megatron import bridge as hf_bridge
 from rlplat_engine_megatron import cpu, vocab_parallel
@@ -500,13 +500,7 @@ class MegatronEngine(TrainingEngine):
         dist.barrier()
 
     def tokenizer_path(self) -> str | None:
-        if self.config.tokenizer_path is not None:
-            return self.config.tokenizer_path
-        path = self.config.model_path
-        markers = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-        if path is not None and any(os.path.isfile(os.path.join(path, marker)) for marker in markers):
-            return path
-        return None
+        return tokenizer_folder(self.config.tokenizer_path, self.config.model_path)
 
     # -- checkpoints -------------------------------------------------------------------------------
 
