@@ -1,19 +1,22 @@
-"""``rlplat export CHECKPOINT --out DIR [--adapter]``: a run's trained policy as a Hugging Face folder.
+"""``rlplat export CHECKPOINT --out DIR [--step N] [--adapter]``: a run's trained model as a Hugging Face folder.
 
-The actor's engine is built in this process as the run built it (from the run's ``config.yaml``, on a
-one-process group), loads the checkpoint's ``actor`` folder and writes either the full model with the
-adapter merged in when the run trained LoRA (a ``save_pretrained`` folder with the tokenizer, so
-``rlplat run model.path=DIR`` or plain ``transformers`` loads it) or, with ``--adapter``, the LoRA
-adapter alone (the folder ``peft.PeftModel.from_pretrained`` loads over the base model). The folder is
-written beside ``--out`` and moved into place once complete, so a failed export leaves nothing behind.
+The run is one ``rlplat run`` (RL: its policy, the actor) or ``rlplat sft`` wrote: which one is read
+from the resolved config it wrote (``config.yaml``), whose top-level nodes are that command's. The
+actor's engine is built in this process as the run built it (on a one-process group), loads the
+checkpoint's ``actor`` folder and writes either the full model with the adapter merged in when the run
+trained LoRA (a ``save_pretrained`` folder with the tokenizer, so ``rlplat run model.path=DIR`` or plain
+``transformers`` loads it) or, with ``--adapter``, the LoRA adapter alone (the folder
+``peft.PeftModel.from_pretrained`` loads over the base model). The folder is written beside ``--out``
+and moved into place once complete, so a failed export leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import typer
 
@@ -27,22 +30,35 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def find_checkpoint(path: Path) -> tuple[Path, Path]:
+def find_checkpoint(path: Path, step: Optional[int] = None) -> tuple[Path, Path]:
     """``(checkpoint directory, run directory)`` from a checkpoint (``<run>/checkpoints/global_step_N``),
-    a run's ``checkpoints`` folder or a run directory (their newest complete checkpoint)."""
-    from rlplat.checkpoint import CHECKPOINT_NAME, COMPLETE_MARKER, CheckpointManager, checkpoint_problem
+    a run's ``checkpoints`` folder or a run directory (their newest complete checkpoint, or the one of
+    ``step``)."""
+    from rlplat.checkpoint import CHECKPOINT_NAME, COMPLETE_MARKER, CheckpointManager, checkpoint_name, checkpoint_problem
 
     if not path.exists():
         raise fail(f"{path} does not exist; pass a checkpoint (RUN/checkpoints/global_step_N) or a run directory")
     if not path.is_dir():
         raise fail(f"{path} is not a directory; pass a checkpoint (RUN/checkpoints/global_step_N) or a run directory")
     if CHECKPOINT_NAME.fullmatch(path.name) or (path / COMPLETE_MARKER).exists():
+        if step is not None:
+            raise fail(f"--step {step} with the checkpoint {path}: pass the run directory with --step, or the checkpoint alone")
         problem = checkpoint_problem(path)
         if problem is not None:
             raise fail(f"checkpoint {path} {problem}; export a complete one (pass the run directory for its newest)")
         return path, path.parent.parent
     root = path if path.name == "checkpoints" else path / "checkpoints"
-    latest = CheckpointManager(root).latest()
+    manager = CheckpointManager(root)
+    if step is not None:
+        steps = sorted(checkpoint.step for checkpoint in manager.checkpoints())
+        if step not in steps:
+            saved = f"the complete ones are of steps {', '.join(map(str, steps))}" if steps else "it holds none"
+            raise fail(f"--step {step}: {root} has no complete checkpoint of that step; {saved}")
+        chosen = root / checkpoint_name(step)
+        if checkpoint_problem(chosen) is not None:  # the step survives only as its replaced copy
+            chosen = next(checkpoint.path for checkpoint in manager.checkpoints() if checkpoint.step == step)
+        return chosen, root.parent
+    latest = manager.latest()
     if latest is None:
         raise fail(f"{path} holds no complete checkpoint (looked under {root}); a run writes them every "
                    "trainer.save_freq steps and at its end")
@@ -69,6 +85,30 @@ def read_run_config(run_dir: Path) -> Any:
         raise fail(f"cannot read {config_path}: {error}")
 
 
+#: run kind -> (the command that writes such runs, its config schema as "module:class").
+RUN_KINDS = {"rl": ("rlplat run", "rlplat.config:RLConfig"), "sft": ("rlplat sft", "rlplat.sft.config:SFTConfig")}
+
+
+def run_kind(config: Any, config_path: Path) -> str:
+    """``rl`` or ``sft``: the command whose resolved config ``config`` is. Each command writes every node
+    of its schema; a config is that command's when all its nodes are the schema's and it has the nodes
+    only that command has (``rlplat sft``'s ``loss``; ``rlplat run``'s ``rollout``, ``algorithm``, ...)."""
+    from omegaconf import DictConfig
+
+    from rlplat.registry import resolve_dotted_path
+
+    nodes = set(config) if isinstance(config, DictConfig) else set()
+    schemas = {kind: {field.name for field in dataclasses.fields(resolve_dotted_path(path))}
+               for kind, (_, path) in RUN_KINDS.items()}
+    for kind, schema in schemas.items():
+        own = set().union(*(schema - other for name, other in schemas.items() if name != kind))
+        if nodes and nodes <= schema and nodes & own and {"model", "actor"} <= nodes:
+            return kind
+    described = "; ".join(f"{command} writes {', '.join(sorted(schemas[kind]))}" for kind, (command, _) in RUN_KINDS.items())
+    raise fail(f"{config_path} is the config of neither an rlplat run nor an rlplat sft run: its top-level nodes are "
+               f"{', '.join(sorted(map(str, nodes))) or 'none'} ({described}); pass the directory of a run either command wrote")
+
+
 def check_model(config: Any, config_path: Path, adapter: bool) -> None:
     from omegaconf import OmegaConf
 
@@ -85,13 +125,21 @@ def check_model(config: Any, config_path: Path, adapter: bool) -> None:
                    "so there is no adapter; export the model without --adapter")
 
 
-def build_engine(config: Any, step: int) -> Any:
-    from rlplat.config import engine_node
+def build_engine(config: Any, kind: str, step: int) -> Any:
+    """The actor's engine as a run of ``kind`` built it, before its checkpoint is loaded."""
     from rlplat.registry import EngineRegistry
 
     # the learning-rate schedule's length only matters to training; the checkpoint restores its state
     total_steps = int(config.trainer.total_training_steps or max(step, 1))
-    engine = EngineRegistry("engine").build(config.actor.engine, engine_node(config, "actor", total_steps))
+    if kind == "sft":
+        from rlplat.sft.config import sft_engine_node
+
+        node = sft_engine_node(config, total_steps)
+    else:
+        from rlplat.config import engine_node
+
+        node = engine_node(config, "actor", total_steps)
+    engine = EngineRegistry("engine").build(config.actor.engine, node)
     engine.init_model()
     return engine
 
@@ -109,23 +157,26 @@ def export(
     checkpoint: Path = typer.Argument(..., help="A checkpoint (RUN/checkpoints/global_step_N, with COMPLETE) or a run "
                                                 "directory (its newest complete checkpoint)."),
     out: Path = typer.Option(..., "--out", help="Directory to write; must not exist or be empty (see --force)."),
+    step: Optional[int] = typer.Option(None, "--step", help="With a run directory: export its complete checkpoint "
+                                                          "of this step instead of the newest."),
     adapter: bool = typer.Option(False, "--adapter", help="Write the LoRA adapter alone (adapter_config.json and "
                                                           "adapter_model.safetensors) instead of the merged model."),
     force: bool = typer.Option(False, "--force", help="Replace --out when it exists and is not empty."),
 ) -> None:
-    """Write a run's trained policy as a Hugging Face model folder (LoRA merged in), or its LoRA adapter
-    with --adapter; prints the folder written."""
-    checkpoint_dir, run_dir = find_checkpoint(checkpoint)
+    """Write the model an `rlplat run` (its policy) or `rlplat sft` run trained as a Hugging Face model
+    folder (LoRA merged in), or its LoRA adapter with --adapter; prints the folder written."""
+    checkpoint_dir, run_dir = find_checkpoint(checkpoint, step)
     check_out(out, force)
     if not (checkpoint_dir / ACTOR_FOLDER).is_dir():
         raise fail(f"checkpoint {checkpoint_dir} has no {ACTOR_FOLDER}/ folder: it holds no actor weights to export")
     config = read_run_config(run_dir)
+    kind = run_kind(config, run_dir / CONFIG_FILE)
     check_model(config, run_dir / CONFIG_FILE, adapter)
 
     from rlplat.checkpoint import CheckpointManager
     from rlplat.controller.host import WorkerHost, free_port
 
-    step = int(CheckpointManager(checkpoint_dir.parent).load_state(checkpoint_dir)["step"])
+    saved_step = int(CheckpointManager(checkpoint_dir.parent).load_state(checkpoint_dir)["step"])
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     host = WorkerHost(rank=0, world_size=1)
@@ -133,7 +184,7 @@ def export(
         import torch
 
         host.init_distributed("127.0.0.1", free_port(), use_gpu=torch.cuda.is_available())
-        engine = build_engine(config, step)
+        engine = build_engine(config, kind, saved_step)
         try:
             engine.load(str(checkpoint_dir / ACTOR_FOLDER))
         except Exception as error:  # the engine names the file and the mismatch
@@ -151,5 +202,6 @@ def export(
         host.shutdown()
         shutil.rmtree(partial, ignore_errors=True)
     what = "LoRA adapter" if adapter else "model"
-    typer.echo(f"rlplat export: wrote the {what} of {checkpoint_dir} (step {step}) to {out}", err=True)
+    typer.echo(f"rlplat export: wrote the {what} of {checkpoint_dir} (step {saved_step}), trained by "
+               f"{RUN_KINDS[kind][0]}, to {out}", err=True)
     typer.echo(str(out))
