@@ -9,7 +9,8 @@ YAML file, then the dotted ``key=value`` overrides.
 Core's nodes are typed here. The nodes plugins own (``actor.engine_config``, ``critic.engine_config``,
 ``rollout.config``, ``reward.config``, ``actor.loss`` and its ``policy_loss``, ``critic.loss``,
 ``algorithm``, ``roles.<name>``) are checked by :func:`validate_config` in one loop
-(:func:`plugin_nodes`) against the schema each plugin declares, with the same reader the plugin uses in
+(:func:`plugin_nodes`, in :mod:`rlplat.config_components` with the nodes each component receives)
+against the schema each plugin declares, with the same reader the plugin uses in
 its worker (:func:`rlplat.config_node.read_config_node`). A misspelled or mistyped key anywhere, an
 unknown plugin, invalid sampling settings, a missing reward function, batch sizes that do not divide, an
 algorithm that needs a critic without one, or a missing model or data path raises :class:`ConfigError`:
@@ -19,7 +20,6 @@ one paragraph saying what, where, and the closest valid choice, before any worke
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -28,12 +28,15 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from rlplat.config_node import ConfigError, did_you_mean, read_config_node, resolve_schema
 from rlplat.agent.config import AgentConfig
-from rlplat.data import DataConfig
+# the nodes each component receives and the plugin-owned nodes: their own module, the names stay importable here
+from rlplat.config_components import (BUILTIN_LOSS_SCHEMAS, ENGINE_BUILD_SOURCES, ROLLOUT_BUILD_SOURCES,  # noqa: F401
+                                      SAMPLING_SOURCES, PluginNode, agent_nodes, engine_node, entry_schema, loss_schema,
+                                      plugin_nodes, rollout_node, sampling_node, total_training_steps, uses_critic)
+from rlplat.data_config import DataConfig
 from rlplat.lora import LoraConfig, check_lora
 from rlplat.pipeline import check_trainer_mode
 from rlplat.sync_probe import SyncProbeConfig
 from rlplat.reward_model import RewardModelConfig
-from rlplat.losses.config import LOSS_SET_KEYS
 
 __all__ = ["ConfigError", "RLConfig", "load_config", "validate_config", "plugin_nodes", "engine_node",
            "rollout_node", "sampling_node", "to_yaml"]
@@ -377,197 +380,6 @@ def load_config(
     if validate:
         validate_config(config)
     return config
-
-
-# -- the nodes each component receives -----------------------------------------------------------------
-
-#: EngineBuildConfig key -> (run-config key it comes from; ``{role}`` is actor or critic).
-ENGINE_BUILD_SOURCES = {
-    "model_path": "model.path", "seed": "trainer.seed", "lr": "{role}.optim.lr",
-    "weight_decay": "{role}.optim.weight_decay", "betas": "{role}.optim.betas",
-    "lr_warmup_steps": "{role}.optim.warmup_steps", "lr_scheduler_type": "{role}.optim.lr_scheduler_type",
-    "min_lr_ratio": "{role}.optim.min_lr_ratio", "grad_clip": "{role}.optim.grad_clip",
-    "total_training_steps": "trainer.total_training_steps (in optimizer steps)", "ppo_mini_batch_size": "{role}.ppo_mini_batch_size",
-    "ppo_epochs": "{role}.ppo_epochs", "micro_batch_size_per_gpu": "{role}.micro_batch_size_per_gpu",
-    "use_dynamic_bsz": "{role}.use_dynamic_bsz", "max_token_len_per_gpu": "{role}.max_token_len_per_gpu",
-    "value_model": "the role (true for the critic)", "reward_model": "the role (true for the reward model's engine)",
-    "lora": "actor.lora (when its rank is above 0)",
-}
-ROLLOUT_BUILD_SOURCES = {"model_path": "model.path", "load_weights": "the trainer (false: the engine syncs its weights in)"}
-
-
-def engine_node(config: DictConfig, role: str, total_steps: int) -> dict[str, Any]:
-    """What the engine factory of ``role`` (``actor`` or ``critic``) receives: the
-    :class:`~rlplat.contracts.engine.EngineBuildConfig` keys from the run config, then ``<role>.engine_config``."""
-    node, optim = config[role], config[role].optim
-    build = {
-        "model_path": config.model.path, "seed": config.trainer.seed, "lr": optim.lr,
-        "weight_decay": optim.weight_decay, "betas": list(optim.betas), "lr_warmup_steps": optim.warmup_steps,
-        "lr_scheduler_type": optim.lr_scheduler_type, "min_lr_ratio": optim.min_lr_ratio,
-        "grad_clip": optim.grad_clip,
-        "total_training_steps": total_steps * (config.data.train_batch_size // node.ppo_mini_batch_size) * node.ppo_epochs,
-        "ppo_mini_batch_size": node.ppo_mini_batch_size * config.rollout.n, "ppo_epochs": node.ppo_epochs,
-        "micro_batch_size_per_gpu": node.micro_batch_size_per_gpu, "use_dynamic_bsz": node.use_dynamic_bsz,
-        "max_token_len_per_gpu": node.max_token_len_per_gpu, "value_model": role == "critic",
-    }
-    if role == "actor" and OmegaConf.to_container(node.lora, resolve=True).get("rank"):
-        build["lora"] = OmegaConf.to_container(node.lora, resolve=True)
-    return {**build, **OmegaConf.to_container(node.engine_config, resolve=True)}
-
-
-def rollout_node(config: DictConfig) -> dict[str, Any]:
-    """What the rollout factory receives: the :class:`~rlplat.contracts.rollout.RolloutBuildConfig` keys,
-    then ``rollout.config``."""
-    return {"model_path": config.model.path, "load_weights": False,
-            **OmegaConf.to_container(config.rollout.config, resolve=True)}
-
-
-#: SamplingParams field -> the run-config key that sets it.
-SAMPLING_SOURCES = {"n": "rollout.n", "temperature": "rollout.temperature", "top_p": "rollout.top_p",
-                    "top_k": "rollout.top_k", "max_new_tokens": "rollout.response_length"}
-
-
-def sampling_node(config: DictConfig) -> dict[str, Any]:
-    """The default :class:`~rlplat.contracts.rollout.SamplingParams` fields of a run's generation."""
-    rollout = config.rollout
-    return {"n": rollout.n, "temperature": rollout.temperature, "top_p": rollout.top_p,
-            "top_k": rollout.top_k, "max_new_tokens": rollout.response_length}
-
-
-def total_training_steps(config: DictConfig, rows_per_epoch: int) -> int:
-    """``trainer.total_training_steps``, or ``trainer.total_epochs`` passes over ``rows_per_epoch`` prompts."""
-    if config.trainer.total_training_steps:
-        return int(config.trainer.total_training_steps)
-    per_epoch = rows_per_epoch / config.data.train_batch_size
-    return int(per_epoch if config.data.drop_last else math.ceil(per_epoch)) * config.trainer.total_epochs
-
-
-def uses_critic(config: DictConfig, algorithm: Any) -> bool:
-    return algorithm.needs_critic if config.critic.enable is None else bool(config.critic.enable)
-
-
-# -- plugin-owned nodes ---------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class PluginNode:
-    """A node of the run config whose schema a plugin declares: its dotted ``key``, who owns it, the
-    schema (None: the owner declares none, so only core's keys are known), what the owner receives
-    (``values``) and which of its keys core fills in (the user may not set them in the node)."""
-
-    key: str
-    owner: str
-    schema: Any
-    values: dict[str, Any]
-    core_keys: dict[str, str] = dataclasses.field(default_factory=dict)
-    user_keys: tuple[str, ...] = ()
-
-    def check(self) -> Any:
-        """The node read with its schema (the plugin's own reader); :class:`ConfigError` if it does not fit."""
-        for key in self.user_keys:
-            if key in self.core_keys:
-                raise ConfigError(f"'{self.key}.{key}' is set from {self.core_keys[key]}: set that instead [{self.owner}].")
-        if self.schema is None:
-            return self.values
-        missing = [key for key in self.core_keys if key not in {f.name for f in dataclasses.fields(self.schema)}]
-        if missing:
-            raise ConfigError(
-                f"{self.owner} declares the config schema {self.schema.__name__}, which lacks the keys core passes "
-                f"to every such plugin ({', '.join(missing)}); the plugin must extend its contract's build config."
-            )
-        try:
-            return read_config_node(self.values, self.schema, self.key)
-        except ConfigError as error:
-            raise ConfigError(f"{error} [{self.owner}]") from None
-
-
-def entry_schema(kind: str, name: str, key: str) -> tuple[Any, str]:
-    """``(schema dataclass or None, owner description)`` of a registry entry, checked to be usable."""
-    from rlplat import registry
-    from rlplat.registry import RegistryError
-
-    try:
-        entry = registry.entry(kind, name)
-    except RegistryError as error:
-        raise ConfigError(f"{key}: {error}") from None
-    if entry.status != "ok":
-        raise ConfigError(f"{key}: {kind} {name!r} is {entry.status}.")
-    owner = f"{kind} {name!r} from {entry.origin}"
-    try:
-        return resolve_schema(entry.config_schema), owner
-    except Exception as error:
-        raise ConfigError(f"{key}: the config schema of {owner} cannot be loaded: {error}") from None
-
-
-def plugin_nodes(config: DictConfig, algorithm: Any, total_steps: int) -> list[PluginNode]:
-    """Every plugin-owned node of ``config`` with its schema and owner (see the module docstring)."""
-    from rlplat.contracts.algorithm import AlgorithmConfig
-    from rlplat.contracts.engine import EngineBuildConfig
-    from rlplat.contracts.role import RoleConfig
-
-    def user_keys(node: Any) -> tuple[str, ...]:
-        return tuple(OmegaConf.to_container(node, resolve=True)) if node is not None else ()
-
-    nodes = []
-    for role in ("actor", "critic"):
-        schema, owner = entry_schema("engine", config[role].engine, f"{role}.engine")
-        sources = {key: source.format(role=role) for key, source in ENGINE_BUILD_SOURCES.items()}
-        nodes.append(PluginNode(f"{role}.engine_config", owner, schema, engine_node(config, role, total_steps),
-                                {k: sources[k] for k in (f.name for f in dataclasses.fields(EngineBuildConfig))},
-                                user_keys(config[role].engine_config)))
-    schema, owner = entry_schema("rollout", config.rollout.name, "rollout.name")
-    nodes.append(PluginNode("rollout.config", owner, schema, rollout_node(config), dict(ROLLOUT_BUILD_SOURCES),
-                            user_keys(config.rollout.config)))
-    schema, owner = entry_schema("reward_manager", config.reward.manager, "reward.manager")
-    nodes.append(PluginNode("reward.config", owner, schema, OmegaConf.to_container(config.reward.config, resolve=True)))
-    for role in ("actor", "critic"):
-        loss_node = OmegaConf.to_container(config[role].loss, resolve=True)
-        for engine_set in LOSS_SET_KEYS:
-            if loss_node.get(engine_set) is not None:
-                raise ConfigError(f"'{role}.loss.{engine_set}' is set by rlplat (per micro-batch, or from "
-                                  "algorithm.rollout_correction); remove it.")
-        try:
-            schema = algorithm.loss_schema(role)
-        except Exception as error:
-            raise ConfigError(f"{role}.loss: the {role} loss of algorithm {algorithm.name!r} cannot be loaded: {error}") from None
-        nodes.append(PluginNode(f"{role}.loss", f"the {role} loss of algorithm {algorithm.name!r}", schema, loss_node))
-    policy_node = dict(OmegaConf.to_container(config.actor.loss, resolve=True).get("policy_loss") or {})
-    loss_mode = policy_node.get("loss_mode", algorithm.policy_loss)
-    schema, owner = entry_schema("policy_loss", loss_mode, "actor.loss.policy_loss.loss_mode")
-    nodes.append(PluginNode("actor.loss.policy_loss", owner, schema, {"loss_mode": loss_mode, **policy_node}))
-    schema, owner = entry_schema("algorithm", config.algorithm.name, "algorithm.name")
-    nodes.append(PluginNode("algorithm", owner, schema or AlgorithmConfig, OmegaConf.to_container(config.algorithm, resolve=True)))
-    from rlplat import registry
-
-    for name, node in OmegaConf.to_container(config.roles, resolve=True).items():
-        if name not in registry.names("role"):
-            raise ConfigError(f"roles.{name}: unknown role {name!r}; the roles are {', '.join(registry.names('role'))}."
-                              f"{did_you_mean(name, registry.names('role'), 'roles.')}")
-        schema, owner = entry_schema("role", name, f"roles.{name}")
-        nodes.append(PluginNode(f"roles.{name}", owner, schema or RoleConfig, node or {}))
-    nodes += agent_nodes(config)
-    from rlplat.reward_model import reward_model_nodes
-
-    nodes += reward_model_nodes(config)
-    return nodes
-
-
-def agent_nodes(config: DictConfig) -> list[PluginNode]:
-    """The plugin-owned nodes under ``agent``: each loop's ``agent.loops.<name>`` and the environment's
-    ``agent.environment_config``."""
-    from rlplat.contracts.agent import AgentLoopConfig
-
-    agent = config.agent
-    nodes = []
-    for name, node in OmegaConf.to_container(agent.loops, resolve=True).items():
-        schema, owner = entry_schema("agent_loop", name, f"agent.loops.{name}")
-        nodes.append(PluginNode(f"agent.loops.{name}", owner, schema or AgentLoopConfig, node or {}))
-    if agent.environment is not None:
-        schema, owner = entry_schema("environment", agent.environment, "agent.environment")
-        nodes.append(PluginNode("agent.environment_config", owner, schema,
-                                OmegaConf.to_container(agent.environment_config, resolve=True)))
-    elif agent.environment_config:
-        raise ConfigError("agent.environment_config is set but agent.environment is not: name the environment.")
-    return nodes
 
 
 def data_agent_names(files: Sequence[str]) -> set[str]:
