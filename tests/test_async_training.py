@@ -7,8 +7,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import torch
 from rlplat.config import load_config
 from rlplat.config_node import ConfigError
 from rlplat.data import write_parquet
+from rlplat.testing.fork_server import ForkServer
 from rlplat.testing.runs import fit_run
 from rlplat.testing.tiny_models import save_tiny_model
 
@@ -167,6 +166,31 @@ def test_separate_async_generates_in_its_own_pool_and_resumes_exactly(assets, tm
     assert trained(tmp_path / "resumed") == trained(tmp_path / "straight")[3:]
 
 
+def kill_and_restart(server: ForkServer, arguments: list[str], run: Path, chooser: random.Random, times: int = 10) -> int:
+    """Start the run (``arguments``, resuming from its latest checkpoint) in a child, wait until it trained a
+    step beyond where it resumed, SIGKILL it at a random moment; ``times`` times, fewer if it finishes
+    first. The number of kills."""
+    kills = 0
+    while kills < times:
+        progress = len(trained(run)) if (run / "trained_prompts.jsonl").exists() else 0
+        pid = server.start("rlplat.testing.runs:fit_overrides", arguments, "grpo")
+        started = time.monotonic()
+        exit_code = server.poll(pid)
+        while exit_code is None and time.monotonic() - started < 120:
+            if (len(trained(run)) if (run / "trained_prompts.jsonl").exists() else 0) > progress:
+                break
+            time.sleep(0.02)
+            exit_code = server.poll(pid)
+        if exit_code is not None:
+            assert exit_code == 0, server.log_tail()
+            break  # finished before it could be killed
+        time.sleep(chooser.uniform(0.0, 0.4))
+        os.kill(pid, signal.SIGKILL)
+        server.wait(pid)
+        kills += 1
+    return kills
+
+
 def test_a_run_killed_ten_times_trains_every_prompt_of_each_epoch_once(assets, tmp_path):
     """SIGKILL at random points (generation, update, checkpoint), resume each time: the steps kept are
     exactly those of an uninterrupted run, and each epoch's prompts are trained once."""
@@ -176,28 +200,11 @@ def test_a_run_killed_ten_times_trains_every_prompt_of_each_epoch_once(assets, t
 
     run = tmp_path / "killed"
     arguments = overrides(assets, run, *settings)
-    script = ("from rlplat.config import load_config\nfrom rlplat.trainer import Trainer\n"
-              f"trainer = Trainer(load_config(overrides={arguments!r}, algo='grpo'))\n"
-              "try:\n    trainer.fit()\nfinally:\n    trainer.shutdown()\n")
-    chooser = random.Random(17)
-    kills = 0
-    while kills < 10:
-        process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        started = time.monotonic()
-        progress = len(trained(run)) if (run / "trained_prompts.jsonl").exists() else 0
-        # wait until the run has trained a step beyond where it resumed, then kill at a random moment
-        while process.poll() is None and time.monotonic() - started < 120:
-            now = len(trained(run)) if (run / "trained_prompts.jsonl").exists() else 0
-            if now > progress:
-                break
-            time.sleep(0.02)
-        if process.poll() is not None:
-            assert process.returncode == 0, process.stderr.read().decode()[-3000:]
-            break  # finished before it could be killed
-        time.sleep(chooser.uniform(0.0, 0.4))
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait()
-        kills += 1
+    # Each try is a process forked from a server that imported rlplat, torch and transformers once, so the
+    # ten tries do not pay ten interpreter starts; the server and every try are stopped when the block ends.
+    preload = ["torch", "transformers", "rlplat.config", "rlplat.trainer", "rlplat.testing.runs"]
+    with ForkServer(preload, log=tmp_path / "tries.log") as server:
+        kills = kill_and_restart(server, arguments, run, random.Random(17))
     assert kills >= 5, "the run finished too quickly to be killed often"
     fit(load_config(overrides=arguments, algo="grpo"))
     assert trained(run) == trained(straight)

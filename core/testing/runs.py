@@ -1,4 +1,4 @@
-"""Whole training runs from tests: :func:`fit_run`."""
+"""Whole training runs from tests: :func:`fit_run`, :func:`fit_overrides`."""
 
 from __future__ import annotations
 
@@ -20,3 +20,11 @@ def fit_run(config: Any, *, trainer_class: type | None = None, inspect: Callable
     finally:
         trainer.shutdown()
     return read_metrics(config.trainer.output_dir)
+
+
+def fit_overrides(overrides: list[str], algo: str = "grpo") -> None:
+    """Train the run the dotted ``overrides`` describe to its end (resuming from its latest checkpoint, as
+    ``trainer.resume`` says): the body of a child process a test kills and starts again."""
+    from rlplat.config import load_config
+
+    fit_run(load_config(overrides=overrides, algo=algo))
