@@ -38,16 +38,16 @@ def record(name: str, status: str, figure: str = "a figure", seconds: float | No
 
 
 @pytest.mark.skipif(not NO_GPU, reason="this machine has a CUDA GPU")
-def test_without_a_gpu_it_refuses_in_one_line_and_writes_nothing(tmp_path):
+def test_without_a_gpu_it_refuses_in_one_line_and_writes_nothing(tmp_path, capfd):
+    # the driver's main in this process (the script's own process is run by the driver test below)
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--out", str(out)], capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 2
-    assert result.stdout == ""
-    assert result.stderr.count("\n") == 1
-    assert result.stderr.startswith(f"gpu-check: refused: no CUDA GPU is visible (torch {torch.__version__}, ")
-    assert result.stderr.rstrip().endswith("it runs on a machine with a CUDA GPU (nothing was installed or run)")
-    assert not out.exists()
+    assert gpu_check.main(["--out", str(out), "--work", str(tmp_path / "work")]) == 2
+    stdout, stderr = capfd.readouterr()
+    assert stdout == ""
+    assert stderr.count("\n") == 1
+    assert stderr.startswith(f"gpu-check: refused: no CUDA GPU is visible (torch {torch.__version__}, ")
+    assert stderr.rstrip().endswith("it runs on a machine with a CUDA GPU (nothing was installed or run)")
+    assert not out.exists() and not (tmp_path / "work").exists()
 
 
 def test_an_unknown_check_name_is_refused_with_the_list():
