@@ -184,7 +184,12 @@ def export(
         import torch
 
         host.init_distributed("127.0.0.1", free_port(), use_gpu=torch.cuda.is_available())
-        engine = build_engine(config, kind, saved_step)
+        try:
+            engine = build_engine(config, kind, saved_step)
+        except ValueError as error:  # a layout that needs more processes than this one: the engine says which
+            raise fail(f"cannot build the {config.actor.engine} engine of {run_dir / CONFIG_FILE} in this one process: "
+                       f"{error}. rlplat export builds the engine on one process; an rlplat sft run's own export at its "
+                       f"end is in trainer.export_dir ({run_dir / 'hf_model'} by default)")
         try:
             engine.load(str(checkpoint_dir / ACTOR_FOLDER))
         except Exception as error:  # the engine names the file and the mismatch
