@@ -2,8 +2,10 @@
 each phase of a step, from the resolved config and the models' ``config.json`` alone.
 
 :func:`plan_run` asks each component (the actor's, reference's, critic's and reward model's training
-engine, the rollout) for its :class:`~rlplat.plan.estimate.MemoryEstimate` through the optional
-``estimate_memory`` classmethod of its contract, maps the calls of each item to the step's phases by
+engine, the rollout) for its :class:`~rlplat.plan.estimate.MemoryEstimate` through the function its
+registration names (``metadata={"estimate_memory": "module:function"}``, imported without the engine's
+module and so without torch) or else the optional ``estimate_memory`` classmethod of its contract
+(:func:`estimate_function`), maps the calls of each item to the step's phases by
 the component's role (:data:`ROLE_PHASES`), and sums per phase the items of the components that share a
 device. The phase with the largest sum sets the pool's peak.
 
@@ -230,24 +232,54 @@ def device_memory(config: Any) -> tuple[Optional[int], str]:
     return None, "CPU: not checked unless cluster.device_memory_gib is set"
 
 
-def estimate_of(kind: str, name: str, node: dict[str, Any], model_config: dict[str, Any],
-                context: MemoryContext) -> tuple[Optional[MemoryEstimate], str]:
-    """The registered ``kind`` ``name``'s estimate, or ``(None, why)``. The plugin's class is imported
-    without checking its optional dependencies (vllm, sglang): the estimate needs none of them."""
-    from rlplat import registry
-    from rlplat.registry import RegistryError, resolve_dotted_path
+#: The registration ``metadata`` key naming an engine's or rollout's estimate without its class.
+ESTIMATE_KEY = "estimate_memory"
 
-    try:
-        entry = registry.entry(kind, name)
-    except RegistryError as error:
-        raise PlanError(str(error)) from None
+
+def estimate_function(entry: Any) -> tuple[Optional[Any], str]:
+    """``(the estimate function of a registry entry, "")`` or ``(None, why)``.
+
+    The entry's ``metadata["estimate_memory"]`` when the plugin registered one: a function with the
+    signature of the contract's ``estimate_memory`` classmethod, or its ``"module:attribute"`` path,
+    imported alone (the built-in engines and rollouts name their ``memory`` module, which needs no torch,
+    so ``rlplat plan`` and the refusal of ``rlplat run`` import no torch). Otherwise the classmethod of
+    the entry's class, which imports the class's module (a third party's engine that only defines the
+    classmethod). Either is imported without checking the entry's optional dependencies (vllm,
+    sglang): the estimate needs none of them."""
+    from rlplat.registry import resolve_dotted_path
+
+    named = entry.metadata.get(ESTIMATE_KEY)
+    if named is not None:
+        try:
+            function = resolve_dotted_path(named) if isinstance(named, str) else named
+        except Exception as error:
+            return None, f"its {ESTIMATE_KEY} {named!r} cannot be imported ({type(error).__name__}: {error})"
+        if not callable(function):
+            return None, f"its {ESTIMATE_KEY} {named!r} is a {type(function).__name__}, not a function"
+        return function, ""
     try:
         factory = resolve_dotted_path(entry.factory) if isinstance(entry.factory, str) else entry.factory
     except Exception as error:
         return None, f"its class cannot be imported ({type(error).__name__}: {error})"
     method = getattr(factory, "estimate_memory", None)
     if method is None:
-        return None, f"{kind} {name!r} has no estimate_memory"
+        return None, f"{entry.kind} {entry.name!r} has no estimate_memory"
+    return method, ""
+
+
+def estimate_of(kind: str, name: str, node: dict[str, Any], model_config: dict[str, Any],
+                context: MemoryContext) -> tuple[Optional[MemoryEstimate], str]:
+    """The registered ``kind`` ``name``'s estimate (through :func:`estimate_function`), or ``(None, why)``."""
+    from rlplat import registry
+    from rlplat.registry import RegistryError
+
+    try:
+        entry = registry.entry(kind, name)
+    except RegistryError as error:
+        raise PlanError(str(error)) from None
+    method, reason = estimate_function(entry)
+    if method is None:
+        return None, reason
     try:
         estimate = method(node, model_config, context)
     except (ValueError, TypeError, KeyError) as error:
@@ -345,11 +377,15 @@ PLANNED_ROLES = ("actor", "rollout", "critic", "reward_model")
 
 
 def unplanned_roles(config: Any, algorithm: Any, steps: int) -> list[str]:
-    """Enabled roles (kind ``role``) the plan has no components for (a judge, a plugin's role)."""
+    """Enabled roles (kind ``role``) the plan has no components for (a judge, a plugin's role), by name.
+    Only those roles are built and asked (as :func:`rlplat.placement.enabled_roles` asks them): the
+    modules of the planned ones hold their workers, which import torch."""
+    from rlplat import registry
     from rlplat.contracts.role import RunContext
-    from rlplat.placement import enabled_roles
 
-    return [name for name in enabled_roles(RunContext(config, algorithm, steps)) if name not in PLANNED_ROLES]
+    run = RunContext(config, algorithm, steps)
+    others = [name for name in registry.names("role") if name not in PLANNED_ROLES]
+    return [name for name in sorted(others) if registry.get("role", name)().enabled(run)]
 
 
 def rollout_dtype_matches(config: Any, actor_node: dict[str, Any], gpu: bool) -> bool:

@@ -10,4 +10,5 @@ def register_engines(register):
         "rlplat_engine_megatron.engine:MegatronEngine",
         description="megatron-core GPT model (tensor, pipeline, data parallel; distributed optimizer), HF Qwen2/Llama via mbridge; gloo on CPU, NCCL on GPU.",
         config_schema="rlplat_engine_megatron.config:MegatronEngineConfig",
+        metadata={"estimate_memory": "rlplat_engine_megatron.memory:estimate"},  # the plan's estimate without importing the engine (torch)
     )

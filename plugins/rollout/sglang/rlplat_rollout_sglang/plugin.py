@@ -11,6 +11,6 @@ def register_rollouts(register):
         description="SGLang 0.5.23 generation: in-process beside the training engine (hybrid) or an HTTP server",
         requires=("sglang",),
         install_hint="pip install 'rlplat-rollout-sglang[sglang]'; sglang pins torch 2.14.1, so give it an environment of its own",
-        metadata={"needs_gpu": True},
+        metadata={"needs_gpu": True, "estimate_memory": "rlplat_rollout_sglang.memory:estimate"},  # the plan's estimate without importing the rollout
         config_schema="rlplat_rollout_sglang.config:SGLangRolloutConfig",
     )

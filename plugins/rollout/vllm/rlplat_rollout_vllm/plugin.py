@@ -11,6 +11,6 @@ def register_rollouts(register):
         description="vLLM 0.33 generation: in-process beside the training engine (hybrid) or an HTTP server",
         requires=("vllm",),
         install_hint="pip install 'rlplat-rollout-vllm[vllm]'; vllm pins torch 2.14.0, so give it an environment of its own",
-        metadata={"needs_gpu": True},
+        metadata={"needs_gpu": True, "estimate_memory": "rlplat_rollout_vllm.memory:estimate"},  # the plan's estimate without importing the rollout
         config_schema="rlplat_rollout_vllm.config:VLLMRolloutConfig",
     )
