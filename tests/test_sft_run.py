@@ -78,6 +78,29 @@ def test_a_config_error_names_the_key_before_any_worker_starts(task, tmp_path, o
     assert says in str(error.value)
 
 
+def test_the_trainer_keys_both_commands_share_have_one_definition():
+    """``rlplat sft``'s trainer node takes the keys that mean the same as ``rlplat run``'s from one class,
+    and ``rlplat run``'s node has each of them with the same type, default and documentation."""
+    import dataclasses
+
+    from rlplat.config import TrainerConfig
+    from rlplat.config_node import field_docs
+    from rlplat.sft.config import SFTTrainerConfig
+    from rlplat.trainer_config import SharedTrainerConfig
+
+    def described(schema):
+        """Field name -> (type, default value, documentation)."""
+        docs = field_docs(schema)
+        return {field.name: (str(field.type), field.default if field.default_factory is dataclasses.MISSING
+                             else field.default_factory(), docs.get(field.name)) for field in dataclasses.fields(schema)}
+
+    shared = described(SharedTrainerConfig)
+    assert issubclass(SFTTrainerConfig, SharedTrainerConfig)
+    sft, run = described(SFTTrainerConfig), described(TrainerConfig)
+    assert {name: sft[name] for name in shared} == shared
+    assert {name: run.get(name) for name in shared} == shared
+
+
 @pytest.mark.slow
 def test_a_malformed_row_stops_the_command_with_its_file_row_and_column(task, tmp_path, cli_run):
     bad = write_parquet([{"prompt": "1+1=", "response": "2"}, {"prompt": "", "response": "2"}], tmp_path / "bad.parquet")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -29,6 +29,7 @@ from rlplat.config_node import ConfigError, did_you_mean, read_config_node
 from rlplat.lora import LoraConfig, read_lora
 from rlplat.losses.config import LOSS_AGG_MODES
 from rlplat.sft.data import SFTDataConfig
+from rlplat.trainer_config import SharedTrainerConfig
 
 __all__ = ["SFTConfig", "SFTLossConfig", "load_sft_config", "validate_sft_config", "sft_engine_node",
            "optimizer_steps", "training_steps"]
@@ -75,36 +76,19 @@ class SFTActorConfig:
 
 
 @dataclasses.dataclass
-class SFTTrainerConfig:
-    """The run: its length, validation, checkpoints and metrics (``rlplat run``'s ``trainer`` keys)."""
+class SFTTrainerConfig(SharedTrainerConfig):
+    """The run: its length, validation, checkpoints and metrics (the keys of ``rlplat run``'s ``trainer``
+    node that mean the same here come from :class:`~rlplat.trainer_config.SharedTrainerConfig`)."""
 
-    total_training_steps: Optional[int] = None
-    """Steps to train; None: ``total_epochs`` passes over the training data."""
-    total_epochs: int = 1
-    """Passes over the training data when ``total_training_steps`` is None."""
-    save_freq: int = 0
-    """Save a checkpoint every this many steps (0: only at the end and on Ctrl-C)."""
-    keep_last: int = 3
-    """Complete checkpoints kept."""
     test_freq: int = 0
     """Validation loss and perplexity every this many steps (0: at the end only, when a validation set is given)."""
-    val_before_train: bool = True
-    """Validate once before the first step (when a validation set is given)."""
     output_dir: str = "runs/sft"
     """Run directory: resolved config, metrics (JSONL, TensorBoard), checkpoints and the exported model."""
     export_dir: Optional[str] = None
     """Where the Hugging Face model is written at the end (``rlplat run model.path=...`` takes it); None:
     ``<output_dir>/hf_model``."""
-    resume: str = "auto"
-    """``auto`` (the latest complete checkpoint in ``output_dir``, if any), ``disable``, or a checkpoint path."""
     seed: int = 0
     """Seed of the engine's initialisation and RNGs."""
-    logger: List[str] = dataclasses.field(default_factory=lambda: ["console", "jsonl"])
-    """Metric backends: ``console``, ``jsonl``, ``tensorboard``, ``wandb``."""
-    project_name: str = "rlplat"
-    """Project name for wandb."""
-    experiment_name: Optional[str] = None
-    """Run name for wandb (default: the output directory's name)."""
 
 
 @dataclasses.dataclass
