@@ -51,6 +51,9 @@ def register_engines(register):
     The factory builds a :class:`rlplat.contracts.engine.TrainingEngine` from ``(config, **kwargs)``;
     ``config`` maps the :class:`rlplat.contracts.engine.EngineBuildConfig` keys and the role's
     ``engine_config`` node. ``config_schema`` extends ``EngineBuildConfig`` with the engine's own keys.
+    ``metadata={"estimate_memory": "package.memory:estimate"}`` names the engine's memory estimate (the
+    signature of ``TrainingEngine.estimate_memory``) in a module that imports no torch: ``rlplat plan``
+    and ``rlplat run``'s check then do not import the engine's class.
     """
 
 
@@ -61,7 +64,8 @@ def register_rollouts(register):
     The factory builds a :class:`rlplat.contracts.rollout.RolloutEngine` from ``(config, **kwargs)``;
     ``config`` maps the :class:`rlplat.contracts.rollout.RolloutBuildConfig` keys and ``rollout.config``.
     ``config_schema`` extends ``RolloutBuildConfig``. ``metadata={"needs_gpu": True}`` makes a run on CPUs
-    a config error.
+    a config error; ``metadata={"estimate_memory": "package.memory:estimate"}`` names the rollout's memory
+    estimate without its class, as for engines.
     """
 
 

@@ -233,5 +233,11 @@ class TrainingEngine(abc.ABC):
         process count, device and sequence lengths (:class:`rlplat.plan.estimate.MemoryContext`). Reads no
         weights, starts no process group, allocates nothing. Returns a
         :class:`rlplat.plan.estimate.MemoryEstimate`; None (the default) when the engine cannot say, and
-        the plan then names it as unknown."""
+        the plan then names it as unknown.
+
+        The planner calls this classmethod only when the engine's registration names no estimate of its
+        own: ``metadata={"estimate_memory": "package.memory:estimate"}`` (a function with this signature,
+        without ``cls``) lets ``rlplat plan`` and the refusal of ``rlplat run`` reach it without importing
+        the engine's module, so without torch, as the built-in engines do; the classmethod then returns
+        the same."""
         return None

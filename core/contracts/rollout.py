@@ -145,5 +145,8 @@ class RolloutEngine(abc.ABC):
         count, device (and its memory, for rollouts that take a fraction of it), sequences per process
         and lengths (:class:`rlplat.plan.estimate.MemoryContext`). Reads no weights, allocates nothing.
         Returns a :class:`rlplat.plan.estimate.MemoryEstimate` with the weights and the KV cache; None
-        (the default) when the rollout cannot say."""
+        (the default) when the rollout cannot say. As for
+        :meth:`rlplat.contracts.engine.TrainingEngine.estimate_memory`, a registration's
+        ``metadata={"estimate_memory": "package.memory:estimate"}`` is called instead, without importing
+        the rollout's module."""
         return None
