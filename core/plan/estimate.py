@@ -1,8 +1,9 @@
 """What an engine or a rollout tells the planner about its memory, and the model shapes it computes from.
 
 An engine's or rollout's ``estimate_memory(config, model_config, context)`` (an optional classmethod of
-:class:`rlplat.contracts.engine.TrainingEngine` and :class:`rlplat.contracts.rollout.RolloutEngine`)
-reads only its own config node, the model's ``config.json`` (a dict) and a :class:`MemoryContext`
+:class:`rlplat.contracts.engine.TrainingEngine` and :class:`rlplat.contracts.rollout.RolloutEngine`, or
+the torch-free function its registration names in ``metadata["estimate_memory"]``, which the planner
+prefers: :func:`rlplat.plan.planner.estimate_function`) reads only its own config node, the model's ``config.json`` (a dict) and a :class:`MemoryContext`
 (where and how it runs), and returns a :class:`MemoryEstimate`: a list of :class:`MemoryItem`, each the
 bytes one device holds for one thing (parameters, gradients, optimizer states, activations, KV cache,
 ...) during the **calls** named in ``calls``:

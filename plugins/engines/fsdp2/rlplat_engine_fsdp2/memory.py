@@ -1,5 +1,6 @@
 """The fsdp2 engine's memory on one device, predicted from its config and the model's ``config.json``
-(:meth:`FSDP2Engine.estimate_memory`, read by ``rlplat plan``). Imports no torch.
+(:meth:`FSDP2Engine.estimate_memory`, read by ``rlplat plan``). Imports no torch: the registration names
+:func:`estimate` (``metadata["estimate_memory"]``), so the plan reads it without importing the engine.
 
 What one process holds, as :mod:`rlplat_engine_fsdp2.engine` allocates it:
 

@@ -1,6 +1,8 @@
 """The megatron engine's memory on one device, predicted from its config and the model's ``config.json``
 (:meth:`MegatronEngine.estimate_memory`, read by ``rlplat plan`` and the check of ``rlplat run``), and the
-layout check that needs the world size and the model (:func:`layout_problems`). Imports no torch.
+layout check that needs the world size and the model (:func:`layout_problems`). Imports no torch (nor
+megatron): the registration names :func:`estimate` (``metadata["estimate_memory"]``), so the plan reads it
+without importing the engine.
 
 What one rank holds, as :mod:`rlplat_engine_megatron.engine` allocates it (DP = processes / (TP x PP)):
 

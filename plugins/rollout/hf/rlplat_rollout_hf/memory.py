@@ -1,5 +1,6 @@
 """The hf rollout's memory on one device, predicted from its config and the model's ``config.json``
-(:meth:`HFRollout.estimate_memory`, read by ``rlplat plan``). Imports no torch.
+(:meth:`HFRollout.estimate_memory`, read by ``rlplat plan``). Imports no torch: the registration names
+:func:`estimate` (``metadata["estimate_memory"]``), so the plan reads it without importing the rollout.
 
 ``generate`` samples ``max_batch_rows`` rows at a time with a ``DynamicCache``; a slice of ``rows``
 prompts of ``P`` tokens holds, at its peak:

@@ -1,5 +1,6 @@
 """The sglang rollout's memory on one GPU, predicted from its config and the model's ``config.json``
-(:meth:`SGLangRollout.estimate_memory`, read by ``rlplat plan``); imports neither torch nor sglang.
+(:meth:`SGLangRollout.estimate_memory`, read by ``rlplat plan``); imports neither torch nor sglang. The
+registration names :func:`estimate` (``metadata["estimate_memory"]``): the plan does not import the rollout.
 
 SGLang takes ``mem_fraction_static`` of the memory free when it starts for its weights and KV cache
 (the plan takes the whole device as free: an upper bound when the training engine started first), and

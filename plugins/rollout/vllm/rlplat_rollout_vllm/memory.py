@@ -1,5 +1,6 @@
 """The vllm rollout's memory on one GPU, predicted from its config and the model's ``config.json``
-(:meth:`VLLMRollout.estimate_memory`, read by ``rlplat plan``); imports neither torch nor vllm.
+(:meth:`VLLMRollout.estimate_memory`, read by ``rlplat plan``); imports neither torch nor vllm. The
+registration names :func:`estimate` (``metadata["estimate_memory"]``): the plan does not import the rollout.
 
 vLLM takes ``gpu_memory_utilization`` of the GPU's total memory: its weights, the activations its
 start-up profile measures (``max_num_batched_tokens``, and the sampler's logits of ``max_num_seqs``
