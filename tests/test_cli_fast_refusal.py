@@ -178,3 +178,17 @@ def test_a_registration_that_names_its_estimate_is_planned_without_importing_the
                    for note in plan.notes())
     finally:
         registry.unregister_plugin("named-estimate-engines")
+
+
+def test_the_moved_names_stay_importable_where_they_were():
+    import rlplat.config
+    import rlplat.config_components
+    import rlplat.data
+    import rlplat.data_config
+
+    for name in ("DataConfig", "DataError", "TRUNCATIONS", "as_file_list", "read_data_config"):
+        assert getattr(rlplat.data, name) is getattr(rlplat.data_config, name)
+    assert rlplat.config.DataConfig is rlplat.data_config.DataConfig
+    for name in rlplat.config_components.__all__:
+        assert getattr(rlplat.config, name) is getattr(rlplat.config_components, name)
+    assert set(rlplat.config.__all__) <= set(dir(rlplat.config))
