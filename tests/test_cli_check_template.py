@@ -1,7 +1,8 @@
 """``rlplat check-template DIR``: exit 0 for an append-only chat template, 1 for one that is not (with the
 first diverging message), 2 on bad input. The tokenizers are the tiny ones of
-``rlplat.testing.chat_tokenizers``, saved to disk; a few runs go through the installed console script,
-the others through the same app in this process (loading transformers once)."""
+``rlplat.testing.chat_tokenizers``, saved to disk; two runs go through the installed console script (exit 1
+and exit 2), the others through the same app or ``rlplat.cli.main.main`` in this process (loading
+transformers once)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def check_template(*args):
     return CliRunner().invoke(build_app(), ["check-template", *map(str, args)])
 
 
-def test_an_append_only_template_exits_0(cli_run, tokenizer_dirs):
-    result = cli_run("check-template", str(tokenizer_dirs[CHATML_TOOLS]))
+def test_an_append_only_template_exits_0(cli_in_process, tokenizer_dirs):
+    result = cli_in_process("check-template", str(tokenizer_dirs[CHATML_TOOLS]))
     assert result.returncode == 0, result.stderr
     assert f"Chat template of {tokenizer_dirs[CHATML_TOOLS]}: end of turn '<|im_end|>'" in result.stdout
     assert "│ parallel tool calls" in result.stdout
@@ -49,8 +50,8 @@ def test_a_template_that_drops_earlier_reasoning_exits_1_naming_the_first_diverg
                          "from the template's rendering of its conversation")
 
 
-def test_the_demo_model_has_no_chat_template_and_exits_2(cli_run):
-    result = cli_run("check-template", str(DEMO_MODEL))
+def test_the_demo_model_has_no_chat_template_and_exits_2(cli_in_process):
+    result = cli_in_process("check-template", str(DEMO_MODEL))
     assert result.returncode == 2
     assert result.stdout == ""
     assert f"rlplat check-template: the tokenizer in {DEMO_MODEL} has no chat template" in result.stderr

@@ -1,4 +1,6 @@
-"""``rlplat plot RUN_DIR``: one PNG per chart under RUN_DIR/plots, absent charts noted, errors exit 2."""
+"""``rlplat plot RUN_DIR``: one PNG per chart under RUN_DIR/plots, absent charts noted, errors exit 2. Two runs go
+through the installed console script (charts written, exit 2), the others through ``rlplat.cli.main.main`` in
+this process."""
 
 from __future__ import annotations
 
@@ -56,25 +58,25 @@ def test_plot_writes_one_png_per_chart_and_prints_their_paths(tmp_path, cli_run)
     assert "skipped" not in result.stderr
 
 
-def test_an_sft_run_gets_its_loss_perplexity_and_timing_charts_and_no_rl_notes(tmp_path, cli_run):
+def test_an_sft_run_gets_its_loss_perplexity_and_timing_charts_and_no_rl_notes(tmp_path, cli_in_process):
     run_dir = tmp_path / "sft"
     records = [{"step": step, "time": 1000.0 + step, "train/loss": 2.0 / step, "train/grad_norm": 1.0, "timing_s/step": 0.2}
                for step in (1, 2, 3)]
     records[1].update({"val/loss": 1.5, "val/perplexity": math.exp(1.5), "timing_s/validate": 0.1})
     write_metrics(run_dir, records)
-    result = cli_run("plot", str(run_dir))
+    result = cli_in_process("plot", str(run_dir))
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [str(run_dir / "plots" / f"{name}.png") for name in ("loss", "perplexity", "timing")]
     assert "skipped" not in result.stderr  # the RL charts (reward, KL, ...) are not an SFT run's
 
 
-def test_charts_without_values_are_skipped_with_a_note(tmp_path, cli_run):
+def test_charts_without_values_are_skipped_with_a_note(tmp_path, cli_in_process):
     run_dir = tmp_path / "run"
     write_metrics(run_dir, [
         {"step": 1, "time": 1.0, "critic/score/mean": 0.5, "timing_s/step": 1.0, "actor/entropy": None},
         {"step": 2, "time": 2.0, "critic/score/mean": 0.7, "timing_s/step": 1.1, "actor/entropy": None},
     ])
-    result = cli_run("plot", str(run_dir))
+    result = cli_in_process("plot", str(run_dir))
     assert result.returncode == 0, result.stderr
     assert sorted(path.name for path in (run_dir / "plots").iterdir()) == ["reward.png", "timing.png"]
     metrics_path = run_dir / "metrics.jsonl"
@@ -83,10 +85,10 @@ def test_charts_without_values_are_skipped_with_a_note(tmp_path, cli_run):
         assert f"rlplat plot: skipped {name}: no values of {wanted} in {metrics_path}" in result.stderr
 
 
-def test_a_run_without_any_plotted_metric_writes_nothing_and_exits_1(tmp_path, cli_run):
+def test_a_run_without_any_plotted_metric_writes_nothing_and_exits_1(tmp_path, cli_in_process):
     run_dir = tmp_path / "run"
     write_metrics(run_dir, [{"step": 1, "time": 1.0, "perf/throughput": 10.0}])
-    result = cli_run("plot", str(run_dir))
+    result = cli_in_process("plot", str(run_dir))
     assert result.returncode == 1
     assert f"no chart written: {run_dir / 'metrics.jsonl'} has none of the plotted metrics" in result.stderr
     assert not (run_dir / "plots").exists()
@@ -101,17 +103,17 @@ def test_a_missing_run_dir_exits_2_with_one_line_naming_it(tmp_path, cli_run):
     ]
 
 
-def test_a_run_dir_without_metrics_jsonl_exits_2_with_one_line_naming_it(tmp_path, cli_run):
-    result = cli_run("plot", str(tmp_path))
+def test_a_run_dir_without_metrics_jsonl_exits_2_with_one_line_naming_it(tmp_path, cli_in_process):
+    result = cli_in_process("plot", str(tmp_path))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"rlplat plot: {tmp_path / 'metrics.jsonl'} does not exist; a run writes it when trainer.logger includes 'jsonl'"
     ]
 
 
-def test_a_bad_line_in_metrics_jsonl_exits_2_naming_the_file_and_line(tmp_path, cli_run):
+def test_a_bad_line_in_metrics_jsonl_exits_2_naming_the_file_and_line(tmp_path, cli_in_process):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "critic/score/mean": 0.5}\nnot json\n{"step": 2}\n')
-    result = cli_run("plot", str(tmp_path))
+    result = cli_in_process("plot", str(tmp_path))
     assert result.returncode == 2
     assert result.stderr.startswith(f"rlplat plot: cannot read {tmp_path / 'metrics.jsonl'}: {tmp_path / 'metrics.jsonl'}:2:")
     assert "Traceback" not in result.stderr
