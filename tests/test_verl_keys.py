@@ -399,12 +399,12 @@ def verl_grpo_command_line(reward) -> list[str]:
 
 
 @pytest.mark.slow
-def test_config_show_takes_a_verl_grpo_command_line_on_the_demo(cli_run, tmp_path):
+def test_config_show_takes_a_verl_grpo_command_line_on_the_demo(cli_in_process, tmp_path):
     from rlplat import demo
 
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
-    result = cli_run("config", "show", *verl_grpo_command_line(reward))
+    result = cli_in_process("config", "show", *verl_grpo_command_line(reward))
     assert result.returncode == 0, result.stderr[-3000:]
     notes = [line for line in result.stderr.splitlines() if line.startswith("rlplat: verl key ")]
     assert "rlplat: verl key actor_rollout_ref.actor.optim.lr -> actor.optim.lr" in notes
