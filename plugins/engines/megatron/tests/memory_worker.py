@@ -1,5 +1,6 @@
-"""One rank of the megatron engine's memory measurement (launched by test_megatron_memory.py with RANK,
-WORLD_SIZE, MASTER_ADDR and MASTER_PORT set): ``python memory_worker.py SPEC_JSON``.
+"""One rank of the megatron engine's memory measurement: :func:`measure`, which numerics_worker.py runs first
+in the two-process launch the memory and numerics tests share; alone, with RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT set: ``python memory_worker.py SPEC_JSON``.
 
 For each layout of the spec, in the same processes: a fresh megatron parallel state, then under
 :class:`rlplat.plan.measure.LiveStorageMeter` (live tensor storage bytes, frees seen in any thread) the engine
@@ -19,10 +20,9 @@ import torch
 import torch.distributed as dist
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
-    dist.init_process_group("gloo", init_method="env://")
-    torch.set_num_threads(1)
+def measure(spec: dict) -> dict[str, dict[str, int]]:
+    """This rank's ``{layout name: {call: peak bytes}}`` for every layout of ``spec`` (the process group is
+    initialised; the parallel state is destroyed again at the end)."""
     from megatron.core import parallel_state
 
     from rlplat.plan.measure import LiveStorageMeter, PolicyGradientLoss, synthetic_batch
@@ -51,6 +51,17 @@ def main() -> None:
                     del bucket
         results[layout["name"]] = meter.peaks()
         del engine, meter
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    gc.collect()
+    return results
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    dist.init_process_group("gloo", init_method="env://")
+    torch.set_num_threads(1)
+    results = measure(spec)
     print(json.dumps(results), flush=True)
     dist.barrier()
     dist.destroy_process_group()

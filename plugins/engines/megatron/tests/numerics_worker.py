@@ -1,11 +1,12 @@
-"""One rank of a multi-process numerics run of the megatron engine (launched by test_megatron_numerics.py
+"""One rank of a multi-process numerics run of the megatron engine (launched by two_process_launch.launch
 with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set): ``python numerics_worker.py SPEC_JSON``.
 
 For each layout of the spec it builds the engine from the same HF checkpoint, records the log-probs and
 entropy of the test batch, optionally the HF export, takes one optimizer step on this rank's data-parallel
 share of the batch, records the full weights, and optionally checks that save -> load -> step repeats the
-uninterrupted second step exactly. Then the fsdp2 engine on the same ranks gives its log-probs. Rank 0 writes
-everything to the spec's ``out`` file (torch.save of tensors and floats).
+uninterrupted second step exactly. Then the fsdp2 engine on the same ranks gives its log-probs. With a
+``memory`` spec, memory_worker's measurement runs before all that and every rank's peaks are kept. Rank 0
+writes everything to the spec's ``out`` file (torch.save of tensors and floats).
 """
 
 from __future__ import annotations
@@ -48,8 +49,14 @@ def main() -> None:
 
     from rlplat_engine_megatron.engine import MegatronEngine
 
-    batch = make_batch(spec.get("rows", 8), seed=3)
     results: dict[str, object] = {}
+    if spec.get("memory"):  # first, in processes that have run nothing else yet
+        from memory_worker import measure
+
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, measure(spec["memory"]))
+        results["memory"] = peaks
+    batch = make_batch(spec.get("rows", 8), seed=3)
     base = dict(model_path=spec["model"], seed=7, lr=1e-3, micro_batch_size_per_gpu=2)
     for layout in spec["layouts"]:
         name = layout["name"]

@@ -1,15 +1,14 @@
 """The megatron engine's memory estimate (``MegatronEngine.estimate_memory``, read by ``rlplat plan`` and
 ``rlplat run``): worked figures for an 8B Llama at TP=2 x PP=2 x DP=2, the plan through the CLI, the layout
 refused at load (before any worker starts) naming the key and the numbers, and the estimate against the
-peaks measured on CPU at TP=1 (two data-parallel ranks), TP=2 and PP=2 within 15% (one two-process launch of
-``memory_worker.py``; :class:`rlplat.plan.measure.LiveStorageMeter` counts live tensor storage bytes)."""
+peaks measured on CPU at TP=1 (two data-parallel ranks), TP=2 and PP=2 within 15% (``memory_worker.measure``
+in fresh processes at the start of the two-process launch the numerics test shares;
+:class:`rlplat.plan.measure.LiveStorageMeter` counts live tensor storage bytes)."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -17,20 +16,13 @@ from typer.testing import CliRunner
 
 from rlplat.plan import MemoryContext
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_worker.py")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-#: The measured model (the fsdp2 engine's measured plan test uses the same): 4.2M parameters, grouped-query attention.
-MODEL = dict(model_type="qwen2", vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=128,
-             eos_token_id=2047)
-ROWS, LENGTH, TOLERANCE = 8, 32, 0.15
-LAYOUTS = {
-    "tp1 (2 DP ranks)": dict(),
-    "tp2": dict(tensor_parallel_size=2),
-    "pp2": dict(pipeline_parallel_size=2),
-    "tp1 full recompute, distributed optimizer": dict(recompute_granularity="full", use_distributed_optimizer=True),
-}
-BASE = dict(model_config=MODEL, seed=3, lr=1e-3, micro_batch_size_per_gpu=4, dtype="float32")
+from two_process_launch import MEMORY_BASE, MEMORY_LAYOUTS, MEMORY_LENGTH, MEMORY_MODEL, MEMORY_ROWS  # noqa: E402
+
+TOLERANCE = 0.15
+#: The measured model, rows, sequence length and layouts (the shared two-process launch measures them).
+MODEL, ROWS, LENGTH, LAYOUTS, BASE = MEMORY_MODEL, MEMORY_ROWS, MEMORY_LENGTH, MEMORY_LAYOUTS, MEMORY_BASE
 
 #: Llama-3-8B's config.json sizes.
 LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -137,45 +129,9 @@ def test_rlplat_run_refuses_a_tensor_parallel_size_the_processes_do_not_divide_b
     assert "virtual_pipeline_parallel_size needs pipeline_parallel_size >= 2" in alone.output
 
 
-def free_port() -> int:
-    with socket.socket() as handle:
-        handle.bind(("127.0.0.1", 0))
-        return handle.getsockname()[1]
-
-
-def write_checkpoint(directory) -> str:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    settings = dict(MODEL)
-    torch.manual_seed(3)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model(settings.pop("model_type"), **settings), dtype=torch.float32).save_pretrained(str(directory))
-    return str(directory)
-
-
-def measure(world_size: int, model_path: str) -> dict[str, dict[str, int]]:
-    """``{layout: {call: peak bytes over the ranks}}`` from one launch of ``world_size`` processes."""
-    base = {key: value for key, value in BASE.items() if key != "model_config"}
-    spec = dict(config=dict(base, model_path=model_path), vocab_size=MODEL["vocab_size"], rows=ROWS, prompt_length=LENGTH, response_length=LENGTH, bucket_bytes=256 << 20,
-                layouts=[dict(name=name, config=config) for name, config in LAYOUTS.items()])
-    port = free_port()
-    processes = [subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-                                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
-                 for rank in range(world_size)]
-    outputs = []
-    try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=600))
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    failed = [f"rank {rank} failed:\n{stderr[-4000:]}" for rank, (process, (_, stderr)) in enumerate(zip(processes, outputs))
-              if process.returncode != 0]
-    assert not failed, "\n".join(failed)
-    ranks = [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outputs]
+def measured_peaks(two_process_results) -> dict[str, dict[str, int]]:
+    """``{layout: {call: peak bytes over the ranks}}`` from the shared two-process launch."""
+    ranks = two_process_results["memory"]
     return {name: {call: max(rank[name][call] for rank in ranks) for call in ranks[0][name]} for name in LAYOUTS}
 
 
@@ -188,8 +144,8 @@ def predicted(layout: dict, world_size: int):
 
 
 @pytest.mark.slow
-def test_the_estimate_matches_the_measured_peaks_at_tp1_tp2_and_pp2(tmp_path):
-    measured = measure(2, write_checkpoint(tmp_path / "hf"))
+def test_the_estimate_matches_the_measured_peaks_at_tp1_tp2_and_pp2(two_process_results):
+    measured = measured_peaks(two_process_results)
     failures, lines = [], []
     for name, layout in LAYOUTS.items():
         estimate = predicted(layout, 2)

@@ -5,14 +5,12 @@ the distributed optimizer with full recompute and PP=2 with selective recompute 
 HF export of a TP=2 model reproduces the checkpoint exactly; save -> load -> step repeats the
 uninterrupted step exactly (PP=2, distributed checkpoint); TP=2 x PP=2 and PP=2 x VPP=2 (interleaved schedule, also on a
 single row: fewer micro-batches than stages) on 4 processes. Each launch runs
-every layout in the same processes (imports cost ~8 s a launch)."""
+every layout in the same processes (imports cost ~8 s a launch); the two-process one is shared with the memory
+test (the ``two_process_results`` fixture)."""
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -20,50 +18,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_testkit import TINY_QWEN2, make_batch  # noqa: E402
+from megatron_testkit import make_batch  # noqa: E402
+from two_process_launch import launch, write_numerics_checkpoint  # noqa: E402
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "numerics_worker.py")
 LOG_PROB_TOLERANCE = 1e-5
 PARAMETER_TOLERANCE = 1e-6
-
-
-def write_checkpoint(directory, **overrides) -> str:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    settings = {**TINY_QWEN2, **overrides}
-    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
-    torch.manual_seed(11)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(directory))
-    return str(directory)
-
-
-def free_port() -> int:
-    with socket.socket() as handle:
-        handle.bind(("127.0.0.1", 0))
-        return handle.getsockname()[1]
-
-
-def launch(world_size: int, spec: dict, tmp_path) -> dict:
-    spec = {**spec, "out": str(tmp_path / "results.pt"), "scratch": str(tmp_path)}
-    port = free_port()
-    processes = []
-    for rank in range(world_size):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        processes.append(subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=600)[0])
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    for rank, (process, output) in enumerate(zip(processes, outputs)):
-        assert process.returncode == 0, f"rank {rank} failed:\n{output[-6000:]}"
-    return torch.load(spec["out"], weights_only=True)
 
 
 def assert_log_probs_close(actual, expected, what):
@@ -81,16 +40,8 @@ def assert_weights_close(actual, expected, what):
 
 
 @pytest.mark.slow
-def test_tp2_pp2_and_tp1_agree_with_each_other_and_with_fsdp2_and_export_and_resume_exactly(tmp_path):
-    model = write_checkpoint(tmp_path / "hf", num_key_value_heads=2)
-    results = launch(2, {"model": model, "fsdp2": True, "layouts": [
-        {"name": "tp1"},
-        {"name": "tp2", "tp": 2, "export": True},
-        {"name": "pp2", "pp": 2, "resume": True},
-        {"name": "dp2-distributed-recompute", "extra": {"use_distributed_optimizer": True, "recompute_granularity": "full"}},
-        {"name": "pp2-selective-budget", "pp": 2, "extra": {"recompute_granularity": "selective", "use_dynamic_bsz": True,
-                                                             "max_token_len_per_gpu": 24}},
-    ]}, tmp_path)
+def test_tp2_pp2_and_tp1_agree_with_each_other_and_with_fsdp2_and_export_and_resume_exactly(two_process_results):
+    results = two_process_results  # the layouts of two_process_launch.NUMERICS_LAYOUTS, then fsdp2
     # Layouts: two data-parallel ranks at TP=1; one replica over both ranks at TP=2 (TP rank 0 collects)
     # and at PP=2 (the last stage collects).
     assert results["tp1/info"] == [(0, 2, True), (1, 2, True)]
@@ -116,7 +67,7 @@ def test_tp2_pp2_and_tp1_agree_with_each_other_and_with_fsdp2_and_export_and_res
 
 @pytest.mark.slow
 def test_tp2_by_pp2_and_an_interleaved_pipeline_on_four_processes_agree_with_tp1(tmp_path):
-    model = write_checkpoint(tmp_path / "hf", num_key_value_heads=2, tie_word_embeddings=False, num_hidden_layers=4)
+    model = write_numerics_checkpoint(tmp_path / "hf", num_key_value_heads=2, tie_word_embeddings=False, num_hidden_layers=4)
     results = launch(4, {"model": model, "layouts": [
         {"name": "tp1"},
         {"name": "tp2pp2", "tp": 2, "pp": 2, "extra": {"use_distributed_optimizer": True}},
