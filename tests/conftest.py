@@ -126,3 +126,14 @@ def local_ray():
     start_ray(num_cpus=8)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_ray_left_by_the_module():
+    """A run on ``cluster.backend=ray`` starts a local Ray cluster in this process and leaves it up for the
+    next run of the module; it is stopped when the module ends, so that no module leaves Ray's processes
+    running into the next (whose idle load they would add to)."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()

@@ -13,6 +13,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from megatron_testkit import TINY_QWEN2, make_batch  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def two_process_results(tmp_path_factory) -> dict:
+    """Rank 0's results of the one two-process launch of numerics_worker.py the numerics and memory tests
+    share: ``memory`` (every rank's measured peaks), then the numerics layouts' log-probs, weights, ...;
+    the processes have exited when it returns."""
+    from two_process_launch import launch_two_processes
+
+    return launch_two_processes(tmp_path_factory.mktemp("megatron-two-processes"))
+
+
 @pytest.fixture
 def tiny_config() -> dict:
     """A fresh engine config (a plain dict) for the tiny model, lr 1e-3."""
@@ -22,3 +32,13 @@ def tiny_config() -> dict:
 @pytest.fixture
 def batch_of() -> Callable[..., DataProto]:
     return make_batch
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_ray_left_by_the_module():
+    """The loop test's run on ``cluster.backend=ray`` starts a local Ray cluster in this process; it is stopped
+    when the module ends, so that it does not keep running under the next modules' multi-process launches."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
