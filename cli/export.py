@@ -1,4 +1,5 @@
-"""``rlplat export CHECKPOINT --out DIR [--step N] [--adapter]``: a run's trained model as a Hugging Face folder.
+"""``rlplat export CHECKPOINT --out DIR [--step N] [--adapter] [actor.engine_config.KEY=VALUE ...]``: a run's
+trained model as a Hugging Face folder.
 
 The run is one ``rlplat run`` (RL: its policy, the actor) or ``rlplat sft`` wrote: which one is read
 from the resolved config it wrote (``config.yaml``), whose top-level nodes are that command's. The
@@ -8,6 +9,11 @@ trained LoRA (a ``save_pretrained`` folder with the tokenizer, so ``rlplat run m
 ``transformers`` loads it) or, with ``--adapter``, the LoRA adapter alone (the folder
 ``peft.PeftModel.from_pretrained`` loads over the base model). The folder is written beside ``--out``
 and moved into place once complete, so a failed export leaves nothing behind.
+
+``actor.engine_config.KEY=VALUE`` arguments change the engine's own keys for the export: a run trained
+on several processes in a parallel layout (megatron's tensor or pipeline parallelism) is exported from
+one process with a one-process layout, when the engine's checkpoints load into another layout
+(megatron's do: ``actor.engine_config.tensor_parallel_size=1 actor.engine_config.pipeline_parallel_size=1``).
 """
 
 from __future__ import annotations
@@ -125,6 +131,29 @@ def check_model(config: Any, config_path: Path, adapter: bool) -> None:
                    "so there is no adapter; export the model without --adapter")
 
 
+ENGINE_CONFIG_PREFIX = "actor.engine_config."
+
+
+def apply_engine_overrides(config: Any, overrides: list[str]) -> list[str]:
+    """Set each ``actor.engine_config.KEY=VALUE`` of ``overrides`` in ``config`` (values parsed as YAML, as
+    the commands' overrides are); returns them as given. Anything else is refused."""
+    from omegaconf import OmegaConf
+
+    for override in overrides:
+        key, equals, _ = override.partition("=")
+        if not equals or not key.startswith(ENGINE_CONFIG_PREFIX) or key == ENGINE_CONFIG_PREFIX:
+            raise fail(f"{override!r}: the export takes only the engine's own keys, as {ENGINE_CONFIG_PREFIX}KEY=VALUE "
+                       "(e.g. a one-process layout for a run trained in a parallel one); the rest of the run's config is "
+                       "what the checkpoint was trained with")
+    if overrides:
+        try:
+            node = OmegaConf.from_dotlist(overrides)
+        except Exception as error:
+            raise fail(f"cannot read {' '.join(overrides)}: {error}")
+        config.actor.engine_config = OmegaConf.merge(config.actor.engine_config, node.actor.engine_config)
+    return overrides
+
+
 def build_engine(config: Any, kind: str, step: int) -> Any:
     """The actor's engine as a run of ``kind`` built it, before its checkpoint is loaded."""
     from rlplat.registry import EngineRegistry
@@ -162,6 +191,10 @@ def export(
     adapter: bool = typer.Option(False, "--adapter", help="Write the LoRA adapter alone (adapter_config.json and "
                                                           "adapter_model.safetensors) instead of the merged model."),
     force: bool = typer.Option(False, "--force", help="Replace --out when it exists and is not empty."),
+    engine_overrides: Optional[list[str]] = typer.Argument(
+        None, metavar="[actor.engine_config.KEY=VALUE]...", help="The engine's own keys changed for the export, e.g. a "
+        "one-process layout for a megatron run trained with tensor or pipeline parallelism: "
+        "actor.engine_config.tensor_parallel_size=1 actor.engine_config.pipeline_parallel_size=1."),
 ) -> None:
     """Write the model an `rlplat run` (its policy) or `rlplat sft` run trained as a Hugging Face model
     folder (LoRA merged in), or its LoRA adapter with --adapter; prints the folder written."""
@@ -172,8 +205,10 @@ def export(
     config = read_run_config(run_dir)
     kind = run_kind(config, run_dir / CONFIG_FILE)
     check_model(config, run_dir / CONFIG_FILE, adapter)
+    changed = apply_engine_overrides(config, list(engine_overrides or []))
 
     from rlplat.checkpoint import CheckpointManager
+    from rlplat.config_node import ConfigError
     from rlplat.controller.host import WorkerHost, free_port
 
     saved_step = int(CheckpointManager(checkpoint_dir.parent).load_state(checkpoint_dir)["step"])
@@ -186,15 +221,19 @@ def export(
         host.init_distributed("127.0.0.1", free_port(), use_gpu=torch.cuda.is_available())
         try:
             engine = build_engine(config, kind, saved_step)
+        except ConfigError as error:  # an engine key of the run's config or of the arguments: the engine names it
+            raise fail(f"the {config.actor.engine} engine of {run_dir / CONFIG_FILE}"
+                       f"{' with ' + ' '.join(changed) if changed else ''}: {error}")
         except ValueError as error:  # a layout that needs more processes than this one: the engine says which
             raise fail(f"cannot build the {config.actor.engine} engine of {run_dir / CONFIG_FILE} in this one process: "
-                       f"{error}. rlplat export builds the engine on one process; an rlplat sft run's own export at its "
-                       f"end is in trainer.export_dir ({run_dir / 'hf_model'} by default)")
+                       f"{error}. rlplat export builds the engine on one process: give it a one-process layout with "
+                       f"{ENGINE_CONFIG_PREFIX}KEY=VALUE arguments (megatron: {ENGINE_CONFIG_PREFIX}tensor_parallel_size=1 "
+                       f"{ENGINE_CONFIG_PREFIX}pipeline_parallel_size=1)")
         try:
             engine.load(str(checkpoint_dir / ACTOR_FOLDER))
         except Exception as error:  # the engine names the file and the mismatch
             raise fail(f"cannot load {checkpoint_dir / ACTOR_FOLDER} into the {config.actor.engine} engine built from "
-                       f"{run_dir / CONFIG_FILE}: {error}")
+                       f"{run_dir / CONFIG_FILE}{' with ' + ' '.join(changed) if changed else ''}: {error}")
         if adapter:
             engine.export_adapter(str(partial))
         else:

@@ -1,7 +1,9 @@
 """``rlplat sft`` on the megatron engine: the SFT worker drives it through the engine contract alone. Three
 steps of a tensor-parallel (TP=2) run on two Ray processes give the losses, validation losses and
 gradient norms of the fsdp2 engine on one process with the same data and seed (float32 on CPU), and
-its export at the end is a model plain ``transformers`` loads, with the fsdp2 run's weights."""
+its export at the end is a model plain ``transformers`` loads, with the fsdp2 run's weights; ``rlplat
+export`` of its last checkpoint in one process (TP=1: megatron's checkpoints load into another layout)
+writes exactly those weights."""
 
 from __future__ import annotations
 
@@ -66,3 +68,24 @@ def test_tensor_parallel_sft_matches_fsdp2_and_exports_a_model_transformers_load
     assert max(differences.values()) < WEIGHT_TOLERANCE, differences
     initial = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
     assert any(not torch.equal(exported[name], initial[name]) for name in initial)
+
+    assert export(tmp_path / "megatron", tmp_path / "exported", "actor.engine_config.tensor_parallel_size=1") == 0
+    resharded = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").state_dict()
+    assert [name for name in exported if not torch.equal(resharded[name], exported[name])] == []
+
+
+def export(run, out, *arguments: str) -> int:
+    """``rlplat export RUN --out OUT ARGUMENTS`` in this process; its exit code. megatron's parallel state,
+    which the export's engine sets up in this process, is taken down again."""
+    from megatron.core import parallel_state
+
+    from rlplat.cli.main import main
+
+    try:
+        main(["export", str(run), "--out", str(out), *arguments])
+        return 0
+    except SystemExit as exited:
+        return exited.code if isinstance(exited.code, int) else int(exited.code is not None)
+    finally:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
