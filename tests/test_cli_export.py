@@ -244,6 +244,17 @@ def test_a_missing_step_is_refused_with_the_steps_saved(sft_run, tmp_path, cli_i
     assert not (tmp_path / "out").exists()
 
 
+def test_only_the_engines_own_keys_change_for_the_export(sft_run, tmp_path, cli_in_process):
+    refused = cli_in_process("export", str(sft_run / "run"), "--out", str(tmp_path / "out"), "trainer.seed=3")
+    assert refused.returncode == 2
+    assert "'trainer.seed=3': the export takes only the engine's own keys, as actor.engine_config.KEY=VALUE" in refused.stderr
+    misspelled = cli_in_process("export", str(sft_run / "run"), "--out", str(tmp_path / "out"),
+                                "actor.engine_config.use_remove_paddin=true")
+    assert misspelled.returncode == 2
+    assert "with actor.engine_config.use_remove_paddin=true: " in misspelled.stderr and "use_remove_padding" in misspelled.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_run_of_neither_command_is_refused(sft_run, tmp_path, cli_in_process):
     shutil.copytree(sft_run / "run" / "checkpoints", tmp_path / "run" / "checkpoints")
     config = OmegaConf.load(sft_run / "run" / "config.yaml")
