@@ -36,6 +36,7 @@ from rlplat.data_config import DataConfig
 from rlplat.lora import LoraConfig, check_lora
 from rlplat.pipeline import check_trainer_mode
 from rlplat.sync_probe import SyncProbeConfig
+from rlplat.trainer_config import SharedTrainerConfig
 from rlplat.reward_model import RewardModelConfig
 
 __all__ = ["ConfigError", "RLConfig", "load_config", "validate_config", "plugin_nodes", "engine_node",
@@ -174,34 +175,19 @@ class RewardConfig:
 
 
 @dataclasses.dataclass
-class TrainerConfig:
-    total_training_steps: Optional[int] = None
-    """Steps to train; None: ``total_epochs`` passes over the training data."""
-    total_epochs: int = 1
-    """Passes over the training data when ``total_training_steps`` is None."""
-    save_freq: int = 0
-    """Save a checkpoint every this many steps (0: only at the end and on Ctrl-C)."""
-    keep_last: int = 3
-    """Complete checkpoints kept."""
+class TrainerConfig(SharedTrainerConfig):
+    """``rlplat run``'s ``trainer`` node: the keys shared with ``rlplat sft`` (:class:`SharedTrainerConfig`)
+    and the RL loop's own."""
+
     test_freq: int = 0
     """Validate every this many steps (0: never during training)."""
-    val_before_train: bool = True
-    """Validate once before the first step (when a validation set is given)."""
     balance_batch: bool = True
     """Order each step's rows so that every data-parallel rank of the actor gets about the same number of
     tokens (verl's ``trainer.balance_batch``): with long-tail lengths the slowest rank sets each pass's time."""
     output_dir: str = "runs/rlplat"
     """Run directory: resolved config, metrics (JSONL, TensorBoard) and checkpoints."""
-    resume: str = "auto"
-    """``auto`` (the latest complete checkpoint in ``output_dir``, if any), ``disable``, or a checkpoint path."""
     seed: int = 0
     """Seed of the driver, the data order and the engines."""
-    logger: List[str] = dataclasses.field(default_factory=lambda: ["console", "jsonl"])
-    """Metric backends: ``console``, ``jsonl``, ``tensorboard``, ``wandb``."""
-    project_name: str = "rlplat"
-    """Project name for wandb."""
-    experiment_name: Optional[str] = None
-    """Run name for wandb (default: the output directory's name)."""
     mode: str = "sync"
     """``sync`` (generate, then train on it), ``colocate_async`` (the rollout in the actor's processes
     generates the next batches ahead, while the driver scores and prepares this one) or
