@@ -31,7 +31,7 @@ from rlplat.agent.config import AgentConfig
 # the nodes each component receives and the plugin-owned nodes: their own module, the names stay importable here
 from rlplat.config_components import (BUILTIN_LOSS_SCHEMAS, ENGINE_BUILD_SOURCES, ROLLOUT_BUILD_SOURCES,  # noqa: F401
                                       SAMPLING_SOURCES, PluginNode, agent_nodes, engine_node, entry_schema, loss_schema,
-                                      plugin_nodes, rollout_node, sampling_node, total_training_steps, uses_critic)
+                                      optimizer_build, plugin_nodes, rollout_node, sampling_node, total_training_steps, uses_critic)
 from rlplat.data_config import DataConfig
 from rlplat.lora import LoraConfig, check_lora
 from rlplat.pipeline import check_trainer_mode

@@ -25,7 +25,7 @@ from rlplat.config_node import ConfigError, did_you_mean, read_config_node, reso
 from rlplat.losses.config import LOSS_SET_KEYS
 
 __all__ = ["ENGINE_BUILD_SOURCES", "ROLLOUT_BUILD_SOURCES", "SAMPLING_SOURCES", "BUILTIN_LOSS_SCHEMAS", "PluginNode",
-           "engine_node", "rollout_node", "sampling_node", "total_training_steps", "uses_critic", "entry_schema",
+           "optimizer_build", "engine_node", "rollout_node", "sampling_node", "total_training_steps", "uses_critic", "entry_schema",
            "loss_schema", "plugin_nodes", "agent_nodes"]
 
 
@@ -46,15 +46,23 @@ ENGINE_BUILD_SOURCES = {
 ROLLOUT_BUILD_SOURCES = {"model_path": "model.path", "load_weights": "the trainer (false: the engine syncs its weights in)"}
 
 
-def engine_node(config: DictConfig, role: str, total_steps: int) -> dict[str, Any]:
-    """What the engine factory of ``role`` (``actor`` or ``critic``) receives: the
-    :class:`~rlplat.contracts.engine.EngineBuildConfig` keys from the run config, then ``<role>.engine_config``."""
-    node, optim = config[role], config[role].optim
-    build = {
+def optimizer_build(config: DictConfig, optim: DictConfig) -> dict[str, Any]:
+    """The :class:`~rlplat.contracts.engine.EngineBuildConfig` keys of the model, the seed and the optimizer
+    (``optim`` is a role's ``optim`` node), as ``rlplat run`` and ``rlplat sft`` both give them."""
+    return {
         "model_path": config.model.path, "seed": config.trainer.seed, "lr": optim.lr,
         "weight_decay": optim.weight_decay, "betas": list(optim.betas), "lr_warmup_steps": optim.warmup_steps,
         "lr_scheduler_type": optim.lr_scheduler_type, "min_lr_ratio": optim.min_lr_ratio,
         "grad_clip": optim.grad_clip,
+    }
+
+
+def engine_node(config: DictConfig, role: str, total_steps: int) -> dict[str, Any]:
+    """What the engine factory of ``role`` (``actor`` or ``critic``) receives: the
+    :class:`~rlplat.contracts.engine.EngineBuildConfig` keys from the run config, then ``<role>.engine_config``."""
+    node = config[role]
+    build = {
+        **optimizer_build(config, node.optim),
         "total_training_steps": total_steps * (config.data.train_batch_size // node.ppo_mini_batch_size) * node.ppo_epochs,
         "ppo_mini_batch_size": node.ppo_mini_batch_size * config.rollout.n, "ppo_epochs": node.ppo_epochs,
         "micro_batch_size_per_gpu": node.micro_batch_size_per_gpu, "use_dynamic_bsz": node.use_dynamic_bsz,

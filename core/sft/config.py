@@ -25,6 +25,7 @@ from typing import Any, Dict, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from rlplat.config import ClusterConfig, ModelConfig, OptimConfig, PluginNode, entry_schema, merge_checked
+from rlplat.config_components import optimizer_build
 from rlplat.config_node import ConfigError, did_you_mean, read_config_node
 from rlplat.lora import LoraConfig, read_lora
 from rlplat.losses.config import LOSS_AGG_MODES
@@ -165,11 +166,9 @@ SFT_ENGINE_SOURCES = {
 def sft_engine_node(config: DictConfig, total_steps: int) -> dict[str, Any]:
     """What the engine factory receives: the :class:`~rlplat.contracts.engine.EngineBuildConfig` keys
     from this config, then ``actor.engine_config``."""
-    actor, optim = config.actor, config.actor.optim
+    actor = config.actor
     build = {
-        "model_path": config.model.path, "seed": config.trainer.seed, "lr": optim.lr, "weight_decay": optim.weight_decay,
-        "betas": list(optim.betas), "lr_warmup_steps": optim.warmup_steps, "lr_scheduler_type": optim.lr_scheduler_type,
-        "min_lr_ratio": optim.min_lr_ratio, "grad_clip": optim.grad_clip,
+        **optimizer_build(config, actor.optim),
         "total_training_steps": optimizer_steps(config, total_steps), "ppo_mini_batch_size": mini_batch_size(config),
         "ppo_epochs": 1, "micro_batch_size_per_gpu": actor.micro_batch_size_per_gpu,
         "use_dynamic_bsz": actor.use_dynamic_bsz, "max_token_len_per_gpu": actor.max_token_len_per_gpu,
