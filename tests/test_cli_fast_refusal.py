@@ -70,11 +70,15 @@ def test_a_config_error_exits_2_without_importing_torch(tmp_path):
     assert elapsed < 5, elapsed
 
 
-@pytest.mark.parametrize("engine", ["fsdp2", "megatron"])
-def test_a_run_that_cannot_fit_is_refused_in_under_5_s_without_importing_torch(engine, llama_dir, train_file, tmp_path):
+@pytest.mark.parametrize("engine, extra", [
+    ("fsdp2", []), ("megatron", []),
+    ("fsdp2", ["trainer.mode=separate_async"]),  # a rollout pool of its own: the roles are built to ask for their pools
+], ids=["fsdp2", "megatron", "fsdp2-separate-rollout-pool"])
+def test_a_run_that_cannot_fit_is_refused_in_under_5_s_without_importing_torch(engine, extra, llama_dir, train_file, tmp_path):
     result, heavy, elapsed = rlplat_process(
         "run", "--engine", engine, f"model.path={llama_dir}", f"data.train_files=[{train_file}]", "data.train_batch_size=1",
-        "actor.ppo_mini_batch_size=1", "cluster.use_gpu=true", "cluster.device_memory_gib=40", f"trainer.output_dir={tmp_path / 'run'}")
+        "actor.ppo_mini_batch_size=1", "cluster.use_gpu=true", "cluster.device_memory_gib=40", f"trainer.output_dir={tmp_path / 'run'}",
+        *extra)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "rlplat: the run would run out of memory, refused before anything starts:" in result.stderr
     assert "the update (actor) phase needs " in result.stderr and "more than the 40 GiB of a device" in result.stderr

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
 from rlplat.config import engine_node, rollout_node, sampling_node, uses_critic
 from rlplat.contracts.role import Role, RoleConfig, RunContext
-from rlplat.controller.host import WorkerSpec
 from rlplat.losses.rollout_correction import actor_loss_node
+
+if TYPE_CHECKING:  # the controller imports torch: validation builds these roles to ask enabled() and settings()
+    from rlplat.controller.host import WorkerSpec
 
 
 def rollout_separate(run: RunContext) -> bool:
@@ -80,6 +82,7 @@ class ActorRole(Role):
         return True
 
     def worker(self, run: RunContext) -> WorkerSpec:
+        from rlplat.controller.host import WorkerSpec
         from rlplat.workers.actor_rollout_ref import ActorRolloutRefWorker
 
         roles = ["actor"]
@@ -109,6 +112,7 @@ class RolloutRole(Role):
         return settings
 
     def worker(self, run: RunContext) -> WorkerSpec:
+        from rlplat.controller.host import WorkerSpec
         from rlplat.workers.actor_rollout_ref import ActorRolloutRefWorker
 
         return WorkerSpec(ActorRolloutRefWorker, actor_rollout_config(run, ["rollout"]))
@@ -121,6 +125,7 @@ class CriticRole(Role):
         return uses_critic(run.config, run.algorithm)
 
     def worker(self, run: RunContext) -> WorkerSpec:
+        from rlplat.controller.host import WorkerSpec
         from rlplat.workers.critic import CriticWorker
 
         config = run.config
