@@ -27,7 +27,8 @@ whatever runs between steps).
 When a contender misses the target, a last line per seed gives the seconds to the highest accuracy both
 contenders reached (a hint: one evaluation crossing a level is noisy). Reaching 0.75 takes several hundred
 steps of the demo's recipe (seed 0, from the earlier 0.35 warm start: the plain loop 0.70 after 480 steps, rlplat 0.75 at
-step 680; from the shipped 0.445 one `make demo`'s run, at lr 1.5e-4, reaches 0.745 at step 500 and 0.755 at 525): on a shared 2-core machine
+step 680; from the shipped 0.445 one, under this script's step cap (the cosine decay barely starts), rlplat
+0.75 at step 1030 and the plain loop 0.755 at step 710, where `make demo`'s 850-step schedule reaches 0.755 at step 525): on a shared 2-core machine
 the default budget is often too short, so ``--budget 400`` (about 15 minutes in all) is the real measurement.
 
 Greedy accuracy on 200 prompts moves 0.05-0.15 between evaluations and across seeds: one seed is one
