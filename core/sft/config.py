@@ -25,7 +25,7 @@ from typing import Any, Dict, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from rlplat.config import ClusterConfig, ModelConfig, OptimConfig, PluginNode, entry_schema, merge_checked
-from rlplat.config_components import optimizer_build
+from rlplat.config_components import ENGINE_BUILD_SOURCES, optimizer_build
 from rlplat.config_node import ConfigError, did_you_mean, read_config_node
 from rlplat.lora import LoraConfig, read_lora
 from rlplat.losses.config import LOSS_AGG_MODES
@@ -150,16 +150,11 @@ def training_steps(config: DictConfig, rows_per_epoch: int) -> int:
     return int(per_epoch if config.data.drop_last else math.ceil(per_epoch)) * config.trainer.total_epochs
 
 
-#: EngineBuildConfig key -> the ``rlplat sft`` key it comes from.
+#: EngineBuildConfig key -> the ``rlplat sft`` key it comes from: ``rlplat run``'s actor sources, but for
+#: what SFT fixes.
 SFT_ENGINE_SOURCES = {
-    "model_path": "model.path", "seed": "trainer.seed", "lr": "actor.optim.lr", "weight_decay": "actor.optim.weight_decay",
-    "betas": "actor.optim.betas", "lr_warmup_steps": "actor.optim.warmup_steps",
-    "lr_scheduler_type": "actor.optim.lr_scheduler_type", "min_lr_ratio": "actor.optim.min_lr_ratio",
-    "grad_clip": "actor.optim.grad_clip", "total_training_steps": "trainer.total_training_steps (in optimizer steps)",
-    "ppo_mini_batch_size": "actor.ppo_mini_batch_size", "ppo_epochs": "one pass per step",
-    "micro_batch_size_per_gpu": "actor.micro_batch_size_per_gpu", "use_dynamic_bsz": "actor.use_dynamic_bsz",
-    "max_token_len_per_gpu": "actor.max_token_len_per_gpu", "value_model": "false (a causal LM)",
-    "reward_model": "false (a causal LM)", "lora": "actor.lora (when its rank is above 0)",
+    **{key: source.format(role="actor") for key, source in ENGINE_BUILD_SOURCES.items()},
+    "ppo_epochs": "one pass per step", "value_model": "false (a causal LM)", "reward_model": "false (a causal LM)",
 }
 
 
