@@ -231,8 +231,14 @@ def test_fsdp2_precision_at_toy_sizes_compares_bf16_compute_over_fp32_masters_wi
 
 @pytest.mark.slow
 def test_logprob_parity_at_toy_sizes_has_an_exact_fp32_control(tmp_path):
+    # The two paths agree in float32 to the control's tolerance, and bf16 stays within its own bounds. How
+    # far bf16 is from float32 depends on the CPU (with native bf16 instructions its matmuls accumulate in
+    # float32, and toy sizes can then agree to 3e-7), so nothing is asserted about bf16 differing.
     (parity,) = smoke("logprob-parity", tmp_path)
-    assert parity["values"]["float32"]["max"] < 1e-4 < parity["values"]["bfloat16"]["max"]
+    bf16, fp32 = parity["values"]["bfloat16"], parity["values"]["float32"]
+    assert fp32["max"] <= gpu_check_cases.FP32_LOGPROB_TOLERANCE
+    assert bf16["mean"] <= gpu_check_cases.BF16_LOGPROB_MEAN_TOLERANCE and bf16["max"] <= gpu_check_cases.BF16_LOGPROB_MAX_TOLERANCE
+    assert bf16["tokens"] > 0 and fp32["tokens"] > 0
 
 
 def test_rollout_sleep_at_toy_sizes_gives_the_same_samples_after_wake_up(tmp_path):

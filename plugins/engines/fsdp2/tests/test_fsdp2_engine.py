@@ -374,6 +374,12 @@ def test_an_engine_built_from_a_local_directory_exports_model_and_tokenizer(tiny
     character_tokenizer(tmp_path / "model")
     loaded = built({"model_path": str(tmp_path / "model"), "dtype": "float32"})
     batch = batch_of(4)
-    assert torch.equal(loaded.forward(batch).batch["log_probs"], source.forward(batch).batch["log_probs"])
+    exported = {name: tensor for bucket in source.named_weights() for name, tensor in bucket}
+    assert all(torch.equal(tensor, exported[name]) for bucket in loaded.named_weights() for name, tensor in bucket)
+    # The weights are bit-identical; the two forwards are not guaranteed to be: with more than one thread
+    # the CPU kernels may block a float32 sum differently for tensors at different addresses (seen with 2
+    # threads, never with 1). A few float32 ulps per sum through the tiny model's layers stay far below 1e-5.
+    torch.testing.assert_close(loaded.forward(batch).batch["log_probs"], source.forward(batch).batch["log_probs"],
+                               rtol=1e-5, atol=1e-5)
     loaded.export_hf(str(tmp_path / "exported"))
     assert AutoTokenizer.from_pretrained(str(tmp_path / "exported"))("12+3=")["input_ids"] == [5, 6, 14, 7, 15]
