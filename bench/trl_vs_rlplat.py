@@ -132,7 +132,7 @@ def run_rlplat(backend: str, warmup: int, steps: int, threads: int, output_dir: 
     overrides = demo_overrides() + [
         f"trainer.total_training_steps={warmup + steps}", "trainer.test_freq=0", "trainer.val_before_train=false",
         "trainer.save_freq=0", "trainer.logger=[jsonl]", f"trainer.output_dir={output_dir}", "trainer.resume=disable",
-        "cluster.devices_per_node=2", f"cluster.backend={backend}",
+        f"cluster.devices_per_node={2 if backend == 'ray' else 1}", f"cluster.backend={backend}",  # local: one process
         f"actor.optim.lr={LR}", "actor.optim.lr_scheduler_type=constant",  # the contenders' recipe, not the demo's schedule
     ]
     config = load_config(overrides=overrides, algo="grpo")

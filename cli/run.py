@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from rlplat.cli.command_line import ALGO, CONFIG, DEMO, ENGINE, OVERRIDES, ROLLOUT, resolved_config
+from rlplat.cli.command_line import ALGO, CONFIG, DEMO, ENGINE, OVERRIDES, ROLLOUT, fail, resolved_config
 
 DEMO_HELP = (
     "Without model.path or --config it trains the built-in demo: GRPO with the fsdp2 engine on 2 CPU "
@@ -37,6 +37,12 @@ def run(
     resolved = resolved_config(config, overrides, algo=algo, engine=engine, rollout=rollout, demo=demo,
                                demo_note="training the built-in demo")
     check_memory(resolved)
+    from rlplat.config import ConfigError, check_before_start
+
+    try:  # this machine and the run directory; after the plan, which may be made for another machine
+        check_before_start(resolved)
+    except ConfigError as error:
+        raise fail(str(error)) from None
     from rlplat.trainer import Trainer
 
     typer.echo(f"rlplat: run directory {resolved.trainer.output_dir}", err=True)

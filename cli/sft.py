@@ -17,11 +17,13 @@ def sft(
     """Fine-tune a model on demonstrations (parquet: messages, or prompt and response; the loss on the
     assistant's tokens), then write it as a Hugging Face folder for `rlplat run model.path=...`. The run
     directory holds the resolved config, metrics (JSONL, TensorBoard) and checkpoints."""
+    from rlplat.config import check_before_start
     from rlplat.config_node import ConfigError
     from rlplat.sft.config import load_sft_config
 
     try:
         resolved = load_sft_config(config, list(overrides or []), engine=engine)
+        check_before_start(resolved)
         from rlplat.sft.trainer import SFTTrainer
 
         trainer = SFTTrainer(resolved)  # reads and checks every data row before a worker starts

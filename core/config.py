@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -36,7 +36,7 @@ from rlplat.data_config import DataConfig
 from rlplat.lora import LoraConfig, check_lora
 from rlplat.pipeline import check_trainer_mode
 from rlplat.sync_probe import SyncProbeConfig
-from rlplat.trainer_config import SharedTrainerConfig
+from rlplat.trainer_config import SharedTrainerConfig, check_run_directory
 from rlplat.reward_model import RewardModelConfig
 
 __all__ = ["ConfigError", "RLConfig", "load_config", "validate_config", "plugin_nodes", "engine_node",
@@ -217,9 +217,11 @@ class ClusterConfig:
     nnodes: int = 1
     """Machines to use."""
     devices_per_node: int = 1
-    """Worker processes per machine (GPUs per machine with ``use_gpu``)."""
-    use_gpu: bool = False
-    """Place workers on GPUs (NCCL) instead of CPUs (gloo)."""
+    """Worker processes per machine (GPUs per machine with ``use_gpu``). Above 1 needs ``backend=ray``."""
+    use_gpu: Union[bool, str] = "auto"
+    """Place workers on GPUs (NCCL) instead of CPUs (gloo). ``auto``: on GPUs when this process sees a CUDA
+    device, else on CPUs; the resolved config records which. ``true`` without a visible CUDA device is
+    refused before anything starts (unless joining a cluster at ``address``, whose GPUs are elsewhere)."""
     threads_per_process: Optional[int] = None
     """torch threads of each worker process. None: on Ray, each process's share of its machine's cores
     (cores // worker processes of its pool there, at least 1); with the local backend, torch's default
@@ -246,6 +248,56 @@ class ClusterConfig:
     """More of Ray's runtime environment for every worker process: ``env_vars``, ``pip``,
     ``working_dir``, ``excludes``, ... (Ray's names; checked at load). Fixed when Ray starts: a run
     that joins Ray already started in its process cannot add to it."""
+
+
+def resolve_use_gpu(config: DictConfig) -> None:
+    """``cluster.use_gpu=auto`` becomes true when this process sees a CUDA device, else false (in place,
+    so that the resolved config says which); any other value than auto, true or false is refused."""
+    use_gpu = config.cluster.use_gpu
+    if isinstance(use_gpu, bool):
+        return
+    if use_gpu != "auto":
+        raise ConfigError(f"cluster.use_gpu must be auto, true or false, got {use_gpu!r}.")
+    from rlplat.cuda_devices import visible_cuda_devices
+
+    config.cluster.use_gpu = visible_cuda_devices() > 0
+
+
+def check_cluster(config: DictConfig) -> None:
+    """The ``cluster`` node's values agree with one another (any machine; ``rlplat run`` and ``rlplat sft``)."""
+    resolve_use_gpu(config)
+    cluster = config.cluster
+    if cluster.backend not in ("ray", "local"):
+        raise ConfigError(f"cluster.backend must be 'ray' or 'local', got {cluster.backend!r}.")
+    for key in ("nnodes", "devices_per_node"):
+        if cluster[key] < 1:
+            raise ConfigError(f"cluster.{key} must be >= 1, got {cluster[key]}.")
+    if cluster.backend == "local" and (cluster.nnodes > 1 or cluster.devices_per_node > 1):
+        asked = cluster.nnodes * cluster.devices_per_node
+        raise ConfigError(f"cluster.backend=local runs one worker process, but cluster.nnodes={cluster.nnodes} x "
+                          f"cluster.devices_per_node={cluster.devices_per_node} asks for {asked}: use cluster.backend=ray "
+                          f"for {asked} processes, or set cluster.devices_per_node=1 (and cluster.nnodes=1).")
+
+
+def check_machine(config: DictConfig) -> None:
+    """What the run asks of this machine (``rlplat run``, ``rlplat sft`` and the trainers, before Ray or
+    any worker starts; not ``rlplat plan``, which may plan for another machine): ``cluster.use_gpu=true``
+    needs a CUDA device visible here, unless the run joins a cluster at ``cluster.address``."""
+    cluster = config.cluster
+    if cluster.use_gpu is True and cluster.address is None:
+        from rlplat.cuda_devices import cuda_devices_description, visible_cuda_devices
+
+        if visible_cuda_devices() == 0:
+            raise ConfigError(f"cluster.use_gpu=true, but this process sees no CUDA device ({cuda_devices_description()}): "
+                              "leave cluster.use_gpu=auto (GPUs when visible, CPU processes otherwise) or set "
+                              "cluster.use_gpu=false to run the workers as CPU processes.")
+
+
+def check_before_start(config: DictConfig) -> None:
+    """What a command that trains checks after validation, before Ray or any worker starts: this machine
+    (:func:`check_machine`) and the run directory (:func:`rlplat.trainer_config.check_run_directory`)."""
+    check_machine(config)
+    check_run_directory(config.trainer)
 
 
 @dataclasses.dataclass
@@ -361,6 +413,7 @@ def load_config(
         config = merge_checked(config, file_node, f"--config {config_file}")
     config = merge_checked(config, shortcuts, "command line")
     config = merge_checked(config, override_node, "overrides")
+    resolve_use_gpu(config)
     if config.trainer.mode == "separate_async" and "placement" not in ((config.get("roles") or {}).get("rollout") or {}):
         OmegaConf.update(config, "roles.rollout.placement", "separate", force_add=True)  # the mode's pool
     if validate:
@@ -425,6 +478,7 @@ def validate_config(config: DictConfig) -> None:
     from rlplat import registry
 
     algorithm = algorithm_spec(config.algorithm.name)
+    resolve_use_gpu(config)
     for kind, key in (("engine", "actor.engine"), ("engine", "critic.engine"), ("rollout", "rollout.name"),
                       ("reward_manager", "reward.manager"), ("advantage_estimator", "algorithm.adv_estimator")):
         entry_schema(kind, OmegaConf.select(config, key), key)
@@ -472,8 +526,7 @@ def validate_config(config: DictConfig) -> None:
         raise ConfigError(f"cluster.memory_check must be refuse, warn or skip, got {config.cluster.memory_check!r}.")
     if config.cluster.device_memory_gib is not None and not config.cluster.device_memory_gib > 0:
         raise ConfigError(f"cluster.device_memory_gib must be > 0 or null, got {config.cluster.device_memory_gib}.")
-    if config.cluster.backend not in ("ray", "local"):
-        raise ConfigError(f"cluster.backend must be 'ray' or 'local', got {config.cluster.backend!r}.")
+    check_cluster(config)
     if not config.cluster.cpus_per_process > 0:
         raise ConfigError(f"cluster.cpus_per_process must be > 0, got {config.cluster.cpus_per_process}.")
     if config.cluster.threads_per_process is not None and config.cluster.threads_per_process < 1:

@@ -107,6 +107,10 @@ class WorkerHost:
         if use_gpu:
             import torch
 
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"cluster.use_gpu=true, but worker process {self.rank} (pid {os.getpid()}) sees no "
+                                   f"CUDA device (torch {torch.__version__}, CUDA build {torch.version.cuda}): set "
+                                   "cluster.use_gpu=false or auto to run the workers as CPU processes.")
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) if torch.cuda.device_count() > 1 else 0)
         dist.init_process_group(
             backend="nccl" if use_gpu else "gloo",

@@ -24,7 +24,8 @@ from typing import Any, Dict, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlplat.config import ClusterConfig, ModelConfig, OptimConfig, PluginNode, entry_schema, merge_checked
+from rlplat.config import (ClusterConfig, ModelConfig, OptimConfig, PluginNode, check_cluster, entry_schema, merge_checked,
+                           resolve_use_gpu)
 from rlplat.config_components import ENGINE_BUILD_SOURCES, optimizer_build
 from rlplat.config_node import ConfigError, did_you_mean, read_config_node
 from rlplat.lora import LoraConfig, read_lora
@@ -123,6 +124,7 @@ def load_sft_config(config_file: str | Path | None = None, overrides: Sequence[s
     except Exception as error:
         raise ConfigError(f"overrides: {error}; write them as key=value, e.g. actor.optim.lr=1e-5.") from None
     config = merge_checked(config, override_node, "overrides")
+    resolve_use_gpu(config)
     if validate:
         validate_sft_config(config)
     return config
@@ -197,8 +199,7 @@ def validate_sft_config(config: DictConfig) -> None:
     if lora.enabled and not getattr(registry.get("engine", config.actor.engine), "supports_lora", False):
         raise ConfigError(f"actor.lora.rank={lora.rank}: engine {config.actor.engine!r} has no LoRA adapters "
                           "(TrainingEngine.supports_lora); use the fsdp2 engine or actor.lora.rank=0.")
-    if config.cluster.backend not in ("ray", "local"):
-        raise ConfigError(f"cluster.backend must be 'ray' or 'local', got {config.cluster.backend!r}.")
+    check_cluster(config)
     world = processes(config)
     mini = mini_batch_size(config)
     if mini < 1 or mini > config.data.train_batch_size:
