@@ -28,16 +28,16 @@ $(STAMP): pyproject.toml constraints.txt constraints/common.txt Makefile $(addsu
 	touch $@
 
 demo: setup
-	$(VENV)/bin/rlplat run trainer.output_dir=runs/demo trainer.resume=disable
+	$(VENV)/bin/rlplat run trainer.output_dir=runs/demo trainer.resume=disable trainer.overwrite=true
 	$(VENV)/bin/rlplat plot runs/demo
 
 # The tool demo: GRPO through the tool agent loop teaches the tiny model to call its calculator; then the
 # env loop (up to 3 attempts with "wrong, try again") against its single-attempt baseline.
 demo-tools: setup
-	$(VENV)/bin/rlplat run --demo tools trainer.resume=disable
+	$(VENV)/bin/rlplat run --demo tools trainer.resume=disable trainer.overwrite=true
 	$(VENV)/bin/rlplat plot runs/demo-tools
-	$(VENV)/bin/rlplat run --demo retry trainer.resume=disable
-	$(VENV)/bin/rlplat run --demo retry-single trainer.resume=disable
+	$(VENV)/bin/rlplat run --demo retry trainer.resume=disable trainer.overwrite=true
+	$(VENV)/bin/rlplat run --demo retry-single trainer.resume=disable trainer.overwrite=true
 	$(VENV)/bin/python -m rlplat.demo.compare runs/demo-tools runs/demo-retry runs/demo-retry-single
 
 # --durations: the slowest tests, printed at the end, to keep the suite well under 20 minutes on 2 cores.

@@ -27,8 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlplat.agent.manager import agent_metrics
 from rlplat.checkpoint import CheckpointManager, capture_rng_state, graceful_interrupt, restore_rng_state
-from rlplat.config import (algorithm_schema, old_log_prob_pass_reasons, sampling_node, total_training_steps,
-                           validate_config)
+from rlplat.config import (algorithm_schema, check_machine, old_log_prob_pass_reasons, sampling_node,
+                           total_training_steps, validate_config)
 from rlplat.config_node import read_config_node
 from rlplat.contracts.role import RunContext
 from rlplat.contracts.rollout import SamplingParams
@@ -41,6 +41,7 @@ from rlplat.reward_loop import last_tokens, precomputed_scores
 from rlplat.reward_model import combine, read_reward_model
 from rlplat.sync_probe import SyncProbe, SyncProbeConfig
 from rlplat.tracking import Tracker
+from rlplat.trainer_config import RUN_CONFIG_FILE, first_logged_step, prepare_run_directory
 from rlplat.workers.actor_rollout_ref import log_prob_mismatch
 
 
@@ -188,8 +189,9 @@ class Trainer:
 
     def fit(self) -> dict[str, float]:
         """Train to ``total_steps``, resuming per ``trainer.resume``; returns the last step's metrics."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.config, resolve=True))
+        check_machine(self.config)
+        prepare_run_directory(self.config.trainer)
+        (self.run_dir / RUN_CONFIG_FILE).write_text(OmegaConf.to_yaml(self.config, resolve=True))
         self.build_workers()
         self.resume()
         self.actor.set_policy_version(self.step)
@@ -198,7 +200,7 @@ class Trainer:
         self.trained_prompts = TrainedPromptsLog(self.run_dir, self.step + 1)
         metrics: dict[str, float] = {}
         trainer = self.config.trainer
-        with Tracker(self.run_dir, trainer.logger, total_steps=self.total_steps, start_step=self.step + 1,
+        with Tracker(self.run_dir, trainer.logger, total_steps=self.total_steps, start_step=first_logged_step(self.step),
                      project=trainer.project_name, experiment=trainer.experiment_name or self.run_dir.name,
                      config=self.node) as tracker, graceful_interrupt() as interrupt:
             if self.step == 0 and trainer.val_before_train and self.val_loader is not None:

@@ -29,7 +29,9 @@ from omegaconf import DictConfig, OmegaConf
 from rlplat.checkpoint import CheckpointManager, capture_rng_state, graceful_interrupt, restore_rng_state
 from rlplat.sft.config import sft_engine_node, training_steps, validate_sft_config
 from rlplat.sft.data import build_sft_data, validation_batches
+from rlplat.config import check_machine
 from rlplat.tracking import Tracker
+from rlplat.trainer_config import RUN_CONFIG_FILE, first_logged_step, prepare_run_directory
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -105,14 +107,15 @@ class SFTTrainer:
     def fit(self) -> dict[str, float]:
         """Train to ``total_steps`` (resuming per ``trainer.resume``), export the model; returns the last
         step's metrics."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.config, resolve=True))
+        check_machine(self.config)
+        prepare_run_directory(self.config.trainer)
+        (self.run_dir / RUN_CONFIG_FILE).write_text(OmegaConf.to_yaml(self.config, resolve=True))
         self.build_workers()
         self.resume()
         trainer = self.config.trainer
         metrics: dict[str, float] = {}
         finished = self.step >= self.total_steps
-        with Tracker(self.run_dir, trainer.logger, total_steps=self.total_steps, start_step=self.step + 1,
+        with Tracker(self.run_dir, trainer.logger, total_steps=self.total_steps, start_step=first_logged_step(self.step),
                      project=trainer.project_name, experiment=trainer.experiment_name or self.run_dir.name,
                      config=OmegaConf.to_container(self.config, resolve=True)) as tracker, graceful_interrupt() as interrupt:
             if self.step == 0 and trainer.val_before_train and self.val_batches:
