@@ -28,19 +28,17 @@ echo "== 2. GRPO, 3 steps, fsdp2 + $BACKEND"
 mkdir -p "$OUT_DIR"
 MODEL="$OUT_DIR/tiny-qwen2"
 "$VENV/bin/python" -c "from rlplat.testing.tiny_models import save_tiny_model; save_tiny_model('$MODEL', seed=0)"
-read -r TRAIN VAL SCORER < <("$VENV/bin/python" -c "
-from pathlib import Path
+read -r TRAIN VAL < <("$VENV/bin/python" -c "
 from rlplat import demo
-from rlplat.demo import scorer
-print(demo.train_file(), demo.val_file(), Path(scorer.__file__))")
+print(demo.train_file(), demo.val_file())")
 
 "$VENV/bin/rlplat" run --algo grpo --engine fsdp2 --rollout "$BACKEND" \
     model.path="$MODEL" "data.train_files=[$TRAIN]" "data.val_files=[$VAL]" \
-    reward.custom_function.path="$SCORER" reward.custom_function.name=exact_match \
+    reward.scorer=exact_match \
     data.train_batch_size=16 data.max_prompt_length=16 \
     rollout.n=4 rollout.response_length=4 rollout.free_between_phases=true "${MEMORY[@]}" \
     actor.optim.lr=1e-4 actor.ppo_mini_batch_size=16 \
-    trainer.total_training_steps=3 trainer.test_freq=0 trainer.save_freq=0 trainer.resume=disable \
+    trainer.total_training_steps=3 trainer.test_freq=0 trainer.save_freq=0 trainer.resume=disable trainer.overwrite=true \
     trainer.output_dir="$OUT_DIR/grpo" cluster.use_gpu=true cluster.devices_per_node=1
 
 "$VENV/bin/python" - "$OUT_DIR/grpo" <<'PY'
