@@ -7,6 +7,7 @@ template adds for it (:meth:`rlplat.agent.chat.ChatRenderer.delta_ids`), within 
 
 Per-trajectory metrics (``Trajectory.metrics``; the trainer reports their means): ``turns``,
 ``tool_calls``, ``tool_errors``, ``tool_timeouts``, ``tool_latency_s`` (summed over calls),
+``tool_reward`` (the sum of the calls' :attr:`~rlplat.contracts.agent.ToolResult.reward`),
 ``model_tokens``, ``context_tokens``, ``parse_errors``.
 """
 
@@ -84,6 +85,7 @@ class SingleTurnLoop(ConfiguredLoop):
     :meth:`RolloutEngine.generate`, one request per row."""
 
     key = "agent.loops.single_turn"
+    uses_tools = False
 
     async def run(self, row: Mapping[str, Any], client: TokenClient, context: AgentContext) -> Trajectory:
         builder = TrajectoryBuilder(context.prompt_ids, context.response_length)
@@ -153,6 +155,7 @@ class ToolLoop(ConfiguredLoop):
     the model as that call's result and counted."""
 
     schema, key = ToolLoopConfig, "agent.loops.tool"
+    uses_tools = True
 
     async def run(self, row: Mapping[str, Any], client: TokenClient, context: AgentContext) -> Trajectory:
         if context.parser is None:
@@ -162,12 +165,14 @@ class ToolLoop(ConfiguredLoop):
         messages = list(row.get("raw_prompt") or [])
         prompt_ids = context.renderer.prompt_ids(messages, tools=schemas or None) if schemas else list(context.prompt_ids)
         builder = TrajectoryBuilder(prompt_ids, context.response_length)
-        counts = dict.fromkeys(("tool_calls", "tool_errors", "tool_timeouts", "tool_latency_s", "parse_errors",
-                                "model_tokens", "context_tokens"), 0.0)
+        counts = dict.fromkeys(("tool_calls", "tool_errors", "tool_timeouts", "tool_latency_s", "tool_reward",
+                                "parse_errors", "model_tokens", "context_tokens"), 0.0)
         turn_metrics: list[dict[str, float]] = []
-        states = {name: await tool.open(arguments) for name, (tool, arguments) in context.tools.items()}
+        states: dict[str, Any] = {}
         finish, turns = "stop", 0
         try:
+            for name, (tool, arguments) in context.tools.items():
+                states[name] = await tool.open(arguments)
             for turn in range(config.max_turns):
                 output = await model_turn(client, context, builder, turn, config.max_tokens_per_turn)
                 if output is None:
@@ -198,9 +203,9 @@ class ToolLoop(ConfiguredLoop):
                     break
                 counts["context_tokens"] += len(delta)
         finally:
-            for name, (tool, _) in context.tools.items():
+            for name, state in states.items():  # the tools opened, also when a later one failed to open
                 try:
-                    await tool.close(states[name])
+                    await context.tools[name][0].close(state)
                 except Exception:  # a tool's clean-up must not lose the trajectory
                     counts["tool_errors"] += 1
         return builder.build(turns, finish, metrics={"turns": float(turns), **counts}, turn_metrics=turn_metrics)
@@ -223,6 +228,7 @@ class ToolLoop(ConfiguredLoop):
             counts["tool_errors"] += float(result.error)
             counts["tool_timeouts"] += float(result.timed_out)
             counts["tool_latency_s"] += float(result.metrics.get("latency_s", 0.0))
+            counts["tool_reward"] += float(result.reward or 0.0)
         return results
 
     async def run_call(self, call: ToolCall, context: AgentContext, states: dict[str, Any]) -> ToolResult:
@@ -263,6 +269,7 @@ class EnvLoop(ConfiguredLoop):
     trajectory's reward is the sum of the steps' rewards."""
 
     schema, key = EnvLoopConfig, "agent.loops.env"
+    uses_tools = False
 
     async def run(self, row: Mapping[str, Any], client: TokenClient, context: AgentContext) -> Trajectory:
         if context.environment is None:

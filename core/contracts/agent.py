@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional, Protocol, Sequence
 
 if TYPE_CHECKING:
     from rlplat.contracts.rollout import SamplingParams, TokenOutput
@@ -83,8 +83,10 @@ class ToolConfig:
 @dataclasses.dataclass
 class ToolResult:
     """What a tool call returns: ``text`` for the model (a ``tool`` message), whether it failed
-    (``error``: the call was malformed, the tool raised, or it ``timed_out``), an optional ``reward``
-    the loop adds to the trajectory's, and numeric ``metrics``."""
+    (``error``: the call was malformed, the tool raised, or it ``timed_out``), an optional step
+    ``reward`` (a verl tool's ``execute`` reward), and numeric ``metrics``. The ``tool`` loop reports the
+    rewards' sum per trajectory as the metric ``tool_reward``; the trajectory is still rewarded by the
+    reward manager, as verl does with tool rewards."""
 
     text: str
     error: bool = False
@@ -309,6 +311,10 @@ class AgentContext:
 class AgentLoop(abc.ABC):
     """Drives one conversation. Built once per worker as ``factory(config)`` with its
     ``agent.loops.<name>`` node; :meth:`run` is called concurrently for many rows."""
+
+    uses_tools: ClassVar[Optional[bool]] = None
+    """Whether the loop offers the tools of ``agent.tools_config`` (``AgentContext.tools``) to the model:
+    a run whose tools file no loop of its reads is refused at load. None (not declared): not checked."""
 
     def __init__(self, config: Any = None):
         self.config = config
