@@ -1,15 +1,20 @@
 """Per-call time and verdicts of the ``math`` and ``math_verify`` scorers on 200 generated MATH-like samples
-(half right but written in another notation, half wrong): ``python bench/math_scorers.py [SEED]``.
+(half right but written in another notation, half wrong): ``python bench/math_scorers.py [SEED] [--misses]``.
 
 Prints, for each scorer, the median and the slowest call and how many of the 200 verdicts are right; the
 README quotes the medians over seeds 0-4.
 """
-import random, statistics, sys, time
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
 from rlplat_rewards import hendrycks_math, math_verify_scorer
 
-rng = random.Random(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
 
-def answer_pair():
+def answer_pair(rng: random.Random):
     """(ground truth, an equivalent way to write it, a wrong answer)"""
     kind = rng.randrange(8)
     a, b = rng.randint(2, 40), rng.randint(2, 40)
@@ -29,7 +34,7 @@ def answer_pair():
         return f"{a}, {b + 41}", f"{b + 41}, {a}", f"{a}, {b + 42}"
     return f"\\frac{{{a}\\pi}}{{{b}}}", f"\\frac{{{a}}}{{{b}}}\\pi", f"\\frac{{{a + 1}\\pi}}{{{b}}}"
 
-def reasoning():
+def reasoning(rng: random.Random):
     lines = []
     for _ in range(rng.randint(4, 12)):
         p, q = rng.randint(1, 30), rng.randint(1, 30)
@@ -41,13 +46,18 @@ def reasoning():
         ]))
     return " ".join(lines)
 
-samples = []
-for index in range(200):
-    truth, same, wrong = answer_pair()
-    answer = same if index % 2 == 0 else wrong
-    samples.append((truth, f"{reasoning()}\n\nTherefore, the final answer is $\\boxed{{{answer}}}$.", index % 2 == 0))
+def make_samples(seed: int) -> list[tuple[str, str, bool]]:
+    """200 (ground truth, response, whether the response's answer is right), half of each."""
+    rng = random.Random(seed)
+    samples = []
+    for index in range(200):
+        truth, same, wrong = answer_pair(rng)
+        answer = same if index % 2 == 0 else wrong
+        samples.append((truth, f"{reasoning(rng)}\n\nTherefore, the final answer is $\\boxed{{{answer}}}$.", index % 2 == 0))
+    return samples
 
-def timed(score):
+
+def timed(score, samples):
     seconds, correct = [], 0
     for truth, response, expected in samples:
         started = time.perf_counter()
@@ -56,12 +66,23 @@ def timed(score):
         correct += result["acc"] == expected
     return statistics.median(seconds), max(seconds), correct
 
-math_verify_scorer.score("MATH", "\\boxed{1}", "1")  # imports and first-use set-up outside the timing
-for name, score in [("math", hendrycks_math.score), ("math_verify", math_verify_scorer.score)]:
-    median, worst, agree = timed(score)
-    print(f"{name:12} median {median * 1e3:8.3f} ms  max {worst * 1e3:8.1f} ms  right on {agree}/200 (100 equivalent forms, 100 wrong)")
-if "--misses" in sys.argv:
-    for truth, response, expected in samples:
-        result = math_verify_scorer.score("MATH", response, truth)
-        if result["acc"] != expected:
-            print("MISS", truth, "|", response[-40:], result, expected)
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("seed", nargs="?", type=int, default=0, help="seed of the generated samples (default 0)")
+    parser.add_argument("--misses", action="store_true", help="print the samples math_verify gets wrong")
+    args = parser.parse_args()
+    samples = make_samples(args.seed)
+    math_verify_scorer.score("MATH", "\\boxed{1}", "1")  # imports and first-use set-up outside the timing
+    for name, score in [("math", hendrycks_math.score), ("math_verify", math_verify_scorer.score)]:
+        median, worst, agree = timed(score, samples)
+        print(f"{name:12} median {median * 1e3:8.3f} ms  max {worst * 1e3:8.1f} ms  right on {agree}/200 (100 equivalent forms, 100 wrong)")
+    if args.misses:
+        for truth, response, expected in samples:
+            result = math_verify_scorer.score("MATH", response, truth)
+            if result["acc"] != expected:
+                print("MISS", truth, "|", response[-40:], result, expected)
+
+
+if __name__ == "__main__":
+    main()
