@@ -1,4 +1,4 @@
-# make setup | make demo | make demo-tools | make test | make test-fast | make test-gpu | make bench | make test-vllm | make test-sglang
+# make setup | make demo | make demo-tools | make test | make test-fast | make test-matrix | make test-gpu | make bench | make test-vllm | make test-sglang
 # Every target creates .venv (idempotently) and installs what it needs; nothing is assumed installed.
 
 PYTHON ?= python3
@@ -17,7 +17,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo demo-tools test test-fast test-gpu bench clean test-vllm test-sglang test-vllm-gpu test-sglang-gpu gpu-check-vllm gpu-check-sglang test-verl-compat gpu-check gpu-check-wheels
+.PHONY: setup demo demo-tools test test-fast test-matrix test-gpu bench clean test-vllm test-sglang test-vllm-gpu test-sglang-gpu gpu-check-vllm gpu-check-sglang test-verl-compat gpu-check gpu-check-wheels
 
 setup: $(STAMP)
 
@@ -47,6 +47,16 @@ test: setup
 # The quick loop while developing: everything but the tests marked slow (clusters, training runs, subprocess suites).
 test-fast: setup
 	$(PY) -m pytest -m "not gpu and not slow" $(PYTEST_ARGS)
+
+# test-fast on the machines users and CI have, not just this one: 1 and 4 OpenMP threads (numerics must not
+# depend on the thread count), then from a fresh clone of HEAD (commit first) in a 0700 temporary directory
+# whose path has a space, with its own .venv installed from scratch (the sandbox's user cannot read it).
+test-matrix: setup
+	OMP_NUM_THREADS=1 $(MAKE) --no-print-directory test-fast
+	OMP_NUM_THREADS=4 $(MAKE) --no-print-directory test-fast
+	set -e; base=$$(mktemp -d); chmod 700 "$$base"; trap 'rm -rf "$$base"' EXIT; \
+		git clone --quiet "$(CURDIR)" "$$base/a clone/rlplat"; \
+		$(MAKE) --no-print-directory -C "$$base/a clone/rlplat" test-fast PYTEST_ARGS="$(PYTEST_ARGS)"
 
 test-gpu: setup
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
