@@ -27,7 +27,8 @@ Some rules read the rest of the command line (and the ``--config`` file): ``data
 actor's, and a verl-style command line whose ``algorithm.adv_estimator`` implies an rlplat algorithm
 (``gae`` -> ``ppo``) selects it unless ``--algo`` or ``algorithm.name`` does.
 
-This module imports only the standard library and omegaconf: it runs before anything heavy. It is long
+This module imports only the standard library, omegaconf and :mod:`rlplat.agent.config` (a dataclass): it runs
+before anything heavy. It is long
 (about 1,300 lines) because it is a table: one rule per verl key, grouped by verl's nodes, kept in one
 file so that a reader finds every verl key and its fate in one place and a test can check the whole table
 against rlplat's schemas and the docs.
@@ -44,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
+
+from rlplat.agent.config import VERL_LOOP_NAMES
 
 # Top-level nodes only verl has: a key under them needs a rule, or it is refused.
 VERL_ONLY_ROOTS = (
@@ -340,6 +343,13 @@ def per_rollout(key: str, summary: str, targets: Mapping[str, str | tuple[str, s
     return add(Rule(key, rule_targets, summary, handle))
 
 
+def optional_rename(key: str, target: str, summary: str = "same meaning; null (unset) leaves rlplat's default") -> Rule:
+    def handle(item: Item, context: Context) -> Outcome:
+        return ignored(item, "unset: rlplat's default applies") if item.value is None else mapped(item, target)
+
+    return add(Rule(key, (Target(target),), summary, handle))
+
+
 def special(key: str, targets: Sequence[Target | str], summary: str, *, verl_only: bool = True):
     """Decorator: a rule with its own handler."""
 
@@ -375,15 +385,56 @@ off_only("actor_rollout_ref.model.external_lib", "unset", "rlplat imports no ext
 off_only("actor_rollout_ref.model.override_config", "no override", "rlplat builds the model from its config.json as it is")
 refuse("actor_rollout_ref.model.override_config.*", "rlplat builds the model from its config.json as it is")
 off_only("actor_rollout_ref.model.enable_activation_offload", "rlplat keeps activations on the device, as off asks", "rlplat has no activation offloading")
-off_only("actor_rollout_ref.model.lora_rank", "0 is full fine-tuning, which rlplat does", "rlplat trains every parameter; it has no LoRA adapters")
-for _lora_key in ("lora_alpha", "target_modules", "exclude_modules"):
-    ignore(f"actor_rollout_ref.model.{_lora_key}", "verl reads it only with lora_rank > 0, which rlplat refuses")
-off_only("actor_rollout_ref.model.lora_adapter_path", "unset", "rlplat loads no LoRA adapter")
-gated("actor_rollout_ref.model.lora", "rank", "rlplat trains every parameter; it has no LoRA adapters")
+rename("actor_rollout_ref.model.lora_rank", "actor.lora.rank", "same meaning: the adapters' rank on the fsdp2 engine; 0 is "
+       "full fine-tuning")
+rename("actor_rollout_ref.model.lora_alpha", "actor.lora.alpha", "same meaning: the adapters' update is scaled by alpha / rank")
+optional_rename("actor_rollout_ref.model.lora_adapter_path", "actor.lora.adapter_path",
+                "same meaning: a peft adapter folder to start from; null (a fresh adapter) leaves rlplat's default")
+for _lora_key in ("target_modules", "exclude_modules"):
+
+    @special(f"actor_rollout_ref.model.{_lora_key}", [f"actor.lora.{_lora_key}"], "same meaning (Hugging Face module "
+             "names, `all-linear`); one name becomes a one-item list; null ignored")
+    def _lora_modules(item: Item, context: Context, key: str = _lora_key) -> Outcome:
+        if item.value is None:
+            return ignored(item, "unset: " + ("no module is left out, as in rlplat" if key == "exclude_modules"
+                                              else "rlplat's default, all-linear"))
+        if isinstance(item.value, str):
+            return converted(item, f"actor.lora.{key}", [item.value], "rlplat's key takes a list of module names")
+        return mapped(item, f"actor.lora.{key}")
+
+
+def lora_on(context: Context) -> bool:
+    """Whether the command line trains LoRA adapters (verl's flat FSDP keys or its Megatron node)."""
+    ranks = (context.value("actor_rollout_ref.model.lora_rank", "actor.lora.rank"),
+             context.value("actor_rollout_ref.model.lora.rank"))
+    return any(isinstance(rank, (int, float)) and not isinstance(rank, bool) and rank > 0 for rank in ranks)
+
+
+MEGATRON_LORA = ("verl's model.lora node is its Megatron LoRA (Megatron module names); rlplat's LoRA adapters are on the "
+                 "fsdp2 engine: give actor_rollout_ref.model.lora_rank, lora_alpha and target_modules (Hugging Face module "
+                 "names), which become actor.lora.*")
+
+
+@special("actor_rollout_ref.model.lora.*", ["actor.lora.sync"], "`merge` -> `actor.lora.sync` (true: `merged`, false: "
+         "`adapter`) when LoRA is on; `rank` above 0 refused (Megatron LoRA: use `lora_rank`); the rest read only with it")
+def _megatron_lora(item: Item, context: Context) -> Outcome:
+    name = item.key[len("actor_rollout_ref.model.lora."):]
+    if name == "merge":
+        if not lora_on(context):
+            return ignored(item, "verl reads it only with LoRA on (lora_rank > 0)")
+        return converted(item, "actor.lora.sync", "merged" if item.value else "adapter",
+                         "merged: full weights with the adapter merged in reach the rollout; adapter: only the adapter's "
+                         "tensors, which the rollout applies")
+    if name == "rank":
+        return refused(item, MEGATRON_LORA) if not is_off(item.value) else ignored(item, "0: no Megatron LoRA, as in rlplat")
+    return ignored(item, "verl reads it only with model.lora.rank > 0 (its Megatron LoRA)")
+
+
 gated("actor_rollout_ref.model.tiled_mlp", "enabled", "rlplat has no tiled MLP")
 gated("actor_rollout_ref.model.mtp", "enable", "rlplat has no multi-token prediction")
 equal_only("actor_rollout_ref.hybrid_engine", True, "rlplat colocates actor and rollout in one process, as true asks",
-           "rlplat always colocates the actor and the rollout")
+           "verl's trainer accepts only true; rlplat gives the rollout processes of its own with "
+           "actor_rollout_ref.rollout.nnodes (-> roles.rollout.placement=separate) or trainer.mode=separate_async")
 ignore("actor_rollout_ref.nccl_timeout", "a timeout of verl's collectives")
 
 
@@ -444,13 +495,6 @@ def per_gpu(item: Item, context: Context, target: str) -> Outcome:
     if per_process < 1:
         return refused(item, f"{item.value} rows over {world} worker processes leave less than one per process")
     return converted(item, target, per_process, f"verl's global count divided by {world} worker processes (cluster.nnodes x cluster.devices_per_node), as verl does")
-
-
-def optional_rename(key: str, target: str, summary: str = "same meaning; null (unset) leaves rlplat's default") -> Rule:
-    def handle(item: Item, context: Context) -> Outcome:
-        return ignored(item, "unset: rlplat's default applies") if item.value is None else mapped(item, target)
-
-    return add(Rule(key, (Target(target),), summary, handle))
 
 
 optional_rename("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor.micro_batch_size_per_gpu",
@@ -676,7 +720,9 @@ for _node in ("actor_rollout_ref.actor", "critic"):
 for _node in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "actor_rollout_ref.rollout", "critic", "reward_model"):
     gated(f"{_node}.profiler", "enable", "rlplat has no profiler integration")
 for _node in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
-    refuse(f"{_node}.megatron.*", "rlplat has no Megatron engine with verl's keys")
+    refuse(f"{_node}.megatron.*", "rlplat's megatron engine (strategy=megatron -> actor.engine=megatron) takes its own keys "
+                                  "under engine_config (tensor_parallel_size, pipeline_parallel_size, ...: rlplat config "
+                                  "explain actor.engine_config)")
 for _node in ("actor_rollout_ref.actor", "actor_rollout_ref.ref"):
     gated(f"{_node}.router_replay", "mode", "rlplat has no MoE router replay", lambda value: value not in (None, "disabled"),
           "other than disabled")
@@ -721,13 +767,13 @@ for _key, _why in (("hf_config_path", "rlplat reads config.json from the critic'
                    ("external_lib", "rlplat imports no extra module for the model"),
                    ("override_config", "rlplat builds the model from its config.json as it is"),
                    ("enable_activation_offload", "rlplat has no activation offloading"),
-                   ("lora_rank", "rlplat trains every parameter; it has no LoRA adapters"),
-                   ("lora_adapter_path", "rlplat loads no LoRA adapter")):
+                   ("lora_rank", "rlplat's LoRA adapters are the actor's (actor.lora); its critic trains every parameter"),
+                   ("lora_adapter_path", "rlplat's LoRA adapters are the actor's (actor.lora.adapter_path)")):
     off_only(f"critic.model.{_key}", "off or unset, as in rlplat", _why)
 for _key in ("lora_alpha", "target_modules", "exclude_modules"):
     ignore(f"critic.model.{_key}", "verl reads it only with lora_rank > 0, which rlplat refuses")
 refuse("critic.model.override_config.*", "rlplat builds the model from its config.json as it is")
-gated("critic.model.lora", "rank", "rlplat trains every parameter; it has no LoRA adapters")
+gated("critic.model.lora", "rank", "rlplat's LoRA adapters are the actor's (actor.lora); its critic trains every parameter")
 gated("critic.model.tiled_mlp", "enabled", "rlplat has no tiled MLP")
 gated("critic.model.mtp", "enable", "rlplat has no multi-token prediction")
 
@@ -766,7 +812,8 @@ equal_only("actor_rollout_ref.rollout.mode", "async", "the only mode verl has; r
 off_only("actor_rollout_ref.rollout.ignore_eos", "off", "rlplat's rollouts stop at EOS")
 ignore("actor_rollout_ref.rollout.load_format", "rlplat's rollout receives the actor's weights before its first "
        "generation, as verl's dummy format does; how it loads its own copy only costs time")
-ignore("actor_rollout_ref.rollout.layered_summon", "verl reads it only to sync LoRA adapters, which rlplat does not have")
+ignore("actor_rollout_ref.rollout.layered_summon", "how verl gathers LoRA weights for the rollout, layer by layer; rlplat's "
+       "actor.lora.sync says what reaches it (merged weights or the adapter)")
 ignore("actor_rollout_ref.rollout.calculate_log_probs", "rlplat's rollouts always return rollout_log_probs, used for the "
        "log-prob mismatch metric only")
 ignore("actor_rollout_ref.rollout.logprobs_mode", "rlplat uses rollout_log_probs for the log-prob mismatch metric only")
@@ -788,25 +835,144 @@ off_only("actor_rollout_ref.rollout.mtp", "unset", "rlplat has no multi-token pr
 gated("actor_rollout_ref.rollout.mtp", "enable", "rlplat has no multi-token prediction")
 off_only("actor_rollout_ref.rollout.qat", "unset", "rlplat has no quantization-aware training")
 gated("actor_rollout_ref.rollout.qat", "enable", "rlplat has no quantization-aware training")
-off_only("actor_rollout_ref.rollout.nnodes", "0: the rollout shares the trainer's GPUs, as in rlplat", "rlplat has no separate rollout machines")
-ignore("actor_rollout_ref.rollout.n_gpus_per_node", "verl reads it only for separate rollout machines (rollout.nnodes > 0)")
+
+
+@special("actor_rollout_ref.rollout.nnodes", ["roles.rollout.placement", "roles.rollout.nnodes"], "0 (the rollout "
+         "shares the actor's processes) ignored; above 0 -> `roles.rollout.placement=separate` and `roles.rollout.nnodes`")
+def _rollout_nodes(item: Item, context: Context) -> Outcome:
+    if is_off(item.value):
+        return ignored(item, "0: the rollout runs in the actor's processes, rlplat's default (roles.rollout.placement=colocated)")
+    return Outcome([("roles.rollout.placement", "separate"), ("roles.rollout.nnodes", int(item.value))],
+                   f"verl key {show(item)} -> roles.rollout.placement=separate, roles.rollout.nnodes={int(item.value)} "
+                   "(the rollout gets a resource pool of its own, fed the actor's weights after each update)")
+
+
+@special("actor_rollout_ref.rollout.n_gpus_per_node", ["roles.rollout.devices_per_node"], "-> "
+         "`roles.rollout.devices_per_node` when `actor_rollout_ref.rollout.nnodes` is above 0; ignored otherwise")
+def _rollout_gpus(item: Item, context: Context) -> Outcome:
+    if is_off(context.value("actor_rollout_ref.rollout.nnodes")):
+        return ignored(item, "verl reads it only for a rollout on machines of its own (actor_rollout_ref.rollout.nnodes > 0)")
+    return mapped(item, "roles.rollout.devices_per_node")
+
+
 for _key in ("data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size"):
     equal_only(f"actor_rollout_ref.rollout.{_key}", 1, "no such parallelism, as in rlplat",
                "rlplat runs one rollout engine per worker process, without data, expert or pipeline parallelism")
-gated("actor_rollout_ref.rollout.multi_turn", "enable", "rlplat has no multi-turn rollouts or tools")
 gated("actor_rollout_ref.rollout.disaggregation", "enabled", "rlplat has no prefill/decode disaggregation")
 gated("actor_rollout_ref.rollout.prometheus", "enable", "rlplat exports no Prometheus metrics")
 gated("actor_rollout_ref.rollout.trace", "backend", "rlplat has no rollout tracing")
-equal_only("actor_rollout_ref.rollout.agent.default_agent_loop", "single_turn_agent", "one response per prompt, as rlplat samples",
-           "rlplat has no agent loops")
-ignore("actor_rollout_ref.rollout.agent.num_workers", "how many agent-loop workers verl runs")
-off_only("actor_rollout_ref.rollout.agent.agent_loop_config_path", "unset", "rlplat has no agent loops")
-gated("actor_rollout_ref.rollout.agent.custom_async_server", "path", "rlplat runs no custom rollout server")
 equal_only("actor_rollout_ref.rollout.checkpoint_engine.backend", "naive", "rlplat syncs weights in process",
            "rlplat syncs weights through its rollout's update_weights only")
 ignore("actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes", "the size of verl's weight-sync buckets")
 off_only("actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs", "unset", "rlplat's weight sync has no settings")
 off_only("actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module", "unset", "rlplat's weight sync has no backends")
+
+
+
+# -- multi-turn rollouts, tools and agent loops -> agent.* -----------------------------------------------
+
+MULTI_TURN = "actor_rollout_ref.rollout.multi_turn"
+TOOL_LOOP = "agent.loops.tool"
+VERL_TRUNCATION_SIDES = {"left": "right", "right": "left", "middle": "middle"}
+"""verl names the side it keeps (``left``: the start), rlplat the side it cuts (``left``: keeps the end)."""
+
+
+@special(f"{MULTI_TURN}.enable", [], "accepted and ignored: a row's loop comes from its `agent_name` column (verl's "
+         "`tool_agent` is rlplat's `tool`), else `agent.loop` (verl's `rollout.agent.default_agent_loop`), in verl too")
+def _multi_turn(item: Item, context: Context) -> Outcome:
+    return ignored(item, "rlplat runs each row's agent loop by its agent_name column (verl's tool_agent is rlplat's tool "
+                         "loop), else agent.loop (verl's actor_rollout_ref.rollout.agent.default_agent_loop), as verl's agent "
+                         "loops do; multi-turn loops train on the sampled tokens only (response_mask)")
+
+
+optional_rename(f"{MULTI_TURN}.tool_config_path", "agent.tools_config", "same meaning: the tools file (verl's shape; "
+                "`class_name` may name a tool written for verl); null ignored")
+optional_rename(f"{MULTI_TURN}.format", "agent.tool_parser", "same meaning: the tool-call format (kind `tool_parser`: "
+                "`hermes`)")
+optional_rename(f"{MULTI_TURN}.max_parallel_calls", f"{TOOL_LOOP}.max_parallel_calls", "same meaning: calls run from one "
+                "model turn (verl's default 1, rlplat's 4)")
+optional_rename(f"{MULTI_TURN}.max_tool_response_length", f"{TOOL_LOOP}.max_tool_response_length", "same meaning: "
+                "characters of a tool response the model sees (verl's default 256, rlplat's 1024)")
+
+
+@special(f"{MULTI_TURN}.tool_response_truncate_side", [f"{TOOL_LOOP}.truncate_side"], "verl's `left` (keep the start) -> "
+         "`right`, `right` (keep the end) -> `left`, `middle` -> `middle`")
+def _truncate_side(item: Item, context: Context) -> Outcome:
+    side = VERL_TRUNCATION_SIDES.get(str(item.value))
+    if side is None:
+        return refused(item, "rlplat cuts long tool responses on the left, right or middle (agent.loops.tool.truncate_side)")
+    if side == item.value:
+        return mapped(item, f"{TOOL_LOOP}.truncate_side")
+    return converted(item, f"{TOOL_LOOP}.truncate_side", side, f"verl's {item.value} names the side kept, rlplat's "
+                     f"{side} the side cut: both keep the {'start' if item.value == 'left' else 'end'}")
+
+
+def turn_limits(context: Context) -> tuple[int | None, int | None]:
+    """verl's (max_assistant_turns, max_user_turns), None where unset."""
+    values = (context.value(f"{MULTI_TURN}.max_assistant_turns"), context.value(f"{MULTI_TURN}.max_user_turns"))
+    return tuple(None if is_off(value) else int(value) for value in values)  # type: ignore[return-value]
+
+
+@special(f"{MULTI_TURN}.max_assistant_turns", [f"{TOOL_LOOP}.max_turns"], "-> `agent.loops.tool.max_turns` (model "
+         "turns), unless `max_user_turns` stops the conversation first; null ignored")
+def _assistant_turns(item: Item, context: Context) -> Outcome:
+    assistant, user = turn_limits(context)
+    if assistant is None:
+        return ignored(item, "unset: verl limits the conversation by the response length only; rlplat's tool loop also "
+                             "stops after agent.loops.tool.max_turns (default 5) model turns")
+    if user is not None and user + 1 < assistant:
+        return ignored(item, f"max_user_turns={user} ends the conversation after {user + 1} model turns, first")
+    return mapped(item, f"{TOOL_LOOP}.max_turns")
+
+
+@special(f"{MULTI_TURN}.max_user_turns", [f"{TOOL_LOOP}.max_turns"], "tool rounds: N -> `agent.loops.tool.max_turns=N+1` "
+         "when that stops the conversation before `max_assistant_turns`; null ignored")
+def _user_turns(item: Item, context: Context) -> Outcome:
+    assistant, user = turn_limits(context)
+    if user is None:
+        return ignored(item, "unset: no limit on tool rounds but the model turns'")
+    if assistant is not None and assistant <= user + 1:
+        return ignored(item, f"max_assistant_turns={assistant} ends the conversation first")
+    return converted(item, f"{TOOL_LOOP}.max_turns", user + 1, "verl counts the rounds of tool responses; after N of them "
+                     "the model's turn that reads the last is the N+1st")
+
+
+equal_only(f"{MULTI_TURN}.use_inference_chat_template", False, "rlplat trains on the tokens the model sampled, as false asks",
+           "rlplat appends the model's sampled tokens verbatim and trains on them; it does not re-render its turns with "
+           "the chat template")
+ignore(f"{MULTI_TURN}.tokenization_sanity_check_mode", "rlplat appends sampled tokens verbatim and each other message as "
+       "the template's delta (rlplat check-template checks a template once)")
+off_only(f"{MULTI_TURN}.function_tool_path", "unset", "rlplat loads no @function_tool file; list each tool in the tools "
+         "file (agent.tools_config: class_name an rlplat Tool or a verl BaseTool-shaped class)")
+off_only(f"{MULTI_TURN}.num_repeat_rollouts", "unset", "rlplat samples rollout.n conversations per prompt; it repeats none")
+off_only(f"{MULTI_TURN}.interaction_config_path", "unset", "rlplat's multi-turn feedback comes from an environment "
+         "(agent.loop=env with agent.environment, kind environment); verl's interaction classes do not load")
+refuse(f"{MULTI_TURN}.*", "rlplat's tool loop has no such setting (agent.loops.tool: max_turns, max_tokens_per_turn, "
+       "max_parallel_calls, tool_timeout_s, max_tool_response_length, truncate_side)")
+
+AGENT = "actor_rollout_ref.rollout.agent"
+
+
+@special(f"{AGENT}.default_agent_loop", ["agent.loop"], "`single_turn_agent` ignored (rows without `agent_name` are "
+         "generated in one turn either way); `tool_agent` -> `agent.loop=tool`; another name -> `agent.loop` (a "
+         "registered agent loop)")
+def _default_agent_loop(item: Item, context: Context) -> Outcome:
+    if item.value in (None, "single_turn_agent"):
+        return ignored(item, "rows without agent_name get one response per prompt from rlplat's batched generate, as "
+                             "verl's single_turn_agent gives")
+    name = str(item.value)
+    loop = VERL_LOOP_NAMES.get(name, name)
+    if loop == name:
+        return mapped(item, "agent.loop")
+    return converted(item, "agent.loop", loop, f"verl's {name} is rlplat's {loop} loop")
+
+
+ignore(f"{AGENT}.num_workers", "how many agent-loop workers verl runs; rlplat runs the loops in each rollout worker "
+       "(agent.max_concurrency conversations at once)")
+off_only(f"{AGENT}.agent_loop_config_path", "unset", "rlplat's agent loops are registered plugins (kind agent_loop, hook "
+         "register_agent_loops), configured under agent.loops.<name>; verl's list of _target_ classes does not load")
+gated(f"{AGENT}.custom_async_server", "path", "rlplat's rollout engines are registered plugins (kind rollout): register "
+      "one instead of a custom server class")
 
 NOT_PASSED_TO_SGLANG = ("ignore", "verl does not pass it to SGLang either")
 NO_ENGINE_POOL = ("ignore", "the hf rollout allocates per batch; it has no memory pool, scheduler or CUDA graphs to size")
@@ -941,8 +1107,10 @@ def _gen_batch_size(item: Item, context: Context) -> Outcome:
 
 
 ignore("data.return_raw_chat", "rlplat always keeps the prompt's messages (raw_prompt)")
-off_only("data.return_raw_input_ids", "off", "rlplat has no reward model with a tokenizer of its own")
-off_only("data.return_full_prompt", "off", "rlplat has no reward model that reads the full prompt")
+ignore("data.return_raw_input_ids", "rlplat keeps each row's messages (raw_prompt): a reward model with a tokenizer of its "
+       "own re-renders the conversation with it (reward.model.retokenize=auto)")
+off_only("data.return_full_prompt", "off", "rlplat's reward functions receive data_source, solution_str, ground_truth and "
+         "extra_info; the judge reads the row's messages (raw_prompt); none reads the rendered prompt")
 ignore("data.dataloader_num_workers", "rlplat tokenizes the prompts once, when it loads them")
 ignore("data.filter_overlong_prompts_workers", "rlplat tokenizes the prompts once, when it loads them")
 ignore("data.use_shm", "verl copies files to /dev/shm to load them faster")
@@ -954,7 +1122,17 @@ equal_only("data.reward_fn_key", "data_source", "rlplat hands each row's data_so
 off_only("data.validation_shuffle", "off", "rlplat walks the validation set in file order")
 off_only("data.trust_remote_code", "off", "rlplat loads the tokenizer without remote code")
 for _key in ("tool_config_path", "function_tool_path"):
-    off_only(f"data.{_key}", "unset", "rlplat has no tools")
+
+    @special(f"data.{_key}", [], f"accepted and ignored when unset or equal to `{MULTI_TURN}.{_key}` (verl's default); "
+             "otherwise refused")
+    def _data_tools(item: Item, context: Context, key: str = _key) -> Outcome:
+        offered = context.value(f"{MULTI_TURN}.{key}")
+        if is_off(item.value) or item.value == offered:
+            return ignored(item, "verl's data loader measures prompts with the tools they are offered; rlplat measures each "
+                                 "rendered prompt against agent.max_prompt_length (default data.max_prompt_length)")
+        return refused(item, f"rlplat offers the tools of {MULTI_TURN}.{key}"
+                             + (" (-> agent.tools_config)" if key == "tool_config_path" else "")
+                             + "; a different file for the data loader has no rlplat equivalent")
 for _key in ("image_key", "video_key", "audio_key"):
     refuse(f"data.{_key}", f"{TEXT_ONLY}; it reads no image, video or audio column")
 for _key in ("image_patch_size", "return_multi_modal_inputs", "mm_processor_kwargs"):
@@ -984,9 +1162,164 @@ for _key in ("reward_model.num_workers", "reward.num_workers"):
 ignore("reward_model.launch_reward_fn_async", "when verl computes the reward, not what it is")
 ignore("reward_model.use_reward_loop", "selects verl's reward implementation")
 for _node in ("reward_model.sandbox_fusion", "reward.sandbox_fusion", "sandbox_fusion"):
-    gated(_node, "url", "rlplat runs no code sandbox")
-gated("reward_model", "enable", "rlplat has no model-based reward; use a rule-based scorer (reward.scorer) or reward.custom_function")
-gated("reward.reward_model", "enable", "rlplat has no model-based reward; use a rule-based scorer (reward.scorer) or reward.custom_function")
+    gated(_node, "url", "rlplat calls no remote sandbox service; its python tool (agent.tools_config, name: python) runs "
+          "code in a local sandbox, and a reward function (reward.custom_function) may call any service")
+
+
+# -- the reward model -> reward.model.* ----------------------------------------------------------------------
+# verl has two spellings: its legacy node `reward_model` (model.path; in verl <= 0.7 served by an FSDP worker with
+# micro-batches, max_length, ...) and verl 0.9's `reward.reward_model` (model_path; served by a rollout server).
+# rlplat's reward model is a one-label sequence classifier served by a training engine's forward pass.
+
+REWARD_MODEL_NODES = {"reward_model": "reward_model.model.path", "reward.reward_model": "reward.reward_model.model_path"}
+CUSTOM_FUNCTION_PATHS = ("custom_reward_function.path", "reward.custom_reward_function.path", "reward.custom_function.path")
+REWARD_MODEL_SERVER = ("verl serves the reward model with a rollout server; rlplat with a training engine's forward pass "
+                       "(reward.model.engine, default fsdp2), which this server setting does not apply to")
+
+
+def reward_model_on(context: Context) -> bool:
+    return any(context.value(f"{node}.enable") is True for node in REWARD_MODEL_NODES)
+
+
+def reward_model_pool(context: Context) -> bool:
+    return any(context.value(f"{node}.enable_resource_pool") is True for node in REWARD_MODEL_NODES)
+
+
+def reward_model_rule(node: str, path_key: str) -> None:
+    @special(f"{node}.enable", [], "true accepted when the model path is given (`reward.model.path` turns rlplat's "
+             "reward model on); refused with a custom reward function (verl's generative reward model: rlplat's is "
+             "`reward.manager=judge`)")
+    def _enable(item: Item, context: Context) -> Outcome:
+        if item.value is not True:
+            return ignored(item, "off: no reward model, as in rlplat without reward.model.path")
+        if context.value(*CUSTOM_FUNCTION_PATHS) is not None:
+            return refused(item, "with a custom reward function verl serves this model for the function to query (a "
+                                 "generative reward model); rlplat's is reward.manager=judge (the judge role, "
+                                 "roles.judge); rlplat's reward.model is a one-label sequence classifier")
+        if context.value(*REWARD_MODEL_NODES.values(), "reward.model.path") is None:
+            return refused(item, f"rlplat's reward model is on when reward.model.path is set: give {path_key}")
+        return ignored(item, f"reward.model.path (from {path_key}) turns rlplat's reward model on")
+
+    @special(path_key, ["reward.model.path"], f"-> `reward.model.path` when `{node}.enable` is true; ignored otherwise")
+    def _path(item: Item, context: Context) -> Outcome:
+        if context.value(f"{node}.enable") is not True or item.value is None:
+            return ignored(item, f"verl reads it only with {node}.enable=true")
+        return mapped(item, "reward.model.path")
+
+    @special(f"{node}.enable_resource_pool", ["reward.model.placement"], "true -> `reward.model.placement=separate`; "
+             "false (the actor's processes) ignored")
+    def _pool(item: Item, context: Context) -> Outcome:
+        if item.value is not True or not reward_model_on(context):
+            return ignored(item, "the reward model runs in the actor's processes, rlplat's default (reward.model.placement="
+                                 "colocated)" if reward_model_on(context) else "verl reads it only with the reward model on")
+        return converted(item, "reward.model.placement", "separate", "the reward model gets a resource pool of its own")
+
+    for key, target in (("nnodes", "reward.model.nnodes"), ("n_gpus_per_node", "reward.model.devices_per_node")):
+
+        @special(f"{node}.{key}", [target], f"-> `{target}` with `enable_resource_pool=true`; ignored otherwise")
+        def _pool_size(item: Item, context: Context, target: str = target) -> Outcome:
+            if not (reward_model_on(context) and reward_model_pool(context)) or is_off(item.value):
+                return ignored(item, "verl reads it only for a reward model with a resource pool of its own")
+            return mapped(item, target)
+
+    @special(f"{node}.rollout.*", ["reward.model.engine_config.dtype"], "`dtype` -> `reward.model.engine_config.dtype`; "
+             "the rest sizes verl's reward-model server: ignored")
+    def _server(item: Item, context: Context) -> Outcome:
+        if not reward_model_on(context):
+            return ignored(item, "verl reads it only with the reward model on")
+        if item.key.endswith(".rollout.dtype") and item.value is not None:
+            dtype = DTYPES.get(str(item.value))
+            if dtype is None:
+                return refused(item, f"rlplat's engine dtypes are {', '.join(sorted(set(DTYPES.values())))}")
+            return converted(item, "reward.model.engine_config.dtype", dtype, "the reward model's engine runs in this dtype")
+        return ignored(item, REWARD_MODEL_SERVER)
+
+    @special(f"{node}.*", [], "read only with the reward model on; then refused: rlplat's `reward.model` has no such setting")
+    def _other(item: Item, context: Context) -> Outcome:
+        if not reward_model_on(context):
+            return ignored(item, f"verl reads it only with {node}.enable=true")
+        return refused(item, "rlplat's reward model has no such setting (rlplat config explain reward.model lists its keys)")
+
+
+for _node, _path_key in REWARD_MODEL_NODES.items():
+    reward_model_rule(_node, _path_key)
+
+
+def when_reward_model(key: str, target: str, summary: str = "same meaning") -> Rule:
+    """A legacy ``reward_model`` key -> ``target`` when the reward model is on (ignored otherwise and when null)."""
+
+    def handle(item: Item, context: Context) -> Outcome:
+        if not reward_model_on(context) or item.value is None:
+            return ignored(item, "verl reads it only with the reward model on" if item.value is not None else "unset")
+        return mapped(item, target)
+
+    return add(Rule(key, (Target(target),), summary + "; read only with the reward model on", handle))
+
+
+when_reward_model("reward_model.micro_batch_size_per_gpu", "reward.model.micro_batch_size_per_gpu",
+                  "same meaning: rows per forward micro-batch per worker process")
+when_reward_model("reward_model.use_dynamic_bsz", "reward.model.use_dynamic_bsz")
+when_reward_model("reward_model.forward_max_token_len_per_gpu", "reward.model.max_token_len_per_gpu",
+                  "same meaning: the token budget of a micro-batch with dynamic batch sizes")
+when_reward_model("reward_model.model.use_remove_padding", "reward.model.engine_config.use_remove_padding",
+                  "sequence packing in the reward model's engine")
+for _key in ("param_offload", "reshard_after_forward"):
+    when_reward_model(f"reward_model.model.fsdp_config.{_key}", f"reward.model.engine_config.{_key}")
+
+
+@special("reward_model.micro_batch_size", ["reward.model.micro_batch_size_per_gpu"], "divided by the worker processes "
+         "-> `reward.model.micro_batch_size_per_gpu`; read only with the reward model on")
+def _reward_micro_batch(item: Item, context: Context) -> Outcome:
+    if not reward_model_on(context):
+        return ignored(item, "verl reads it only with the reward model on")
+    return per_gpu(item, context, "reward.model.micro_batch_size_per_gpu")
+
+
+@special("reward_model.max_length", ["reward.model.max_length"], "-> `reward.model.max_length` (rlplat keeps the last "
+         "tokens, where the score is read); read only with the reward model on")
+def _reward_max_length(item: Item, context: Context) -> Outcome:
+    if not reward_model_on(context) or item.value is None:
+        return ignored(item, "unset: no limit" if item.value is None else "verl reads it only with the reward model on")
+    return Outcome([("reward.model.max_length", VERBATIM)], f"verl key {item.key} -> reward.model.max_length (a longer "
+                   "conversation keeps its last tokens, where the score is read; verl's truncation=right keeps its first)")
+
+
+@special("reward_model.truncation", [], "`left` accepted (rlplat keeps the last tokens); other sides refused when "
+         "`reward_model.max_length` is set; ignored otherwise")
+def _reward_truncation(item: Item, context: Context) -> Outcome:
+    if not reward_model_on(context) or context.value("reward_model.max_length") is None or item.value == "left":
+        return ignored(item, "rlplat cuts an overlong conversation on the left (keeps the last reward.model.max_length "
+                             "tokens, where the score is read)")
+    return refused(item, "rlplat cuts an overlong conversation on the left, keeping the last reward.model.max_length tokens "
+                         "(where the score is read); give reward_model.truncation=left or drop reward_model.max_length")
+
+
+@special("reward_model.strategy", ["reward.model.engine"], "`fsdp`/`fsdp2` -> `fsdp2`, `megatron` -> `megatron`; others "
+         "refused; read only with the reward model on")
+def _reward_strategy(item: Item, context: Context) -> Outcome:
+    if not reward_model_on(context):
+        return ignored(item, "verl reads it only with the reward model on")
+    engine = fsdp_engine(item.value)
+    if engine is None:
+        return refused(item, "rlplat's training engines are fsdp2 (and megatron where installed)")
+    return converted(item, "reward.model.engine", engine, "the training engine that serves the reward model's forward pass")
+
+
+ignore("reward_model.model.input_tokenizer", "rlplat compares the reward model's tokenizer with the policy's itself and "
+       "re-renders each conversation with the reward model's chat template when they differ (reward.model.retokenize=auto)")
+equal_only("reward_model.model.trust_remote_code", False, "rlplat loads the reward model without remote code",
+           "rlplat loads the reward model with transformers' own classes, without remote code")
+off_only("reward_model.model.external_lib", "unset", "rlplat imports no extra module for the reward model")
+off_only("reward_model.model.override_config", "no override", "rlplat builds the reward model from its config.json as it is")
+refuse("reward_model.model.override_config.*", "rlplat builds the reward model from its config.json as it is")
+for _key in ("use_shm", "use_fused_kernels", "use_liger"):
+    ignore(f"reward_model.model.{_key}", SPEED_ONLY)
+equal_only("reward_model.model.fsdp_config.fsdp_size", -1, "rlplat shards over every process of the reward model's pool, "
+           "as -1 asks", "rlplat has no hybrid sharding (HSDP)")
+for _key in ("forward_prefetch", "wrap_policy.min_num_params"):
+    ignore(f"reward_model.model.fsdp_config.{_key}", SPEED_ONLY)
+equal_only("reward_model.ulysses_sequence_parallel_size", 1, "no sequence parallelism, as in rlplat",
+           "rlplat has no sequence parallelism")
 
 OVERLONG = "overlong_buffer_cfg"
 
@@ -1054,13 +1387,17 @@ rename("trainer.nnodes", "cluster.nnodes")
 rename("trainer.default_local_dir", "trainer.output_dir", "the run directory; rlplat puts checkpoints in its checkpoints/")
 
 
-@special("trainer.n_gpus_per_node", ["cluster.devices_per_node", "cluster.use_gpu"], "-> `cluster.devices_per_node`, "
-         "and `cluster.use_gpu=true` unless `cluster.use_gpu` or `trainer.device` is given")
+CPU_WORKERS = ("verl runs one worker per GPU; rlplat's cluster.use_gpu=auto (the default) places these workers on GPUs when "
+               "CUDA devices are visible and runs them as CPU processes on Ray otherwise (cluster.backend=ray, the "
+               "default); cluster.backend=local runs one process: give trainer.n_gpus_per_node=1 with it")
+
+
+@special("trainer.n_gpus_per_node", ["cluster.devices_per_node"], "-> `cluster.devices_per_node`: worker processes per "
+         "machine, on GPUs when CUDA devices are visible (`cluster.use_gpu=auto`), else CPU processes on Ray")
 def _gpus_per_node(item: Item, context: Context) -> Outcome:
     if context.given("cluster.use_gpu", "trainer.device"):
         return mapped(item, "cluster.devices_per_node")
-    return mapped(item, "cluster.devices_per_node", [("cluster.use_gpu", True, "verl runs one worker per GPU; add "
-                                                      "cluster.use_gpu=false to run these workers as CPU processes")])
+    return Outcome([("cluster.devices_per_node", VERBATIM)], f"verl key {item.key} -> cluster.devices_per_node ({CPU_WORKERS})")
 
 
 @special("trainer.device", ["cluster.use_gpu"], "`cuda` -> `cluster.use_gpu=true`, `cpu` -> false; others refused")
@@ -1150,7 +1487,95 @@ ignore("trainer.esi_redundant_time", "verl's saving before an ESI instance expir
 ignore("trainer.ray_wait_register_center_timeout", "a timeout of verl's worker start-up")
 ignore("trainer.use_legacy_worker_impl", "selects verl's worker implementation")
 ignore("trainer.use_v1", "selects verl's trainer implementation")
-gated("trainer.v1", "trainer_mode", "rlplat's trainer is synchronous", lambda value: value not in (None, "sync"), "other than sync")
+
+
+# -- trainer.v1: verl 0.9's trainer modes -> trainer.mode and its staleness bound ---------------------------------
+
+TRAINER_MODES = ("sync", "colocate_async", "separate_async")
+
+
+def verl_trainer_mode(context: Context) -> str:
+    return str(context.value("trainer.v1.trainer_mode", "trainer.mode", default="sync"))
+
+
+@special("trainer.v1.trainer_mode", ["trainer.mode"], "same modes: `sync`, `colocate_async` (the rollout generates ahead "
+         "in the actor's processes), `separate_async` (a rollout pool of its own); others refused")
+def _trainer_mode(item: Item, context: Context) -> Outcome:
+    if item.value not in TRAINER_MODES:
+        return refused(item, f"rlplat's trainer modes are {', '.join(TRAINER_MODES)} (trainer.mode)")
+    return mapped(item, "trainer.mode")
+
+
+ignore("trainer.v1.sync", "the sync mode has no settings")
+for _mode in ("colocate_async", "separate_async"):
+
+    @special(f"trainer.v1.{_mode}.num_warmup_batches", ["trainer.rollout_ahead"], f"with `trainer_mode={_mode}`: N "
+             "whole batches -> `trainer.rollout_ahead=N+1`; fractions refused; ignored in other modes")
+    def _warmup_batches(item: Item, context: Context, mode: str = _mode) -> Outcome:
+        if verl_trainer_mode(context) != mode:
+            return ignored(item, f"verl reads it only with trainer.v1.trainer_mode={mode}")
+        value = float(item.value)
+        if value != int(value) or value < 0:
+            return refused(item, "rlplat generates whole batches ahead: give a whole number (trainer.rollout_ahead counts "
+                                 "the batches in flight)")
+        return converted(item, "trainer.rollout_ahead", int(value) + 1, "verl generates this many batches beyond the one "
+                         "being trained; rlplat's rollout_ahead counts that one too")
+
+
+@special("trainer.v1.separate_async.parameter_sync_step", [], "accepted and ignored when it is `data.train_batch_size / "
+         "ppo_mini_batch_size` (verl requires that; rlplat's step makes that many optimizer steps, then syncs); refused "
+         "otherwise")
+def _parameter_sync_step(item: Item, context: Context) -> Outcome:
+    if verl_trainer_mode(context) != "separate_async":
+        return ignored(item, "verl reads it only with trainer.v1.trainer_mode=separate_async")
+    prompts = int(context.setting("data.train_batch_size"))
+    mini = int(context.setting("actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size"))
+    steps = max(1, prompts // max(1, mini))
+    if int(item.value) == steps:
+        return ignored(item, f"rlplat's step makes data.train_batch_size / ppo_mini_batch_size = {prompts} / {mini} = {steps} "
+                             "optimizer steps, then sends the weights to the rollout, as this asks")
+    return refused(item, f"verl requires data.train_batch_size = parameter_sync_step x ppo_mini_batch_size ({steps} mini-"
+                         "batches here); rlplat syncs the rollout after every step, one optimizer step per mini-batch")
+
+
+@special("trainer.v1.separate_async.hybrid_rollout.*", [], "`enable_switch` on refused (rlplat does not lend the "
+         "trainer's devices to the rollout); the rest read only with it")
+def _hybrid_rollout(item: Item, context: Context) -> Outcome:
+    if item.key.endswith(".enable_switch") and item.value:
+        return refused(item, "rlplat does not lend the trainer's devices to the rollout; size the rollout's own pool "
+                             "(actor_rollout_ref.rollout.nnodes, n_gpus_per_node -> roles.rollout.*)")
+    return ignored(item, "verl reads it only with hybrid_rollout.enable_switch on")
+
+
+@special("trainer.v1.sampler.max_off_policy_threshold", ["trainer.max_staleness"], "asynchronous modes: N policy "
+         "versions a trajectory may span -> `trainer.max_staleness=N-1` (updates it may lag); null refused; ignored in sync")
+def _off_policy_threshold(item: Item, context: Context) -> Outcome:
+    if verl_trainer_mode(context) == "sync":
+        return ignored(item, "verl reads it only in its asynchronous modes; sync trains on-policy")
+    if item.value is None:
+        return refused(item, "rlplat always bounds staleness: give a number of versions (-> trainer.max_staleness)")
+    if int(item.value) < 1:
+        return refused(item, "a trajectory spans at least one policy version")
+    return converted(item, "trainer.max_staleness", int(item.value) - 1, "verl counts the versions a trajectory spans, "
+                     "rlplat the updates it lags behind the weights it trains: one less")
+
+
+@special("trainer.v1.sampler.max_off_policy_strategy", ["trainer.staleness_policy"], "asynchronous modes: `drop`, `wait` "
+         "-> `trainer.staleness_policy`, same meaning; ignored in sync")
+def _off_policy_strategy(item: Item, context: Context) -> Outcome:
+    if verl_trainer_mode(context) == "sync":
+        return ignored(item, "verl reads it only in its asynchronous modes")
+    if item.value not in ("drop", "wait"):
+        return refused(item, "rlplat's staleness policies are drop and wait (trainer.staleness_policy)")
+    return mapped(item, "trainer.staleness_policy")
+
+
+off_only("trainer.v1.sampler.sync_refill_failed_groups", "off", "rlplat has no failed groups to refill: a generation that "
+         "fails stops the run with the worker's error")
+gated("trainer.v1.sampler.custom_sampler", "path", "rlplat's sampler is its seeded shuffle (data.seed)")
+off_only("trainer.v1.sampler.sampler_kwargs", "none", "rlplat's sampler is its seeded shuffle (data.seed)")
+refuse("trainer.v1.*", "rlplat's trainer has no such setting (trainer.mode, max_staleness, staleness_policy, rollout_ahead, "
+       "rollout_dispatch: rlplat config explain trainer)")
 
 
 # -- whole nodes only verl has ------------------------------------------------------------------------------

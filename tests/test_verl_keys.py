@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import json
+import re
 import typing
 from pathlib import Path
 
@@ -64,9 +65,17 @@ def declares(schema: type, path: list[str]) -> bool:
 
 def resolves(target: Target) -> bool:
     """Where the config loader looks ``target`` up: a plugin's schema for the nodes plugins own, else core's."""
+    from rlplat.contracts.role import RoleConfig
+
     parts = target.key.split(".")
     if parts[1:2] == ["engine_config"]:
         return declares(schema_of("engine", "fsdp2"), parts[2:])
+    if parts[:3] == ["reward", "model", "engine_config"]:
+        return declares(schema_of("engine", "fsdp2"), parts[3:])
+    if parts[:2] == ["agent", "loops"]:
+        return declares(schema_of("agent_loop", parts[2]), parts[3:])
+    if parts[0] == "roles":
+        return declares(schema_of("role", parts[1]) or RoleConfig, parts[2:])
     if parts[:2] == ["rollout", "config"]:
         return declares(schema_of("rollout", target.rollout), parts[2:])
     if parts[:2] == ["reward", "config"]:
@@ -153,6 +162,17 @@ def test_a_verl_key_becomes_rlplats_with_the_value_as_written_and_a_note():
     ("reward_model.reward_kwargs.overlong_buffer_cfg.len=512", "reward.config.overlong_buffer.len=512"),
     ("critic.ppo_micro_batch_size_per_gpu=4", "critic.micro_batch_size_per_gpu=4"),
     ("critic.cliprange_value=0.2", "critic.loss.cliprange_value=0.2"),
+    ("actor_rollout_ref.model.lora_rank=32", "actor.lora.rank=32"),
+    ("actor_rollout_ref.model.lora_alpha=64", "actor.lora.alpha=64"),
+    ("actor_rollout_ref.model.lora_adapter_path=/adapters/a", "actor.lora.adapter_path=/adapters/a"),
+    ("actor_rollout_ref.model.target_modules=[q_proj,v_proj]", "actor.lora.target_modules=[q_proj,v_proj]"),
+    ("actor_rollout_ref.rollout.multi_turn.tool_config_path=tools.yaml", "agent.tools_config=tools.yaml"),
+    ("actor_rollout_ref.rollout.multi_turn.format=hermes", "agent.tool_parser=hermes"),
+    ("actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5", "agent.loops.tool.max_turns=5"),
+    ("actor_rollout_ref.rollout.multi_turn.max_parallel_calls=1", "agent.loops.tool.max_parallel_calls=1"),
+    ("actor_rollout_ref.rollout.multi_turn.max_tool_response_length=256", "agent.loops.tool.max_tool_response_length=256"),
+    ("actor_rollout_ref.rollout.agent.default_agent_loop=my_loop", "agent.loop=my_loop"),
+    ("trainer.v1.trainer_mode=colocate_async", "trainer.mode=colocate_async"),
 ])
 def test_verl_keys_map_to_rlplats(verl, rlplat):
     assert translate_overrides([verl])[0] == [rlplat]
@@ -184,10 +204,11 @@ def test_values_that_differ_in_convention_are_converted_and_the_note_says_why(ve
     assert notes[0].startswith(f"verl key {verl} -> {rlplat} (") and why in notes[0]
 
 
-def test_gpus_per_node_sets_the_worker_processes_and_asks_for_gpus_unless_the_command_line_says_otherwise():
+def test_gpus_per_node_sets_the_worker_processes_and_the_note_says_what_a_cpu_machine_does_with_them():
     translated, notes = translate_overrides(["trainer.n_gpus_per_node=8"])
-    assert translated == ["cluster.devices_per_node=8", "cluster.use_gpu=true"]
-    assert "add cluster.use_gpu=false to run these workers as CPU processes" in notes[0]
+    assert translated == ["cluster.devices_per_node=8"]  # cluster.use_gpu=auto decides GPUs or CPU processes
+    assert "as CPU processes on Ray otherwise (cluster.backend=ray, the default)" in notes[0]
+    assert "cluster.backend=local runs one process: give trainer.n_gpus_per_node=1 with it" in notes[0]
     assert translate_overrides(["trainer.n_gpus_per_node=2", "cluster.use_gpu=false"])[0] == [
         "cluster.devices_per_node=2", "cluster.use_gpu=false"]
     assert translate_overrides(["trainer.n_gpus_per_node=2", "trainer.device=cpu"])[0] == [
@@ -255,7 +276,8 @@ def test_a_verl_command_line_selects_the_algorithm_its_estimator_implies_with_th
     ("actor_rollout_ref.rollout.enforce_eager=True", "no memory pool, scheduler or CUDA graphs"),
     ("actor_rollout_ref.actor.use_remove_padding=True", "sets rlplat's packing"),
     ("actor_rollout_ref.rollout.load_format=safetensors", "receives the actor's weights before its first generation"),
-    ("actor_rollout_ref.model.lora_rank=0", "full fine-tuning"),
+    ("actor_rollout_ref.rollout.multi_turn.enable=True", "by its agent_name column"),
+    ("actor_rollout_ref.rollout.agent.default_agent_loop=single_turn_agent", "batched generate"),
     ("actor_rollout_ref.rollout.val_kwargs.temperature=0", "validates greedily"),
     ("actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra]", "always hold the model"),
 ])
@@ -266,7 +288,7 @@ def test_keys_that_change_nothing_here_are_accepted_and_ignored_with_the_reason(
 
 
 def test_every_key_without_an_equivalent_is_refused_by_name_in_one_error():
-    arguments = ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.model.lora_rank=64",
+    arguments = ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.model.tiled_mlp.enabled=True",
                  "trainer.critic_warmup=5", "actor_rollout_ref.actor.no_such_key=1", "trainer.logger=[console,mlflow]",
                  "actor_rollout_ref.actor.optim.lr=1e-6"]
     with pytest.raises(ConfigError) as raised:
@@ -275,7 +297,7 @@ def test_every_key_without_an_equivalent_is_refused_by_name_in_one_error():
     assert message.startswith("5 verl key(s) with no rlplat equivalent")
     for argument in arguments[:4]:
         assert f"\n  {argument}: " in message
-    assert "without tensor parallelism" in message and "no LoRA adapters" in message and "not to mlflow" in message
+    assert "without tensor parallelism" in message and "no tiled MLP" in message and "not to mlflow" in message
     assert "actor.optim.lr" not in message
 
 
@@ -341,8 +363,8 @@ def test_a_nested_config_in_verls_layout_becomes_rlplats_by_the_same_rules():
 
 
 def test_a_nested_config_refuses_like_the_command_line():
-    with pytest.raises(ConfigError, match=r"1 verl key\(s\).*\n  actor_rollout_ref.model.lora_rank=8: "):
-        translate_mapping({"actor_rollout_ref": {"model": {"lora_rank": 8}}})
+    with pytest.raises(ConfigError, match=r"1 verl key\(s\).*\n  actor_rollout_ref.model.lora.rank=8: verl's model.lora node is"):
+        translate_mapping({"actor_rollout_ref": {"model": {"lora": {"rank": 8}}}})
 
 
 def test_a_verl_layout_config_file_is_translated_to_a_file_load_config_reads(tmp_path):
@@ -438,7 +460,7 @@ def test_rlplat_run_trains_the_demo_from_a_verl_grpo_command_line(cli_run, tmp_p
 
 @pytest.mark.slow
 def test_run_refuses_verl_keys_without_an_equivalent_before_anything_starts(cli_run):
-    result = cli_run("run", "actor_rollout_ref.model.lora_rank=64", "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    result = cli_run("run", "actor_rollout_ref.model.lora.rank=64", "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
     assert result.returncode == 2
     assert result.stderr.startswith("rlplat: config error: 2 verl key(s) with no rlplat equivalent")
     assert "Traceback" not in result.stderr
@@ -450,3 +472,158 @@ def test_verls_rollout_correction_keys_are_rlplats_and_a_key_rlplat_lacks_is_ref
     assert translate_overrides(arguments) == (arguments, [])
     with pytest.raises(ConfigError, match="algorithm.rollout_correction.rollout_token_veto_threshold=1e-4: rlplat's"):
         translate_overrides(["algorithm.rollout_correction.rollout_token_veto_threshold=1e-4"])
+
+
+# -- what rlplat has now: LoRA, multi-turn tools, reward models, separate rollouts, asynchronous modes ----------
+
+
+def test_lora_module_names_become_lists_and_the_megatron_lora_node_is_refused_naming_the_fsdp2_keys():
+    translated, notes = translate_overrides(["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=all-linear",
+                                             "actor_rollout_ref.model.exclude_modules=null"])
+    assert translated == ["actor.lora.rank=8", "actor.lora.target_modules=[all-linear]"]
+    assert "no module is left out" in notes[-1]
+    with pytest.raises(ConfigError, match="give actor_rollout_ref.model.lora_rank, lora_alpha and target_modules"):
+        translate_overrides(["actor_rollout_ref.model.lora.rank=16"])
+
+
+def test_verls_lora_merge_switch_is_rlplats_sync_mode_when_lora_is_on():
+    merge = "actor_rollout_ref.model.lora.merge"
+    assert translate_overrides(["actor_rollout_ref.model.lora_rank=8", f"{merge}=False"])[0][1] == "actor.lora.sync=adapter"
+    assert translate_overrides(["actor_rollout_ref.model.lora_rank=8", f"{merge}=True"])[0][1] == "actor.lora.sync=merged"
+    assert translate_overrides([f"{merge}=False"])[0] == []  # no LoRA: verl does not read it
+
+
+def test_verl_keeps_the_side_it_names_and_rlplat_cuts_it_so_truncation_sides_swap():
+    key = "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side"
+    assert [translate_overrides([f"{key}={side}"])[0] for side in ("left", "right", "middle")] == [
+        ["agent.loops.tool.truncate_side=right"], ["agent.loops.tool.truncate_side=left"], ["agent.loops.tool.truncate_side=middle"]]
+
+
+@pytest.mark.parametrize("assistant, user, max_turns", [(5, None, 5), (None, 2, 3), (5, 2, 3), (2, 4, 2), (3, 2, 3)])
+def test_the_tighter_of_verls_two_turn_limits_becomes_the_tool_loops_max_turns(assistant, user, max_turns):
+    keys = [f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns={assistant}",
+            f"actor_rollout_ref.rollout.multi_turn.max_user_turns={user}"]
+    given = [key for key, value in zip(keys, (assistant, user)) if value is not None]
+    assert translate_overrides(given)[0] == [f"agent.loops.tool.max_turns={max_turns}"]
+
+
+def test_verls_tool_agent_is_the_tool_loop_and_the_data_loaders_copy_of_the_tools_file_is_accepted():
+    assert translate_overrides(["actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"])[0] == ["agent.loop=tool"]
+    same = ["actor_rollout_ref.rollout.multi_turn.tool_config_path=t.yaml", "data.tool_config_path=t.yaml"]
+    assert translate_overrides(same)[0] == ["agent.tools_config=t.yaml"]
+    with pytest.raises(ConfigError, match="data.tool_config_path=other.yaml: rlplat offers the tools of"):
+        translate_overrides([same[0], "data.tool_config_path=other.yaml"])
+
+
+def test_a_reward_model_is_on_with_its_path_and_its_settings_are_read_only_then():
+    legacy = ["reward_model.enable=True", "reward_model.model.path=/rm", "reward_model.micro_batch_size_per_gpu=4",
+              "reward_model.use_dynamic_bsz=True", "reward_model.forward_max_token_len_per_gpu=4096",
+              "reward_model.model.fsdp_config.param_offload=True", "reward_model.strategy=fsdp2"]
+    assert translate_overrides(legacy)[0] == [
+        "reward.model.path=/rm", "reward.model.micro_batch_size_per_gpu=4", "reward.model.use_dynamic_bsz=True",
+        "reward.model.max_token_len_per_gpu=4096", "reward.model.engine_config.param_offload=True", "reward.model.engine=fsdp2"]
+    current = ["reward.reward_model.enable=True", "reward.reward_model.model_path=/rm", "reward.reward_model.rollout.name=vllm",
+               "reward.reward_model.enable_resource_pool=True", "reward.reward_model.nnodes=1", "reward.reward_model.n_gpus_per_node=2"]
+    translated, notes = translate_overrides(current)
+    assert translated == ["reward.model.path=/rm", "reward.model.placement=separate", "reward.model.nnodes=1",
+                          "reward.model.devices_per_node=2"]
+    assert "rlplat with a training engine's forward pass" in notes[2]
+    off = translate_overrides(["reward_model.enable=False", "reward_model.model.path=/rm", "reward_model.micro_batch_size_per_gpu=4"])
+    assert off[0] == []  # verl reads none of them with the reward model off
+
+
+@pytest.mark.parametrize("arguments, why", [
+    (["reward_model.enable=True"], "rlplat's reward model is on when reward.model.path is set: give reward_model.model.path"),
+    (["reward.reward_model.enable=True", "reward.reward_model.model_path=/judge", "reward.custom_reward_function.path=f.py"],
+     "rlplat's is reward.manager=judge"),
+    (["reward_model.enable=True", "reward_model.model.path=/rm", "reward_model.max_length=512", "reward_model.truncation=right"],
+     "give reward_model.truncation=left"),
+    (["reward_model.enable=True", "reward_model.model.path=/rm", "reward_model.no_such_key=1"], "rlplat config explain reward.model"),
+])
+def test_reward_model_settings_rlplat_cannot_honour_are_refused_saying_what_it_offers(arguments, why):
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        translate_overrides(arguments)
+
+
+def test_a_rollout_on_machines_of_its_own_is_rlplats_separate_rollout_role():
+    translated, notes = translate_overrides(["actor_rollout_ref.rollout.nnodes=2", "actor_rollout_ref.rollout.n_gpus_per_node=4"])
+    assert translated == ["roles.rollout.placement=separate", "roles.rollout.nnodes=2", "roles.rollout.devices_per_node=4"]
+    assert translate_overrides(["actor_rollout_ref.rollout.nnodes=0", "actor_rollout_ref.rollout.n_gpus_per_node=8"])[0] == []
+
+
+def test_verls_asynchronous_trainer_modes_and_their_staleness_bound_are_rlplats():
+    separate = ["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.num_warmup_batches=2",
+                "trainer.v1.sampler.max_off_policy_threshold=4", "trainer.v1.sampler.max_off_policy_strategy=wait",
+                "data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                "trainer.v1.separate_async.parameter_sync_step=4", "trainer.v1.colocate_async.num_warmup_batches=5"]
+    translated, notes = translate_overrides(separate)
+    # 2 batches beyond the trained one -> 3 in flight; a trajectory spanning 4 versions lags 3 updates
+    assert translated == ["trainer.mode=separate_async", "trainer.rollout_ahead=3", "trainer.max_staleness=3",
+                          "trainer.staleness_policy=wait", "data.train_batch_size=64", "actor.ppo_mini_batch_size=16"]
+    assert "= 64 / 16 = 4 optimizer steps" in notes[-2] and "trainer_mode=colocate_async" in notes[-1]
+    with pytest.raises(ConfigError, match="parameter_sync_step=2: verl requires data.train_batch_size = parameter_sync_step"):
+        translate_overrides(separate[:-2] + ["trainer.v1.separate_async.parameter_sync_step=2"])
+    sync = translate_overrides(["trainer.v1.trainer_mode=sync", "trainer.v1.sampler.max_off_policy_threshold=8"])
+    assert sync[0] == ["trainer.mode=sync"] and "sync trains on-policy" in sync[1][1]
+
+
+@pytest.mark.parametrize("argument, offers", [
+    ("actor_rollout_ref.rollout.agent.agent_loop_config_path=loops.yaml", "configured under agent.loops.<name>"),
+    ("actor_rollout_ref.rollout.multi_turn.function_tool_path=tools.py", "list each tool in the tools file"),
+    ("actor_rollout_ref.rollout.multi_turn.interaction_config_path=i.yaml", "agent.loop=env with agent.environment"),
+    ("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template=True", "appends the model's sampled tokens verbatim"),
+    ("actor_rollout_ref.hybrid_engine=False", "roles.rollout.placement=separate"),
+    ("trainer.v1.trainer_mode=fully_async", "rlplat's trainer modes are sync, colocate_async, separate_async"),
+    ("trainer.v1.sampler.max_off_policy_threshold=null", "give a number of versions (-> trainer.max_staleness)"),
+    ("critic.model.lora_rank=8", "rlplat's LoRA adapters are the actor's (actor.lora)"),
+    ("sandbox_fusion.url=http://sandbox", "its python tool (agent.tools_config, name: python)"),
+])
+def test_what_rlplat_still_refuses_here_names_what_it_offers_instead(argument, offers):
+    arguments = [argument] + (["trainer.v1.trainer_mode=colocate_async"] if "sampler" in argument else [])
+    with pytest.raises(ConfigError, match=re.escape(offers)):
+        translate_overrides(arguments)
+
+
+FORMERLY_REFUSED = {
+    "lora": ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+             "actor_rollout_ref.model.target_modules=all-linear"],
+    "reward model": ["reward_model.enable=True", "reward_model.model.path={model}", "reward_model.micro_batch_size_per_gpu=4"],
+    "multi-turn tools": ["actor_rollout_ref.rollout.multi_turn.enable=True",
+                         "actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+                         "actor_rollout_ref.rollout.multi_turn.format=hermes",
+                         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+                         "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+                         "actor_rollout_ref.rollout.agent.num_workers=8"],
+    "separate rollout": ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
+                         "trainer.v1.trainer_mode=separate_async", "trainer.v1.sampler.max_off_policy_threshold=2",
+                         "cluster.backend=ray"],
+}
+SHOWN = {
+    "lora": {"actor.lora.rank": 8, "actor.lora.alpha": 16.0, "actor.lora.target_modules": ["all-linear"]},
+    "reward model": {"reward.model.path": "{model}", "reward.model.micro_batch_size_per_gpu": 4},
+    "multi-turn tools": {"agent.tools_config": "{tools}", "agent.tool_parser": "hermes", "agent.loops.tool.max_turns": 3,
+                         "agent.loop": "tool"},
+    "separate rollout": {"roles.rollout.placement": "separate", "roles.rollout.nnodes": 1, "roles.rollout.devices_per_node": 1,
+                         "trainer.mode": "separate_async", "trainer.max_staleness": 1},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group", list(FORMERLY_REFUSED))
+def test_config_show_prints_the_translation_of_keys_it_once_refused(cli_in_process, group):
+    from rlplat import demo
+    from rlplat.demo import tools as tool_demo
+
+    values = {"model": str(demo.model_dir()), "tools": str(tool_demo.tools_config_file())}
+    arguments = [argument.format(**values) for argument in FORMERLY_REFUSED[group]]
+    if group == "multi-turn tools":
+        arguments += [f"model.path={tool_demo.model_dir()}", f"data.train_files=[{tool_demo.data_file('train')}]"]
+    result = cli_in_process("config", "show", *arguments)
+    assert result.returncode == 0, result.stderr[-2000:]
+    notes = [line for line in result.stderr.splitlines() if line.startswith("rlplat: verl key ")]
+    verl = [argument.partition("=")[0] for argument in arguments if not argument.startswith(("cluster.", "model.", "data."))]
+    assert [note.split()[3].partition("=")[0] for note in notes] == verl  # one note per verl key, in order
+    config = OmegaConf.create(result.stdout)
+    for key, value in SHOWN[group].items():
+        expected = value.format(**values) if isinstance(value, str) else value
+        assert OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(config, key)}))["v"] == expected, key
