@@ -22,16 +22,16 @@ config loader judges it. Hydra's ``+key=value`` and ``++key=value`` lose their p
 exist, so there is nothing to add); ``~key`` (delete) is refused.
 
 Some rules read the rest of the command line (and the ``--config`` file): ``data.truncation`` yields to
-``data.filter_overlong_prompts=True``, ``trainer.n_gpus_per_node`` sets ``cluster.use_gpu`` unless
-``cluster.use_gpu`` or ``trainer.device`` is given, the reference model's ``fsdp_config`` must match the
-actor's, and a verl-style command line whose ``algorithm.adv_estimator`` implies an rlplat algorithm
-(``gae`` -> ``ppo``) selects it unless ``--algo`` or ``algorithm.name`` does.
+``data.filter_overlong_prompts=True``, the reference model's ``fsdp_config`` must match the actor's, the
+reward model's and LoRA's settings are read only when they are on, the two multi-turn turn limits give one
+``agent.loops.tool.max_turns``, ``trainer.v1``'s sampler is read only in the asynchronous modes, and a
+verl-style command line whose ``algorithm.adv_estimator`` implies an rlplat algorithm (``gae`` -> ``ppo``)
+selects it unless ``--algo`` or ``algorithm.name`` does.
 
-This module imports only the standard library, omegaconf and :mod:`rlplat.agent.config` (a dataclass): it runs
-before anything heavy. It is long
-(about 1,300 lines) because it is a table: one rule per verl key, grouped by verl's nodes, kept in one
-file so that a reader finds every verl key and its fate in one place and a test can check the whole table
-against rlplat's schemas and the docs.
+This module imports only the standard library, omegaconf and :mod:`rlplat.agent.config` (a dataclass): it
+runs before anything heavy. It is long (about 1,800 lines) because it is a table: one rule per verl key,
+grouped by verl's nodes, kept in one file so that a reader finds every verl key and its fate in one place
+and a test can check the whole table against rlplat's schemas and the docs.
 ``docs/coming-from-verl.md`` holds the table (:func:`markdown_table`) and the reasons.
 """
 
