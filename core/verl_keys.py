@@ -1307,8 +1307,9 @@ def _reward_strategy(item: Item, context: Context) -> Outcome:
 
 ignore("reward_model.model.input_tokenizer", "rlplat compares the reward model's tokenizer with the policy's itself and "
        "re-renders each conversation with the reward model's chat template when they differ (reward.model.retokenize=auto)")
-equal_only("reward_model.model.trust_remote_code", False, "rlplat loads the reward model without remote code",
-           "rlplat loads the reward model with transformers' own classes, without remote code")
+only("reward_model.model.trust_remote_code", lambda value: value in (None, False), "false or unset",
+     "rlplat loads the reward model without remote code",
+     "rlplat loads the reward model with transformers' own classes, without remote code")
 off_only("reward_model.model.external_lib", "unset", "rlplat imports no extra module for the reward model")
 off_only("reward_model.model.override_config", "no override", "rlplat builds the reward model from its config.json as it is")
 refuse("reward_model.model.override_config.*", "rlplat builds the reward model from its config.json as it is")

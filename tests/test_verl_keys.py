@@ -627,3 +627,47 @@ def test_config_show_prints_the_translation_of_keys_it_once_refused(cli_in_proce
     for key, value in SHOWN[group].items():
         expected = value.format(**values) if isinstance(value, str) else value
         assert OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(config, key)}))["v"] == expected, key
+
+
+VERL_091_DEFAULTS = {  # the nodes of verl 0.9.1's _generated_ppo_trainer.yaml that this table learnt, at their defaults
+    "actor_rollout_ref": {
+        "model": {"lora_rank": 0, "lora_alpha": 16, "target_modules": "all-linear", "exclude_modules": None,
+                  "lora_adapter_path": None,
+                  "lora": {"type": "lora", "merge": False, "rank": 0, "alpha": 32, "dropout": 0.0,
+                           "target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], "exclude_modules": [],
+                           "adapter_path": None, "freeze_vision_model": True}},
+        "rollout": {
+            "nnodes": 0, "n_gpus_per_node": 8,
+            "multi_turn": {"_target_": "verl.workers.config.MultiTurnConfig", "enable": False, "max_assistant_turns": None,
+                           "tool_config_path": None, "function_tool_path": None, "max_user_turns": None,
+                           "max_parallel_calls": 1, "max_tool_response_length": 256, "tool_response_truncate_side": "middle",
+                           "use_inference_chat_template": False, "tokenization_sanity_check_mode": "strict",
+                           "format": "hermes", "num_repeat_rollouts": None},
+            "agent": {"num_workers": 8, "default_agent_loop": "single_turn_agent", "agent_loop_config_path": None,
+                      "custom_async_server": {"path": None, "name": None}},
+        },
+    },
+    "data": {"tool_config_path": None, "function_tool_path": None, "return_raw_input_ids": False},
+    "reward_model": {"enable": None, "enable_resource_pool": None, "n_gpus_per_node": None, "nnodes": None,
+                     "model": {"path": None, "external_lib": None, "trust_remote_code": None},
+                     "rollout": {"name": None, "dtype": None, "tensor_model_parallel_size": None}},
+    "reward": {"reward_model": {"enable": False, "enable_resource_pool": False, "n_gpus_per_node": 8, "nnodes": 0,
+                                "model_path": None, "rollout": {"name": "???", "dtype": "bfloat16",
+                                                                "tensor_model_parallel_size": 2, "gpu_memory_utilization": 0.5}}},
+    "trainer": {"use_v1": True, "v1": {
+        "trainer_mode": "sync", "sync": {}, "colocate_async": {"num_warmup_batches": 1},
+        "separate_async": {"num_warmup_batches": 1, "parameter_sync_step": 4,
+                           "hybrid_rollout": {"enable_switch": False, "switch_threshold_ratio": 0.4}},
+        "sampler": {"max_off_policy_threshold": 8, "max_off_policy_strategy": "drop", "sync_refill_failed_groups": False,
+                    "custom_sampler": {"path": None, "name": None}, "sampler_kwargs": {}}}},
+}
+
+
+def test_a_verl_config_file_with_these_nodes_at_verls_defaults_translates_without_a_refusal():
+    translated, _ = translate_mapping(VERL_091_DEFAULTS)
+    assert translated == {
+        "actor": {"lora": {"rank": 0, "alpha": 16, "target_modules": ["all-linear"]}},
+        "agent": {"tool_parser": "hermes",
+                  "loops": {"tool": {"max_parallel_calls": 1, "max_tool_response_length": 256, "truncate_side": "middle"}}},
+        "trainer": {"mode": "sync"},
+    }
