@@ -153,6 +153,24 @@ def test_release_comes_also_when_the_conversation_fails(tmp_path, tokenizer):
     assert [event["event"] for event in lifecycle(log)] == ["create", "release"]
 
 
+def test_create_kwargs_reach_create_as_keywords_and_as_verls_tool_agent_loop_passes_them():
+    from rlplat.agent.tools import create_arguments
+
+    async def sglang_style(instance_id=None, ground_truth=None):
+        pass
+
+    async def agent_loop_style(instance_id=None, create_kwargs=None):
+        pass
+
+    async def either(instance_id=None, **kwargs):
+        pass
+
+    row = {"ground_truth": "7"}
+    assert create_arguments(sglang_style, row) == {"ground_truth": "7"}
+    assert create_arguments(agent_loop_style, row) == {"create_kwargs": {"ground_truth": "7"}}
+    assert create_arguments(either, row) == {"ground_truth": "7", "create_kwargs": {"ground_truth": "7"}}
+
+
 def test_a_tool_of_verl_before_0_5_returns_an_id_and_a_string(tmp_path):
     path = tools_file(tmp_path, class_name="verl_style_tools.OldStyleTool",
                       tool_schema={"type": "function", "function": {"name": "echo", "parameters": {"type": "object"}}})

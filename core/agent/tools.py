@@ -362,13 +362,8 @@ class VerlToolAdapter(Tool):
         raise TypeError("a verl tool's schema is its tools-file entry's tool_schema or its get_openai_tool_schema()")
 
     async def open(self, row_kwargs: Mapping[str, Any]) -> Any:
-        arguments = dict(row_kwargs)
         create = self.verl_tool.create
-        parameters = inspect.signature(create).parameters
-        if "create_kwargs" not in arguments and ("create_kwargs" in parameters or any(
-                parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())):
-            arguments["create_kwargs"] = dict(row_kwargs)
-        created = await create(**arguments)
+        created = await create(**create_arguments(create, row_kwargs))
         return created[0] if isinstance(created, tuple) else created
 
     async def call(self, arguments: Mapping[str, Any], state: Any) -> ToolResult:
@@ -381,6 +376,20 @@ class VerlToolAdapter(Tool):
 
     async def close(self, state: Any) -> None:
         await self.verl_tool.release(state)
+
+
+def create_arguments(create: Any, row_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of a verl tool's ``create`` for a row's ``create_kwargs``: each as a keyword (verl's
+    SGLang rollout) and all of them as ``create_kwargs=`` (verl's tool agent loop), as far as ``create``
+    takes them; a ``create`` that names neither ``**kwargs`` nor ``create_kwargs`` gets each as a keyword."""
+    arguments = dict(row_kwargs)
+    parameters = inspect.signature(create).parameters
+    takes_any = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
+    if "create_kwargs" in arguments or not (takes_any or "create_kwargs" in parameters):
+        return arguments
+    if not takes_any:
+        arguments = {key: value for key, value in arguments.items() if key in parameters}
+    return {**arguments, "create_kwargs": dict(row_kwargs)}
 
 
 def response_text(response: Any) -> str:
