@@ -223,6 +223,14 @@ def test_other_things_at_class_name_are_refused_too(tmp_path, class_name, says):
         read_tools_file(tools_file(tmp_path, class_name=class_name))
 
 
+def test_a_module_that_fails_to_import_is_named_by_its_entry(tmp_path, monkeypatch):
+    (tmp_path / "broken_tools.py").write_text("raise RuntimeError('the module needs a service')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=re.escape("class_name 'broken_tools.Tool' cannot be imported: RuntimeError: "
+                                                    "the module needs a service")):
+        read_tools_file(tools_file(tmp_path, class_name="broken_tools.Tool"))
+
+
 def test_an_mcp_tool_is_refused_and_a_failing_constructor_is_named(tmp_path):
     path = tools_file(tmp_path)
     path.write_text(path.read_text().replace("type: native", "type: mcp"))

@@ -214,8 +214,8 @@ def tool_spec(entry: Any, label: str) -> ToolSpec:
         module_name, _, attribute = class_name.rpartition(".")
         try:
             found = getattr(importlib.import_module(module_name), attribute)
-        except (ImportError, AttributeError, ValueError) as error:
-            raise ConfigError(f"{label}: class_name {class_name!r} cannot be imported: {error}") from None
+        except Exception as error:  # the user's module: its error named by the entry, not a traceback
+            raise ConfigError(f"{label}: class_name {class_name!r} cannot be imported: {type(error).__name__}: {error}") from None
         factory = class_factory(found, class_name, config, label)
         schema_class = None
     if schema_class is not None:
