@@ -814,9 +814,12 @@ ignore("actor_rollout_ref.rollout.load_format", "rlplat's rollout receives the a
        "generation, as verl's dummy format does; how it loads its own copy only costs time")
 ignore("actor_rollout_ref.rollout.layered_summon", "how verl gathers LoRA weights for the rollout, layer by layer; rlplat's "
        "actor.lora.sync says what reaches it (merged weights or the adapter)")
-ignore("actor_rollout_ref.rollout.calculate_log_probs", "rlplat's rollouts always return rollout_log_probs, used for the "
-       "log-prob mismatch metric only")
-ignore("actor_rollout_ref.rollout.logprobs_mode", "rlplat uses rollout_log_probs for the log-prob mismatch metric only")
+ignore("actor_rollout_ref.rollout.calculate_log_probs", "rlplat's rollouts always return rollout_log_probs (the log-prob "
+       "mismatch metrics and algorithm.rollout_correction read them)")
+equal_only("actor_rollout_ref.rollout.logprobs_mode", "processed_logprobs", "rlplat's rollout_log_probs are those of the "
+           "distribution sampled from (after temperature, top-k, top-p), as this asks", "rlplat's rollouts return the "
+           "log-probs of the distribution sampled from (processed_logprobs), which the log-prob mismatch metrics and "
+           "algorithm.rollout_correction read")
 ignore("actor_rollout_ref.rollout.disable_log_stats", "verl's rollout logging")
 ignore("actor_rollout_ref.rollout.skip_tokenizer_init", "rlplat's rollouts take and return token ids")
 ignore("actor_rollout_ref.rollout.multi_stage_wake_up", "rlplat's rollouts always wake up in stages (weights, then KV cache)")

@@ -577,6 +577,7 @@ def test_verls_asynchronous_trainer_modes_and_their_staleness_bound_are_rlplats(
     ("trainer.v1.sampler.max_off_policy_threshold=null", "give a number of versions (-> trainer.max_staleness)"),
     ("critic.model.lora_rank=8", "rlplat's LoRA adapters are the actor's (actor.lora)"),
     ("sandbox_fusion.url=http://sandbox", "its python tool (agent.tools_config, name: python)"),
+    ("actor_rollout_ref.rollout.logprobs_mode=raw_logprobs", "the distribution sampled from (processed_logprobs)"),
 ])
 def test_what_rlplat_still_refuses_here_names_what_it_offers_instead(argument, offers):
     arguments = [argument] + (["trainer.v1.trainer_mode=colocate_async"] if "sampler" in argument else [])
