@@ -434,7 +434,7 @@ def data_agent_names(files: Sequence[str]) -> set[str]:
 
 def check_agent(config: DictConfig, data: DataConfig) -> None:
     """The ``agent`` node against the registries, the tools file and the data's ``agent_name`` values."""
-    from rlplat.agent.config import VERL_LOOP_NAMES
+    from rlplat.agent.config import VERL_LOOP_NAMES, check_tools_read
 
     agent = read_config_node(config.agent, AgentConfig, "agent")
     entry_schema("tool_parser", agent.tool_parser, "agent.tool_parser")
@@ -450,6 +450,7 @@ def check_agent(config: DictConfig, data: DataConfig) -> None:
         raise ConfigError("the env agent loop needs an environment: set agent.environment (e.g. retry).")
     if "tool" in loops and agent.tools_config is None:
         raise ConfigError("the tool agent loop offers the tools of agent.tools_config, which is not set: give a tools file.")
+    check_tools_read(agent, loops)
     if agent.tools_config is not None:
         from rlplat.agent.tools import read_tools_file
 

@@ -175,3 +175,19 @@ def test_a_plugin_loop_that_does_not_say_whether_it_offers_tools_is_trusted(regi
     check_tools_read(AgentConfig(tools_config="tools.yaml"), {"browser"})
     with pytest.raises(ConfigError, match="env, single_turn offer no tools"):
         check_tools_read(AgentConfig(tools_config="tools.yaml"), {"single_turn", "env"})
+
+
+def test_verls_command_line_with_rows_naming_no_loop_is_refused_at_load_in_one_line(cli_in_process, verl_files, tmp_path):
+    # verl's gsm8k_multiturn_w_tool.py rows carry no agent_name: the tools file would never be offered
+    from rlplat.data import write_parquet
+    from rlplat.demo import tools as tool_demo
+
+    _, _, tools_file, log = verl_files
+    train = write_parquet(gsm8k_rows("train", agent_name=None), tmp_path / "train_no_loop.parquet")
+    test = write_parquet(gsm8k_rows("test", agent_name=None)[:4], tmp_path / "test_no_loop.parquet")
+    run = tmp_path / "run"
+    result = cli_in_process("run", *verl_multiturn_command_line(tool_demo.model_dir(), train, test, tools_file, run))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("rlplat: config error:")]
+    assert line.startswith(f"rlplat: config error: agent.tools_config={tools_file} is read by no agent loop")
+    assert not run.exists() and not log.exists()
