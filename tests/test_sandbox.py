@@ -3,22 +3,27 @@
 Every run uses short limits (CPU 1 s, wall 2 s, or 6 s where CPU time must run out first) and must come
 back within the wall timeout plus :data:`MARGIN`; after every test no process of its runs and no child
 of this process is alive, no run directory is left and no file descriptor leaked (``machine_is_clean``).
+Runs that must wait for one another meet on an abstract unix socket the test listens on (``Meeting``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import os
 import re
 import resource
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import textwrap
 import time
+import uuid
 
 import pytest
 
@@ -38,6 +43,17 @@ def namespaces_available() -> bool:
     """Whether the kernel grants the sandbox a PID namespace here (an unprivileged container may not)."""
     try:
         run_python("pass", LIMITS, pid_namespace=True)
+    except SandboxError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def mount_namespaces_available() -> bool:
+    """Whether the kernel grants the sandbox a mount namespace here (a container without CAP_SYS_ADMIN, or
+    one whose security profile forbids mount, may not)."""
+    try:
+        run_python("pass", LIMITS, mount_namespace=True)
     except SandboxError:
         return False
     return True
@@ -104,6 +120,89 @@ def pid_namespace(request, namespaces_available) -> bool:
     return request.param
 
 
+@pytest.fixture(params=[True, False], ids=["mount-namespace", "removed-afterwards"])
+def mount_namespace(request, mount_namespaces_available) -> bool:
+    if request.param and not mount_namespaces_available:
+        pytest.skip("the kernel refuses mount namespaces here")
+    if not request.param and not ROOT:
+        pytest.skip("without root and a mount namespace the code's files are the caller's own and stay (module docstring)")
+    return request.param
+
+
+@pytest.fixture
+def name():
+    """A file name no one else uses; whatever a failing test left under it in the shared directories goes."""
+    chosen = f"rlplat-sandbox-test-{uuid.uuid4().hex}"
+    yield chosen
+    for path in left_in_the_shared_directories(chosen):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+
+
+def left_in_the_shared_directories(name: str) -> list[str]:
+    """The entries of the machine's shared directories whose names start with ``name``."""
+    return [
+        os.path.join(directory, entry)
+        for directory in sandbox.SHARED_DIRECTORIES
+        if os.path.isdir(directory)
+        for entry in os.listdir(directory)
+        if entry.startswith(name)
+    ]
+
+
+def world_writable_shared_directories() -> list[str]:
+    return [d for d in sandbox.SHARED_DIRECTORIES if os.path.isdir(d) and os.stat(d).st_mode & 0o002]
+
+
+class Meeting:
+    """An abstract unix socket the test listens on: runs connect, say they are ready, and go on when told."""
+
+    def __init__(self):
+        self.address = f"rlplat-sandbox-test-{uuid.uuid4().hex}"
+        self.server = socket.socket(socket.AF_UNIX)
+        self.server.bind("\0" + self.address)
+        self.server.listen(8)
+        self.server.setblocking(False)
+        self.waiting: list[socket.socket] = []
+
+    async def arrival(self, *runs: asyncio.Task) -> None:
+        """Wait (at most a wall timeout and a margin) until one more of ``runs`` has connected and said it is
+        ready; else fail with what the runs returned."""
+        loop = asyncio.get_running_loop()
+        try:
+            connection, _ = await asyncio.wait_for(loop.sock_accept(self.server), LIMITS.wall_seconds + MARGIN)
+            self.waiting.append(connection)
+            said = await asyncio.wait_for(loop.sock_recv(connection, 5), LIMITS.wall_seconds + MARGIN)
+        except asyncio.TimeoutError:
+            self.release()
+            raise AssertionError(f"no run came: {await asyncio.gather(*runs, return_exceptions=True)}") from None
+        assert said == b"ready"
+
+    def release(self) -> None:
+        for connection in self.waiting:
+            try:
+                connection.sendall(b"go")
+            except OSError:  # that run is over already; its result tells why
+                pass
+            connection.close()
+        self.waiting.clear()
+
+    def close(self) -> None:
+        self.release()
+        self.server.close()
+
+
+# The code's side of a Meeting, at the address in the variable ``address``.
+WAIT_FOR_THE_TEST = """
+with socket.socket(socket.AF_UNIX) as meeting:
+    meeting.connect("\\0" + address)
+    meeting.sendall(b"ready")
+    meeting.recv(2)
+"""
+
+
 def run(code: str, limits: SandboxLimits = LIMITS, **kwargs) -> SandboxResult:
     start = time.monotonic()
     result = run_python(textwrap.dedent(code), limits, **kwargs)
@@ -145,6 +244,32 @@ def test_invalid_limits_are_refused_with_the_field_named(field, value, message):
 def test_an_interpreter_that_does_not_exist_is_a_sandbox_error():
     with pytest.raises(SandboxError, match="SandboxLimits.python: no interpreter at '/nonexistent/python'"):
         run_python("print(1)", SandboxLimits(python="/nonexistent/python"))
+
+
+def test_no_usable_interpreter_is_a_sandbox_error_that_says_what_to_do(monkeypatch):
+    monkeypatch.setattr(sandbox.sys, "executable", "/nonexistent/python3")
+    monkeypatch.setattr(sandbox.shutil, "which", lambda *args, **kwargs: None)
+    with pytest.raises(SandboxError) as caught:
+        run_python("print(1)", LIMITS)
+    message = str(caught.value)
+    assert message.startswith("no interpreter that the sandbox's user (uid ")
+    assert "there is no python3 on /usr/local/bin:/usr/bin:/bin; /nonexistent/python3 cannot be started as uid" in message
+    assert message.endswith("or name one with SandboxLimits.python (the python tool's config key python).")
+
+
+@pytest.mark.skipif(not ROOT, reason="only a root caller's code runs as another user")
+def test_an_interpreter_the_sandbox_user_cannot_reach_is_refused_with_the_directory_in_the_way_named():
+    private = tempfile.mkdtemp()  # mode 0700, in this module's runs directory
+    try:
+        python = os.path.join(private, "python3")
+        os.symlink(sandbox.sandbox_python(), python)
+        expected = f"SandboxLimits.python: {python} cannot be started as uid 65534: [Errno 13] Permission denied"
+        with pytest.raises(SandboxError, match=re.escape(expected) + ".*" + re.escape(
+            f" (the directory {private} (mode 0700) is not searchable by that user)"
+        )):  # fmt: skip
+            run_python("print(1)", SandboxLimits(python=python))
+    finally:
+        shutil.rmtree(private)
 
 
 def test_to_text_gives_stdout_then_stderr_then_the_error():
@@ -392,9 +517,11 @@ def test_a_background_child_does_not_hold_the_call():
 
 
 def test_the_caller_goes_on_after_hostile_runs():
-    hostile = ["while True: pass", "x = bytearray(10**11)", "import os, signal; os.kill(os.getppid(), signal.SIGKILL)"]
-    for code in hostile:
-        assert run(code, CPU_LIMITS).error is not None
+    assert run("while True: pass", CPU_LIMITS).error is not None
+    assert run("x = bytearray(10**11)", CPU_LIMITS).error is not None
+    # Refused, or the supervisor killed (a caller that is not root, without a PID namespace), or ignored by
+    # the namespace's init: whichever, the caller goes on.
+    run("import os, signal; os.kill(os.getppid(), signal.SIGKILL)", CPU_LIMITS)
     assert run("print('still fine')").stdout == "still fine\n"
 
 
@@ -476,6 +603,178 @@ def test_a_required_namespace_is_used(namespaces_available):
     assert result.stdout == "2\n"  # the namespace's init is 1, the code is the next process
 
 
+# --- the shared directories ------------------------------------------------------------------------
+
+WRITE_IN_THE_SHARED_DIRECTORIES = """
+import os, sys
+name = sys.stdin.read()
+for directory in {directories!r}:
+    with open(os.path.join(directory, name), "w") as file:
+        file.write("left behind")
+    os.mkdir(os.path.join(directory, name + ".d"))
+    open(os.path.join(directory, name + ".d", "inside"), "w").close()
+print("written")
+"""
+
+
+def test_files_written_in_the_shared_directories_do_not_survive_the_call(mount_namespace, name):
+    directories = world_writable_shared_directories()
+    assert "/tmp" in directories
+    code = WRITE_IN_THE_SHARED_DIRECTORIES.format(directories=directories)
+    result = run(code, stdin=name, mount_namespace=mount_namespace)
+    assert result.stdout == "written\n", result
+    assert left_in_the_shared_directories(name) == []
+
+
+SAME_NAMES_IN_THE_SHARED_DIRECTORIES = """
+import os, socket, sys
+who, name, address = sys.stdin.read().split()
+paths = [os.path.join(directory, name) for directory in {directories!r}]
+for path in paths:
+    with open(path, "x") as file:  # FileExistsError if the other run's file were in sight
+        file.write(who)
+""" + WAIT_FOR_THE_TEST + """
+print(*(open(path).read() for path in paths))
+"""
+
+
+def test_a_concurrent_call_does_not_see_the_files_of_another(mount_namespaces_available, name):
+    if not mount_namespaces_available:
+        pytest.skip("the kernel refuses mount namespaces here: runs share the machine's /tmp (module docstring)")
+    directories = world_writable_shared_directories()
+    code = SAME_NAMES_IN_THE_SHARED_DIRECTORIES.format(directories=directories)
+    meeting = Meeting()
+
+    async def main():
+        runs = [
+            asyncio.create_task(run_python_async(code, LIMITS, stdin=f"{who} {name} {meeting.address}", mount_namespace=True))
+            for who in ("first", "second")
+        ]
+        await meeting.arrival(*runs)
+        await meeting.arrival(*runs)
+        on_the_machine = left_in_the_shared_directories(name)  # both runs have written, and wait
+        meeting.release()
+        return on_the_machine, await asyncio.gather(*runs)
+
+    try:
+        on_the_machine, results = asyncio.run(main())
+    finally:
+        meeting.close()
+    assert on_the_machine == []
+    assert [result.stdout.split() for result in results] == [["first"] * len(directories), ["second"] * len(directories)]
+
+
+@pytest.mark.skipif(not ROOT, reason="without root nothing is removed when there is no mount namespace (module docstring)")
+def test_without_a_mount_namespace_only_what_the_sandbox_user_made_during_the_call_is_removed(monkeypatch, name):
+    there_before = os.path.join("/tmp", f"{name}-before")  # nobody's, made before the call
+    made_by_root = os.path.join("/tmp", f"{name}-root")  # made during the call by another user
+    with open(there_before, "w") as file:
+        file.write("before")
+    os.chown(there_before, sandbox.SANDBOX_UID, sandbox.SANDBOX_UID)
+    run_started = sandbox._LEFTOVERS.run_started
+
+    def and_root_makes_a_file():
+        run_started()
+        open(made_by_root, "w").close()
+
+    monkeypatch.setattr(sandbox._LEFTOVERS, "run_started", and_root_makes_a_file)
+    code = """
+        import sys
+        name = sys.stdin.read()
+        open(f"/tmp/{name}-before", "a").write(", during")
+        open(f"/tmp/{name}-code", "w").close()
+    """
+    result = run(code, stdin=name, mount_namespace=False)
+    assert result.error is None, result
+    assert sorted(left_in_the_shared_directories(name)) == [there_before, made_by_root]
+    with open(there_before) as file:
+        assert file.read() == "before, during"  # changed, and kept: it was not made during the call
+
+
+LONG_CALL = """
+import os, socket, sys
+name, address = sys.stdin.read().split()
+open(f"/tmp/{name}-long", "w").close()
+""" + WAIT_FOR_THE_TEST + """
+print(os.path.exists(f"/tmp/{name}-long"), os.path.exists(f"/tmp/{name}-short"))
+"""
+
+
+@pytest.mark.skipif(not ROOT, reason="without root nothing is removed when there is no mount namespace (module docstring)")
+def test_without_a_mount_namespace_a_calls_files_stay_until_the_callers_last_call_ends(name):
+    meeting = Meeting()
+
+    async def main():
+        long = asyncio.create_task(run_python_async(LONG_CALL, LIMITS, stdin=f"{name} {meeting.address}", mount_namespace=False))
+        await meeting.arrival(long)  # the long call has made its file and waits
+        short = await run_python_async(f"open('/tmp/{name}-short', 'w').close()", LIMITS, mount_namespace=False)
+        meeting.release()
+        return short, await long
+
+    try:
+        short, long = asyncio.run(main())
+    finally:
+        meeting.close()
+    assert short.error is None, short
+    # Neither call's file went when the short call ended, and both went when the long one did.
+    assert long.stdout == "True True\n", long
+    assert left_in_the_shared_directories(name) == []
+
+
+def test_a_required_mount_namespace_is_used(mount_namespaces_available, runs_directory):
+    if not mount_namespaces_available:
+        with pytest.raises(SandboxError, match="a mount namespace was required"):
+            run_python("pass", LIMITS, mount_namespace=True)
+        return
+    result = run("import os; print(sorted(os.listdir('/tmp')))", mount_namespace=True)
+    # The run's /tmp holds only the ways to its own directory and to its interpreter's, those under /tmp.
+    kept = [runs_directory, *sandbox._python_directories(sandbox.sandbox_python(LIMITS))]
+    ways = [os.path.relpath(os.path.realpath(path), os.path.realpath("/tmp")) for path in kept]
+    assert result.stdout == f"{sorted({way.split(os.sep)[0] for way in ways if not way.startswith('..')})}\n"
+
+
+def test_an_interpreter_installed_under_tmp_serves_in_the_mount_namespace(mount_namespaces_available):
+    if not mount_namespaces_available:
+        pytest.skip("the kernel refuses mount namespaces here, so the machine's /tmp is the code's")
+    environment = tempfile.mkdtemp()  # in this module's runs directory, under /tmp unless TMPDIR says otherwise
+    try:
+        os.chmod(environment, 0o755)
+        subprocess.run([sandbox.sandbox_python(LIMITS), "-m", "venv", "--without-pip", environment], check=True)
+        python = os.path.join(environment, "bin", "python")
+        result = run("import sys; print(sys.prefix)", dataclasses.replace(LIMITS, python=python), mount_namespace=True)
+    finally:
+        shutil.rmtree(environment)
+    assert result.stdout == f"{environment}\n", result
+
+
+def test_a_run_directory_whose_path_has_a_space(runs_directory, monkeypatch):
+    spaced = os.path.join(runs_directory, "with a space")
+    os.mkdir(spaced, 0o711)
+    monkeypatch.setattr(tempfile, "tempdir", spaced)
+    try:
+        result = run("import os; print(os.getcwd()); print(os.listdir('.'))")
+    finally:
+        os.rmdir(spaced)
+    work, listing = result.stdout.splitlines()
+    assert work.startswith(spaced + "/rlplat-sandbox-") and work.endswith("/work")
+    assert listing == "[]"
+
+
+def test_the_supervisor_opens_no_file_of_the_installation(monkeypatch):
+    # A copy of this module in a directory the sandbox user may not enter, then gone altogether.
+    installation = tempfile.mkdtemp()  # mode 0700, in this module's runs directory
+    copy = os.path.join(installation, "sandbox.py")
+    shutil.copy(sandbox.__file__, copy)
+    spec = importlib.util.spec_from_file_location("rlplat_sandbox_copy", copy)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    limits = module.SandboxLimits(cpu_seconds=1, wall_seconds=2)
+    assert module.run_python("print('from a directory nobody may enter')", limits).stdout == "from a directory nobody may enter\n"
+    shutil.rmtree(installation)
+    assert module.run_python("print('with the file gone')", limits).stdout == "with the file gone\n"
+
+
 HANGING_SUPERVISOR = """
 import os, sys, time
 child = os.fork()
@@ -512,13 +811,13 @@ def test_a_supervisor_that_hangs_is_killed_with_its_children(monkeypatch):
 
 AS_ANOTHER_USER = """
 import importlib.util, json, os, sys
-spec = importlib.util.spec_from_file_location("sandbox_of_a_plain_user", sys.argv[1])
+module_file, code, namespaces = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+spec = importlib.util.spec_from_file_location("sandbox_of_a_plain_user", module_file)
 sandbox = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = sandbox
 spec.loader.exec_module(sandbox)
 try:
-    result = sandbox.run_python(sys.argv[2], sandbox.SandboxLimits(cpu_seconds=1, wall_seconds=2),
-                                stdin=str(os.getpid()), pid_namespace=True)
+    result = sandbox.run_python(code, sandbox.SandboxLimits(cpu_seconds=1, wall_seconds=2), stdin=str(os.getpid()), **namespaces)
 except sandbox.SandboxError as error:
     print(json.dumps({"refused": str(error)}))
 else:
@@ -526,14 +825,38 @@ else:
 """
 
 
+def run_as_a_caller_that_is_not_root(code: str, **namespaces) -> tuple[dict, str]:
+    """Run ``code`` from a caller that is ``nobody``, as a plain user would: with its own copy of the
+    sandbox and its runs' directories in its home, a directory of mode 0700 whose path has a space, and the
+    interpreter the sandbox runs code with. Returns the caller's answer and its home."""
+    home = tempfile.mkdtemp(prefix="home of nobody ")  # in this module's runs directory
+    try:
+        os.mkdir(os.path.join(home, "tmp"))
+        module_file = os.path.join(home, "sandbox.py")
+        shutil.copy(sandbox.__file__, module_file)
+        for path in (home, os.path.join(home, "tmp"), module_file):
+            os.chown(path, sandbox.SANDBOX_UID, sandbox.SANDBOX_UID)
+        completed = subprocess.run(
+            [sandbox.sandbox_python(), "-I", "-B", "-c", AS_ANOTHER_USER, module_file, code, json.dumps(namespaces)],
+            user=sandbox.SANDBOX_UID, group=sandbox.SANDBOX_UID, extra_groups=[], cwd="/",
+            env={"PATH": "/usr/bin:/bin", "TMPDIR": os.path.join(home, "tmp")}, capture_output=True,
+            timeout=LIMITS.wall_seconds + 10,
+        )  # fmt: skip
+        assert completed.returncode == 0, completed.stderr.decode()
+        assert os.listdir(os.path.join(home, "tmp")) == []  # the caller removed its runs' directories
+        return json.loads(completed.stdout), home
+    finally:
+        shutil.rmtree(home)
+
+
 @pytest.mark.skipif(not ROOT, reason="needs root to start a caller as another user")
-def test_a_caller_that_is_not_root_keeps_the_namespace_protections():
-    # The sandbox used by an unprivileged user (here nobody, with the interpreter the sandbox runs code
-    # with): a user namespace gives it the PID namespace; the code runs as that user, yet cannot signal
-    # its caller, and what it starts in a new session does not survive the call.
+def test_a_caller_that_is_not_root_keeps_the_namespace_protections(name):
+    # A user namespace gives it the PID and mount namespaces; the code runs as that user, yet cannot signal
+    # its caller, what it starts in a new session does not survive the call, nor does its file in /tmp.
     code = textwrap.dedent(ESCAPE) + textwrap.dedent(
-        """
+        f"""
         import signal
+        open({os.path.join("/tmp", name)!r}, "w").close()
         for target in (int(input()), os.getppid()):
             try:
                 os.kill(target, signal.SIGKILL)
@@ -542,18 +865,7 @@ def test_a_caller_that_is_not_root_keeps_the_namespace_protections():
                 print(type(error).__name__)
         """
     )
-    module_file = sandbox.__file__
-    if not os.access(module_file, os.R_OK):
-        pytest.skip("the sandbox's source is not readable here")
-    import subprocess
-
-    completed = subprocess.run(
-        [sandbox.sandbox_python(), "-I", "-c", AS_ANOTHER_USER, module_file, code],
-        user=sandbox.SANDBOX_UID, group=sandbox.SANDBOX_UID, extra_groups=[], cwd="/",
-        env={"PATH": "/usr/bin:/bin"}, capture_output=True, timeout=LIMITS.wall_seconds + 10,
-    )  # fmt: skip
-    assert completed.returncode == 0, completed.stderr.decode()
-    answer = json.loads(completed.stdout)
+    answer, _ = run_as_a_caller_that_is_not_root(code, pid_namespace=True, mount_namespace=True)
     if "refused" in answer:
         pytest.skip(f"no user namespace for an unprivileged user here: {answer['refused']}")
     result = answer["result"]
@@ -563,3 +875,14 @@ def test_a_caller_that_is_not_root_keeps_the_namespace_protections():
     # "sent": its parent is the namespace's init, which ignores signals from inside the namespace.
     for pid in (first_sleeper, second_sleeper):
         assert not os.path.exists(f"/proc/{pid}")
+    assert left_in_the_shared_directories(name) == []
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to start a caller as another user")
+def test_a_caller_that_is_not_root_runs_code_without_namespaces_too():
+    answer, home = run_as_a_caller_that_is_not_root(
+        "import os; print(os.getuid()); print(os.getcwd())", pid_namespace=False, mount_namespace=False
+    )
+    uid, work = answer["result"]["stdout"].splitlines()
+    assert uid == str(sandbox.SANDBOX_UID)
+    assert work.startswith(os.path.join(home, "tmp", "rlplat-sandbox-")) and work.endswith("/work")

@@ -5,25 +5,36 @@ How a run is contained
 ======================
 
 The caller makes a fresh temporary directory ``T`` (``main.py`` holds the code, ``stdin`` its input,
-``work/`` the empty working directory) and starts a **supervisor**: this file, run by the caller's
-interpreter as ``python -I -S sandbox.py`` in a new session, reading its instructions on stdin and
-writing its report on stdout. The supervisor
+``work/`` the empty working directory) and starts a **supervisor** in a new session: the caller's
+interpreter as ``python -I -S -B -c <loader>``, reading on stdin first this file's code (compiled when the
+caller imported it, so the supervisor opens no file of rlplat's installation and runs the caller's very
+version of it), then its instructions, and writing its report on stdout. The supervisor
 
 1. marks itself a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``), so every process the code
    starts stays its descendant even after ``setsid()`` or a double fork, and asks for SIGKILL when the
    caller dies (``PR_SET_PDEATHSIG``);
-2. when the kernel allows it, enters a new **PID namespace** (``unshare(CLONE_NEWPID)``, with
-   ``CLONE_NEWUSER`` when not root) and forks its init: a small process that starts the code, reaps
-   orphans and, once the code has exited, kills everything else in the namespace. When a namespace's
-   init dies the kernel kills every process in it, so nothing started there can outlive the run, and the
-   code cannot signal any process outside it (a pid names a process of its own namespace);
+2. enters the namespaces the kernel allows (when not root, through a new **user namespace** that maps
+   only the caller's user and group, ``CLONE_NEWUSER``):
+
+   * a new **mount namespace** (``unshare(CLONE_NEWNS)``) where every mount is private and a directory of
+     the run's own (``T/shared/0``, ``1``, ...; mode 1777) is bound over each of the machine's
+     :data:`SHARED_DIRECTORIES` (``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run/lock``); ``T`` and the
+     interpreter's directories (its prefixes and module path, as it reports them) are bound back at their
+     paths where they lay under one of them. What the code writes there is its own, unseen by other runs
+     at their paths, and goes with ``T``;
+   * a new **PID namespace** (``unshare(CLONE_NEWPID)``), whose init it forks: a small process that
+     starts the code, reaps orphans and, once the code has exited, kills everything else in the
+     namespace. When a namespace's init dies the kernel kills every process in it, so nothing started
+     there can outlive the run, and the code cannot signal any process outside it (a pid names a process
+     of its own namespace);
 3. starts the code as ``python -I -u -B main.py`` in ``work/``, in a session of its own, with a scrubbed
    environment (``PATH``, ``HOME`` and ``TMPDIR`` = ``work/``, ``LANG``/``LC_ALL`` = ``C.UTF-8``,
    ``PYTHONDONTWRITEBYTECODE``, ``PYTHONUNBUFFERED``, one thread for BLAS/OpenMP; nothing from the
    caller), stdin from the given text, and the limits of :class:`SandboxLimits` (``RLIMIT_CPU``,
    ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_CORE`` = 0). When the caller is root the
    code runs as ``nobody`` (uid and gid 65534, no supplementary groups), so it cannot signal root's
-   processes: the trainer's, the supervisor, the namespace's init;
+   processes: the trainer's, the supervisor, the namespace's init. The interpreter is the caller's when
+   that user can run it, else the system's ``python3`` (:func:`sandbox_python`);
 4. reads the code's stdout and stderr, keeping ``output_bytes`` of each; a stream past that stops the
    run. At the wall timeout it stops the run too;
 5. at the end (exit, timeout, too much output) kills what is left: the namespace's init (which takes the
@@ -32,7 +43,9 @@ writing its report on stdout. The supervisor
 
 The caller waits for the supervisor's answer at most ``wall_seconds`` + :data:`SUPERVISOR_GRACE_SECONDS`;
 past that, or when the call is cancelled, it kills the supervisor's descendants and the supervisor the
-same way. It then removes ``T``.
+same way. It then removes ``T``. When the caller is root and a run had no mount namespace, the entries
+``nobody`` made at the top of the shared directories while the caller's runs went on are removed once
+none goes on (:class:`_Leftovers`; see below).
 
 What remains shared
 ===================
@@ -44,19 +57,35 @@ What remains shared
 * Without a PID namespace (``pid_namespace=False``, or a kernel or container that refuses one) the
   subreaper and the ``/proc`` sweep still kill every descendant, but the code sees every process on the
   machine; as ``nobody`` it may signal other runs' code (e.g. ``kill(-1, SIGKILL)``).
+* Without a mount namespace (``mount_namespace=False``, or refused) the code writes the machine's shared
+  directories, where other runs and processes see its files while it runs. When the caller is root, what
+  ``nobody`` made at their top during the caller's runs is removed once none of them goes on, so a file
+  there outlives its run while another run of the caller goes on; a file made inside a directory that was
+  already there, or a file that was there and is changed, stays; a file another process's run (as
+  ``nobody``) made meanwhile is removed too. When the caller is not root nothing is removed: the code's
+  files are the caller's user's, not to be told from the caller's own.
 * When the caller is not root the code runs as the caller's user: it can read and write what the caller
-  can. In a PID namespace it still cannot signal the caller's processes; without one it can, and a
-  process that kills the supervisor can escape the sweep.
-* The code still reads the machine's ``/proc`` (it sees other processes' command lines, not their
-  environments when it runs as ``nobody``).
-* The file system is the machine's: ``RLIMIT_FSIZE`` bounds each file, not their number; files the code
-  writes outside ``work/`` (``/tmp``, ``/dev/shm``) stay. The network is not cut.
+  can (the machine's ``/tmp`` too, through ``/proc/PID/root`` of the caller's processes). In a PID
+  namespace it still cannot signal the caller's processes; without one it can, and a process that kills
+  the supervisor can escape the sweep.
+* The code still reads the machine's ``/proc``: it sees other processes' command lines (not their
+  environments when it runs as ``nobody``), and through ``/proc/PID/cwd`` and ``/proc/PID/root`` of
+  another run's processes, which run as the same ``nobody``, it reaches that run's working directory and
+  private shared directories while that run lasts.
+* The rest of the file system is the machine's: ``RLIMIT_FSIZE`` bounds each file, not their number or
+  their sum in ``T``. The network is not cut.
+* The caller's interpreter serves only when ``nobody`` can read its installation: under a directory it
+  cannot search (``/root``, mode 0700, holds pyenv's and many virtual environments) the code gets the
+  system's ``python3`` and its standard library only. Such an installation is not made reachable in the
+  mount namespace: its paths are fixed (a virtual environment's ``home``, the libraries' run paths), and
+  reaching them there would mean putting a searchable directory in place of each one above them.
 """
 
 from __future__ import annotations
 
-# Only what the supervisor needs is imported here: it runs this file as a script and stops before the
-# public part below (see the end of the supervisor's section).
+# Only what the supervisor needs is imported here: it runs this file's code as ``__main__`` and stops
+# before the public part below (see the end of the supervisor's section). One file for both, since the
+# supervisor imports nothing of rlplat's installation.
 import ctypes
 import marshal
 import math
@@ -73,10 +102,19 @@ SUPERVISOR_GRACE_SECONDS = 5.0
 SANDBOX_UID = 65534
 """The user (``nobody``) and group (``nogroup``) the code runs as when the caller is root."""
 
+SHARED_DIRECTORIES = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+"""The machine's directories every user may write in. Each run gets private ones in their place when the
+kernel gives it a mount namespace; else what the code leaves there is removed (see the module docstring)."""
+
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+_CLONE_NEWNS = 0x00020000
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWPID = 0x20000000
+_MS_BIND = 0x1000
+_MS_REC = 0x4000
+_MS_PRIVATE = 0x40000
+_MNT_DETACH = 2
 _READ_CHUNK = 65536
 _ENVIRONMENT = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -167,7 +205,8 @@ def _kill_tree(root: int, *, include_root: bool, reap: bool, patience: float = 1
 
 
 # ---------------------------------------------------------------------------------------------------
-# The supervisor: runs as ``python -I -S sandbox.py`` with its instructions on stdin.
+# The supervisor: this file's code run as ``__main__`` by ``python -I -S -B -c _SUPERVISOR_LOADER``,
+# with its instructions on stdin after that code.
 
 
 def _libc() -> ctypes.CDLL:
@@ -180,17 +219,136 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(number, f"prctl({option}, {value}): {os.strerror(number)}")
 
 
-def _enter_pid_namespace() -> str | None:
-    """Make this process's next child the init of a new PID namespace; None on success, else why not."""
-    uid, gid = os.geteuid(), os.getegid()
-    flags = _CLONE_NEWPID if uid == 0 else _CLONE_NEWPID | _CLONE_NEWUSER
+def _unshare(flags: int, names: str) -> str | None:
+    """Enter the new namespaces ``flags`` names; None on success, else why not."""
     if _libc().unshare(flags) != 0:
-        return f"unshare(CLONE_NEWPID{'' if uid == 0 else ' | CLONE_NEWUSER'}): {os.strerror(ctypes.get_errno())}"
-    if uid != 0:
+        return f"unshare({names}): {os.strerror(ctypes.get_errno())}"
+    return None
+
+
+def _enter_user_namespace() -> str | None:
+    """Enter a new user namespace that maps only this process's user and group to themselves, which gives a
+    caller that is not root the right to make the other namespaces; None on success, else why not."""
+    uid, gid = os.geteuid(), os.getegid()
+    refusal = _unshare(_CLONE_NEWUSER, "CLONE_NEWUSER")
+    if refusal is None:
         for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
             with open(f"/proc/self/{name}", "w") as file:
                 file.write(text)
+    return refusal
+
+
+def _mount(source: str | None, target: str, flags: int) -> str | None:
+    """mount(2) without a file system type or data (a bind, or a change of propagation); None on success,
+    else why not."""
+    if _libc().mount(None if source is None else os.fsencode(source), os.fsencode(target), None, flags, None) != 0:
+        return f"mount({source or 'none'}, {target}): {os.strerror(ctypes.get_errno())}"
     return None
+
+
+def _make_shared_directories_private(directory: str, shared: list[str], keep: list[str]) -> str | None:
+    """Enter a new mount namespace in which a directory of the run's own lies over each of the machine's
+    ``shared`` directories, and ``T`` and the ``keep`` directories stay where they were (see
+    :func:`_bind_private_directories`); None on success, else why not (with the mounts made undone)."""
+    refusal = _unshare(_CLONE_NEWNS, "CLONE_NEWNS")
+    if refusal is None:
+        # Nothing mounted here may reach the machine's namespace (where "/" is usually a shared mount).
+        refusal = _mount(None, "/", _MS_REC | _MS_PRIVATE)
+    if refusal is not None:
+        return refusal
+    mounted: list[str] = []
+    try:
+        refusal = _bind_private_directories(directory, shared, keep, mounted)
+    except OSError as error:
+        refusal = str(error)
+    if refusal is not None:
+        for target in reversed(mounted):
+            if _libc().umount2(os.fsencode(target), _MNT_DETACH) != 0:
+                number = ctypes.get_errno()
+                raise OSError(number, f"umount({target}): {os.strerror(number)}, undoing the mounts after: {refusal}")
+    return refusal
+
+
+def _bind_private_directories(directory: str, shared: list[str], keep: list[str], mounted: list[str]) -> str | None:
+    """Bind ``T/shared/0``, ``1``, ... (mode 1777) over the ``shared`` directories that exist, then ``T``
+    and each ``keep`` directory (the interpreter's) that lay under one of them back at its path; each
+    mount goes into ``mounted`` once made. None on success, else why not."""
+    existing = [path for path in shared if os.path.isdir(path)]
+    targets = list(dict.fromkeys(os.path.realpath(path) for path in existing))
+    names = {form for path in existing for form in (os.path.abspath(path), os.path.realpath(path))}
+
+    def under_a_shared_directory(path: str) -> bool:
+        forms = (os.path.abspath(path), os.path.realpath(path))
+        return any(form.startswith(name + os.sep) for form in forms for name in names)
+
+    def held(path: str) -> int:
+        return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    # Held by descriptor: once /tmp is covered, their paths lead into the run's own directory.
+    descriptors: dict[str, int] = {}
+    try:
+        covered = {os.path.abspath(path) for path in [directory, *keep] if under_a_shared_directory(path)}
+        for path in sorted(covered, key=len):
+            try:
+                descriptors[path] = held(path)
+            except FileNotFoundError:
+                continue
+        run_directory = descriptors.get(directory)
+        if run_directory is None:
+            run_directory = descriptors[directory] = held(directory)
+        os.mkdir(os.path.join(directory, "shared"), 0o711)
+        for index in range(len(targets)):
+            private = os.path.join(directory, "shared", str(index))
+            os.mkdir(private)
+            os.chmod(private, 0o1777)  # like /tmp: anyone may write, only a file's owner removes it
+        for index, target in enumerate(targets):
+            refusal = _mount(f"/proc/self/fd/{run_directory}/shared/{index}", target, _MS_BIND)
+            if refusal is not None:
+                return refusal
+            mounted.append(target)
+        for path, descriptor in descriptors.items():  # shortest first: one bound back brings those below it
+            try:
+                if os.path.samestat(os.stat(path), os.fstat(descriptor)):
+                    continue
+            except FileNotFoundError:
+                pass
+            way = ""
+            for part in path.strip(os.sep).split(os.sep):
+                way += os.sep + part
+                if not os.path.isdir(way):
+                    os.mkdir(way, 0o711)
+            refusal = _mount(f"/proc/self/fd/{descriptor}", path, _MS_BIND)
+            if refusal is not None:
+                return refusal
+            mounted.append(path)
+        return None
+    finally:
+        for descriptor in descriptors.values():
+            os.close(descriptor)
+
+
+def _isolate(plan: dict[str, object]) -> tuple[bool, bool, str | None]:
+    """Enter the namespaces the plan asks for, as far as the kernel allows: (in a PID namespace, shared
+    directories private, why a namespace the plan requires was refused or None)."""
+    wanted = {"PID": plan["pid_namespace"], "mount": plan["mount_namespace"]}
+    refusals: dict[str, str] = {}
+    if os.geteuid() != 0 and any(choice is not False for choice in wanted.values()):
+        refusal = _enter_user_namespace()
+        if refusal is not None:
+            refusals = dict.fromkeys(wanted, refusal)
+    if wanted["mount"] is not False and "mount" not in refusals:
+        refusal = _make_shared_directories_private(plan["directory"], plan["shared_directories"], plan["keep"])
+        if refusal is not None:
+            refusals["mount"] = refusal
+    if wanted["PID"] is not False and "PID" not in refusals:
+        refusal = _unshare(_CLONE_NEWPID, "CLONE_NEWPID")
+        if refusal is not None:
+            refusals["PID"] = refusal
+    for kind, choice in wanted.items():
+        if choice and kind in refusals:
+            return False, False, f"a {kind} namespace was required but the kernel refused it: {refusals[kind]}"
+    entered = {kind: choice is not False and kind not in refusals for kind, choice in wanted.items()}
+    return entered["PID"], entered["mount"], None
 
 
 class _Capture:
@@ -281,13 +439,9 @@ def _supervise(plan: dict[str, object]) -> dict[str, object]:
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != plan["caller_pid"]:
         return {"setup_error": "the caller exited before the sandbox started"}
-    in_namespace = False
-    if plan["pid_namespace"] is not False:
-        refusal = _enter_pid_namespace()
-        if refusal is None:
-            in_namespace = True
-        elif plan["pid_namespace"]:
-            return {"setup_error": f"a PID namespace was required but the kernel refused it: {refusal}"}
+    in_namespace, private_directories, refusal = _isolate(plan)
+    if refusal is not None:
+        return {"setup_error": refusal}
     stdin_fd = os.open(os.path.join(plan["directory"], "stdin"), os.O_RDONLY | os.O_CLOEXEC)
     stdout_read, stdout_write = os.pipe()
     stderr_read, stderr_write = os.pipe()
@@ -378,13 +532,14 @@ def _supervise(plan: dict[str, object]) -> dict[str, object]:
         "stopped": stopped,
         "truncated_stream": truncated_stream,
         "pid_namespace": in_namespace,
+        "private_directories": private_directories,
     }
 
 
 def _supervisor_main() -> None:
     # marshal, not json: built in, so it costs the supervisor no import; both ends are this file run by
-    # the same interpreter, and the data is never anyone else's.
-    plan = marshal.loads(sys.stdin.buffer.read())
+    # the same interpreter, and the data is never anyone else's. This file's code came first on stdin.
+    plan = marshal.load(sys.stdin.buffer)
     try:
         report = _supervise(plan)
     except BaseException as exc:
@@ -405,6 +560,34 @@ import dataclasses  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
+
+
+def _marshalled_own_code() -> bytes | str:
+    """This module's code, marshalled, else why it could not be had. The caller hands it to the supervisor
+    on stdin, after :data:`_SUPERVISOR_LOADER`, so the supervisor opens no file of rlplat's installation:
+    it needs no right to read it, and runs the very code the caller imported even when that file has
+    changed or gone since."""
+    loader = globals().get("__loader__")
+    try:
+        if hasattr(loader, "get_code"):
+            code = loader.get_code(__name__)
+        else:  # e.g. pytest's assertion rewriter, which loads rlplat in a plugin's tests
+            with open(__file__, "rb") as file:
+                code = compile(file.read(), __file__, "exec", dont_inherit=True)
+        if code is None:
+            raise ImportError(f"its loader {loader!r} gave no code")
+        return marshal.dumps(code)
+    except Exception as error:  # a loader of any kind: nothing narrower is promised
+        return (
+            f"the sandbox's supervisor runs the code of {__name__}, which could not be read "
+            f"({type(error).__name__}: {error}); import it from a source or .pyc file"
+        )
+
+
+_SUPERVISOR_CODE = _marshalled_own_code()
+_SUPERVISOR_LOADER = "import marshal, sys; exec(marshal.load(sys.stdin.buffer))"
+"""The supervisor's ``-c`` program: it runs the code that comes first on stdin, as ``__main__``."""
 
 
 class SandboxError(RuntimeError):
@@ -488,15 +671,21 @@ class SandboxResult:
 
 
 def run_python(
-    code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str = "", pid_namespace: bool | None = None
+    code: str,
+    limits: SandboxLimits = SandboxLimits(),
+    *,
+    stdin: str = "",
+    pid_namespace: bool | None = None,
+    mount_namespace: bool | None = None,
 ) -> SandboxResult:
     """Run ``code`` in the sandbox (see the module docstring) and return what it did; blocks until the
     run is over and every process it started is gone.
 
     ``pid_namespace``: None uses a PID namespace when the kernel allows one, True requires one
-    (:class:`SandboxError` otherwise), False never uses one."""
+    (:class:`SandboxError` otherwise), False never uses one. ``mount_namespace``: the same for the mount
+    namespace that gives the run private :data:`SHARED_DIRECTORIES`."""
     start = time.monotonic()
-    launch = _Launch.prepare(code, limits, stdin, pid_namespace)
+    launch = _Launch.prepare(code, limits, stdin, pid_namespace, mount_namespace)
     try:
         process = subprocess.Popen(
             launch.argv,
@@ -523,13 +712,18 @@ def run_python(
 
 
 async def run_python_async(
-    code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str = "", pid_namespace: bool | None = None
+    code: str,
+    limits: SandboxLimits = SandboxLimits(),
+    *,
+    stdin: str = "",
+    pid_namespace: bool | None = None,
+    mount_namespace: bool | None = None,
 ) -> SandboxResult:
     """:func:`run_python` without blocking the event loop; many may run at once. Cancelling it kills
     the run's processes before the cancellation goes on."""
     start = time.monotonic()
     await asyncio.to_thread(sandbox_python, limits)  # the first use tries the interpreter: off the loop
-    launch = _Launch.prepare(code, limits, stdin, pid_namespace)  # a few small files: quick
+    launch = _Launch.prepare(code, limits, stdin, pid_namespace, mount_namespace)  # a few small files: quick
     try:
         process = await asyncio.create_subprocess_exec(
             *launch.argv,
@@ -566,42 +760,90 @@ def sandbox_python(limits: SandboxLimits = SandboxLimits()) -> str:
         if problem:
             raise SandboxError(f"SandboxLimits.python: {problem}")
         return os.path.abspath(path)
-    candidates = [sys.executable, shutil.which("python3", path=_ENVIRONMENT["PATH"])]
-    problems = []
-    for candidate in dict.fromkeys(c for c in candidates if c):
+    system_python = shutil.which("python3", path=_ENVIRONMENT["PATH"])
+    problems = [] if system_python else [f"there is no python3 on {_ENVIRONMENT['PATH']}"]
+    for candidate in dict.fromkeys(c for c in (sys.executable, system_python) if c):
         problem = _python_problem(candidate)
         if problem is None:
             return candidate
         problems.append(problem)
+    user = f"uid {SANDBOX_UID}" if os.geteuid() == 0 else f"uid {os.geteuid()}, this process's"
     raise SandboxError(
-        "no interpreter the sandbox user can run: " + "; ".join(problems) + ". Set SandboxLimits.python to "
-        "one whose installation that user can read."
+        f"no interpreter that the sandbox's user ({user}) can run: " + "; ".join(problems) + ". Install a "
+        "python3 there, make an interpreter's installation readable by that user (and every directory above "
+        "it searchable), or name one with SandboxLimits.python (the python tool's config key python)."
     )
 
 
-_usable_pythons: dict[tuple[str, int], str | None] = {}
+# What the interpreter reports of itself: where its installation lies (its executable's directory, its
+# prefixes) and its module search path, which is the code's too (the same -I): whatever of them lies under a
+# shared directory is bound back into the run's mount namespace.
+_PROBE = (
+    "import sys; print(*(p for p in (sys.executable, sys.prefix, sys.base_prefix, sys.exec_prefix,"
+    " sys.base_exec_prefix, *sys.path) if p), sep='\\0')"
+)
+_probed_pythons: dict[tuple[str, int], str | list[str]] = {}
 
 
 def _python_problem(path: str) -> str | None:
     """None when the sandbox user can start ``path``; else why not. Tried once per path and user."""
+    probed = _probe_python(path)
+    return probed if isinstance(probed, str) else None
+
+
+def _python_directories(path: str) -> list[str]:
+    """The directories the interpreter at ``path``, which the sandbox user can start, uses."""
+    probed = _probe_python(path)
+    return [] if isinstance(probed, str) else probed
+
+
+def _probe_python(path: str) -> str | list[str]:
+    """Start ``path`` as the sandbox user: the directories it uses, else why it could not be started."""
     root = os.geteuid() == 0
     key = (path, SANDBOX_UID if root else os.geteuid())
-    if key not in _usable_pythons:
+    if key not in _probed_pythons:
         identity = {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []} if root else {}
         try:
             probe = subprocess.run(
-                [path, "-I", "-c", "import encodings"],
+                [path, "-I", "-c", _PROBE],
                 env=dict(_ENVIRONMENT, HOME="/"),
                 cwd="/",
                 capture_output=True,
                 timeout=60,
                 **identity,
             )
-            failure = probe.stderr.decode(errors="replace").strip().splitlines()[-1:] if probe.returncode else None
-            _usable_pythons[key] = None if failure is None else f"{path} fails as uid {key[1]}: {' '.join(failure)}"
+            if probe.returncode:
+                failure = " ".join(probe.stderr.decode(errors="replace").strip().splitlines()[-1:])
+                _probed_pythons[key] = f"{path} fails as uid {key[1]}: {failure}"
+            else:
+                reported = os.fsdecode(probe.stdout).rstrip("\n").split("\0")
+                _probed_pythons[key] = list(dict.fromkeys(
+                    entry if os.path.isdir(entry) else os.path.dirname(entry)
+                    for entry in reported if os.path.isabs(entry) and os.path.exists(entry)
+                ))  # fmt: skip
         except (OSError, subprocess.SubprocessError) as exc:
-            _usable_pythons[key] = f"{path} cannot be started as uid {key[1]}: {exc}"
-    return _usable_pythons[key]
+            _probed_pythons[key] = f"{path} cannot be started as uid {key[1]}: {exc}"
+        blocking = root and isinstance(_probed_pythons[key], str) and _unsearchable_directory(path)
+        if blocking:
+            _probed_pythons[key] += f" (the directory {blocking} is not searchable by that user)"
+    return _probed_pythons[key]
+
+
+def _unsearchable_directory(path: str) -> str | None:
+    """The first directory on the way to ``path`` (as written, then with links resolved) that the sandbox
+    user may not search by its mode bits, described with its mode; None if there is none."""
+    for way in (os.path.abspath(path), os.path.realpath(path)):
+        parts = way.split(os.sep)
+        for end in range(2, len(parts)):
+            directory = os.sep.join(parts[:end])
+            try:
+                status = os.stat(directory)
+            except OSError:
+                continue
+            shift = 6 if status.st_uid == SANDBOX_UID else 3 if status.st_gid == SANDBOX_UID else 0
+            if not status.st_mode >> shift & 1:
+                return f"{directory} (mode {status.st_mode & 0o7777:04o})"
+    return None
 
 
 @dataclasses.dataclass
@@ -614,15 +856,24 @@ class _Launch:
     instructions: bytes
     limits: SandboxLimits
     backstop_seconds: float
+    leftovers_tracked: bool
+    """Counted in :data:`_LEFTOVERS` (the caller is root) until :meth:`remove`."""
+    private_directories: bool | None = None
+    """Whether the run had private :data:`SHARED_DIRECTORIES`, once the supervisor has said."""
 
     @classmethod
-    def prepare(cls, code: str, limits: SandboxLimits, stdin: str, pid_namespace: bool | None) -> "_Launch":
+    def prepare(
+        cls, code: str, limits: SandboxLimits, stdin: str, pid_namespace: bool | None, mount_namespace: bool | None
+    ) -> "_Launch":
         if not isinstance(code, str):
             raise TypeError(f"code must be a str, got {type(code).__name__}")
         if not isinstance(stdin, str):
             raise TypeError(f"stdin must be a str, got {type(stdin).__name__}")
-        if pid_namespace not in (None, True, False):
-            raise ValueError(f"pid_namespace must be None, True or False, got {pid_namespace!r}")
+        for name, choice in (("pid_namespace", pid_namespace), ("mount_namespace", mount_namespace)):
+            if choice not in (None, True, False):
+                raise ValueError(f"{name} must be None, True or False, got {choice!r}")
+        if isinstance(_SUPERVISOR_CODE, str):
+            raise SandboxError(_SUPERVISOR_CODE)
         python = sandbox_python(limits)
         root = os.geteuid() == 0
         directory = tempfile.mkdtemp(prefix="rlplat-sandbox-")
@@ -647,20 +898,29 @@ class _Launch:
             "python": python,
             "caller_pid": os.getpid(),
             "pid_namespace": pid_namespace,
+            "mount_namespace": mount_namespace,
+            "shared_directories": list(SHARED_DIRECTORIES),
+            "keep": _python_directories(python),
             "identity": [SANDBOX_UID, SANDBOX_UID] if root else None,
             "limits": dataclasses.asdict(limits),
         }
+        if root:
+            _LEFTOVERS.run_started()
         return cls(
             directory=directory,
-            argv=[sys.executable, "-I", "-S", "-B", os.path.abspath(__file__)],
+            argv=[sys.executable, "-I", "-S", "-B", "-c", _SUPERVISOR_LOADER],
             environment={"PATH": _ENVIRONMENT["PATH"], "LANG": "C.UTF-8"},
-            instructions=marshal.dumps(instructions),
+            instructions=_SUPERVISOR_CODE + marshal.dumps(instructions),
             limits=limits,
             backstop_seconds=limits.wall_seconds + SUPERVISOR_GRACE_SECONDS,
+            leftovers_tracked=root,
         )
 
     def remove(self) -> None:
         _remove_tree(self.directory)
+        if self.leftovers_tracked:
+            self.leftovers_tracked = False
+            _LEFTOVERS.run_ended(private=self.private_directories)
 
     def supervisor_timed_out(self, duration: float) -> SandboxResult:
         return SandboxResult(
@@ -697,6 +957,7 @@ class _Launch:
             ) from None
         if report.get("setup_error"):
             raise SandboxError(report["setup_error"])
+        self.private_directories = report["private_directories"]
         return SandboxResult(
             stdout=report["stdout"],
             stderr=report["stderr"],
@@ -746,3 +1007,59 @@ def _remove_tree(directory: str) -> None:
         shutil.rmtree(directory, onerror=allow_and_retry)
 
 
+class _Leftovers:
+    """The fallback for runs without private shared directories, when the caller is root: removes the
+    entries that the sandbox user (uid :data:`SANDBOX_UID`) made at the top of :data:`SHARED_DIRECTORIES`
+    while runs of this process went on, once none goes on, so that one run's clean-up never takes away
+    the files of another run of this process that is still using them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._before: dict[str, set[tuple[str, int]]] = {}
+        self._sweep = False
+
+    def run_started(self) -> None:
+        with self._lock:
+            if self._running == 0:
+                listings = {path: _entries(path) for path in SHARED_DIRECTORIES}
+                self._before = {path: entries for path, entries in listings.items() if entries is not None}
+                self._sweep = False
+            self._running += 1
+
+    def run_ended(self, *, private: bool | None) -> None:
+        """``private``: whether the run had private shared directories (None: unknown, as after a timeout of
+        the supervisor)."""
+        with self._lock:  # held while removing: no run starts meanwhile, so none of its files is taken
+            self._running -= 1
+            self._sweep = self._sweep or not private
+            if self._running or not self._sweep:
+                return
+            for path, before in self._before.items():
+                for name, _ in (_entries(path) or set()) - before:
+                    _remove_if_made_by_the_sandbox_user(os.path.join(path, name))
+
+
+_LEFTOVERS = _Leftovers()
+
+
+def _entries(directory: str) -> set[tuple[str, int]] | None:
+    """(name, inode) of each entry of ``directory``; None when it cannot be listed."""
+    try:
+        with os.scandir(directory) as listing:
+            return {(entry.name, entry.inode()) for entry in listing}
+    except OSError:
+        return None
+
+
+def _remove_if_made_by_the_sandbox_user(path: str) -> None:
+    try:
+        if os.lstat(path).st_uid != SANDBOX_UID:
+            return
+        if os.path.isdir(path) and not os.path.islink(path):
+            # Safe against a symbolic link swapped in meanwhile: rmtree works through descriptors on Linux.
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
