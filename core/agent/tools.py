@@ -92,8 +92,8 @@ class PythonToolConfig(ToolConfig):
 
 class PythonTool(Tool):
     """Runs the model's ``code`` in a sandboxed child process (:mod:`rlplat.agent.sandbox`: resource
-    limits, wall timeout killing every process it started, an empty temporary directory, a scrubbed
-    environment, an unprivileged user when rlplat runs as root) and returns its output."""
+    limits, wall timeout killing every process it started, an empty working directory, a private ``/tmp``
+    per call, a scrubbed environment, an unprivileged user when rlplat runs as root) and returns its output."""
 
     def __init__(self, config: Any = None, schema: Mapping[str, Any] | None = None):
         from rlplat.config_node import read_config_node
