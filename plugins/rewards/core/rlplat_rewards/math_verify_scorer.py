@@ -72,19 +72,29 @@ _set_async_exc = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_ulong, ctypes.py_objec
 
 class _Watch:
     """A watchdog thread that raises :class:`_DeadlinePassed` in the watched thread once ``seconds`` have
-    passed, and again every ``_REINJECT_INTERVAL_S`` while that thread has not stopped the watch (in
-    case a bare ``except:`` swallowed it)."""
+    passed after :meth:`start`, and again every ``_REINJECT_INTERVAL_S`` while that thread has not stopped
+    the watch (in case a bare ``except:`` swallowed it). It injects only while holding ``lock`` and never
+    once ``stopped`` is set, so after :meth:`stop` has set it under the lock at most one is pending."""
 
     def __init__(self, seconds: float):
+        self.seconds = seconds
         self.thread_id = threading.get_ident()
         self.stopped = threading.Event()
-        self.watchdog = threading.Thread(target=self._watch, args=(seconds,), daemon=True, name="rlplat-math-verify-deadline")
+        self.lock = threading.Lock()
+        self.watchdog = threading.Thread(target=self._watch, daemon=True, name="rlplat-math-verify-deadline")
+
+    def start(self) -> None:
+        """Start the clock. Call it inside the ``try`` whose ``finally`` calls :meth:`stop`: with a short
+        deadline on a busy machine the first :class:`_DeadlinePassed` can come before ``start`` returns."""
         self.watchdog.start()
 
-    def _watch(self, seconds: float) -> None:
-        wait = seconds
+    def _watch(self) -> None:
+        wait = self.seconds
         while not self.stopped.wait(wait):
-            _set_async_exc(self.thread_id, _DeadlinePassed)
+            with self.lock:
+                if self.stopped.is_set():
+                    return
+                _set_async_exc(self.thread_id, _DeadlinePassed)
             wait = _REINJECT_INTERVAL_S
 
     def stop(self) -> None:
@@ -92,8 +102,10 @@ class _Watch:
         repeatable, so one raised while stopping (the deadline passing just now) restarts them."""
         while True:
             try:
-                self.stopped.set()
-                self.watchdog.join()
+                with self.lock:
+                    self.stopped.set()
+                if self.watchdog.ident is not None:  # started (a watch stopped before its start never is)
+                    self.watchdog.join()
                 _set_async_exc(self.thread_id, ctypes.py_object())  # NULL: drop one still pending
                 return
             except _DeadlinePassed:
@@ -110,6 +122,7 @@ def run_within(function: Callable[[], _Result], seconds: float, what: str = "the
     watch = _Watch(seconds)
     try:
         try:
+            watch.start()
             return function()
         finally:
             watch.stop()

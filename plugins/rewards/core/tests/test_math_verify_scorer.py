@@ -175,6 +175,19 @@ def test_no_timeout_escapes_calls_that_end_at_their_deadline():
     spin(0.05)  # a timeout still pending in this thread would be raised here
 
 
+def test_a_deadline_that_passes_while_the_watch_starts_is_a_timeout_and_leaves_no_watchdog():
+    # A microsecond bound passes while the watchdog thread is starting, as a few milliseconds do on a busy
+    # machine: each call ends in a result or a TimeoutError, and no watchdog outlives its call (one that did
+    # raised its deadline into whatever this thread ran next, once a second; 8 of 2000 calls did so here).
+    for _ in range(2000):
+        try:
+            run_within(lambda: None, 1e-6)
+        except TimeoutError:
+            pass
+    spin(0.05)  # a timeout still pending in this thread would be raised here
+    assert [thread for thread in threading.enumerate() if thread.name == "rlplat-math-verify-deadline"] == []
+
+
 def test_a_slow_comparison_is_stopped_at_the_bound(monkeypatch):
     # expanding two 300th powers takes sympy about a second (0.4 s to 2.6 s measured here)
     monkeypatch.setattr(math_verify_scorer, "TIMEOUT_S", 0.05)
