@@ -211,6 +211,9 @@ def test_a_mini_batch_larger_than_the_batch_is_one_step_on_the_whole_batch(tiny_
     larger.train_batch(batch.with_meta_info({"ppo_mini_batch_size": 64}), SumOfLogProbs())
     whole.train_batch(batch, SumOfLogProbs())
     assert larger.state()["step"] == whole.state()["step"] == 1
+    # Exact: both engines draw the same weights under the seed into fresh (64-byte aligned) allocations and
+    # run the same micro-batches of 2 rows through the same kernels at this process's thread count, so the
+    # sums are blocked alike; another split of the rows would differ in the last bits.
     expected, actual = full_gradients(whole), full_gradients(larger)
     assert max(float((expected[name] - actual[name]).abs().max()) for name in expected) == 0.0
 
@@ -263,6 +266,9 @@ def max_difference(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]
 def test_foreach_adamw_updates_bit_for_bit_as_the_for_loop(tiny_config, batch_of):
     for_loop = stepped(tiny_config, batch_of, 3, optimizer_implementation="for-loop")
     foreach = stepped(tiny_config, batch_of, 3, optimizer_implementation="foreach")
+    # Bit for bit is what config.py promises. It holds at any thread count: the forwards and backwards are
+    # those of the previous test (same weights, same shapes), and on CPU a foreach op runs the for-loop's
+    # elementwise kernel on each tensor, every element rounded on its own (no sum whose order could change).
     assert all(torch.equal(foreach[name], for_loop[name]) for name in for_loop)
     assert max_difference(for_loop, parameters_of(built(tiny_config))) >= 1e-3
 
@@ -284,6 +290,10 @@ def test_one_float32_rank_trains_the_plain_module_as_fully_shard_would(tiny_conf
     assert not any(isinstance(parameter, DTensor) for parameter in plain.module.parameters())
     plain_metrics = [plain.train_batch(batch_of(4, seed=seed), SumOfLogProbs()) for seed in range(3)]
     sharded_metrics = [sharded.train_batch(batch_of(4, seed=seed), SumOfLogProbs()) for seed in range(3)]
+    # Bit for bit is what config.py promises for shard_one_rank. Over one rank FSDP2's all-gather and
+    # reduce-scatter copy; the gathered parameters are 64-byte aligned as the plain module's are (the tiny
+    # model's tensors are all multiples of 16 floats), so every matmul and reduction sees the same shapes
+    # and alignment at this process's thread count.
     after_plain, after_sharded = parameters_of(plain), parameters_of(sharded)
     assert all(torch.equal(after_plain[name], after_sharded[name]) for name in after_plain)
     assert plain_metrics == sharded_metrics
@@ -314,6 +324,9 @@ def test_save_load_then_the_next_steps_equal_not_stopping(tiny_config, batch_of,
         uninterrupted.train_batch(batch_of(4, seed=seed), SumOfLogProbs())
     uninterrupted.save(str(tmp_path / "checkpoint"))
     resumed.load(str(tmp_path / "checkpoint"))
+    # Exact resume is the project's promise: the checkpoint restores weights, optimizer state, schedule and
+    # RNG into the resumed engine's own allocations, and both engines run the same micro-batches through
+    # the same kernels in this process, so every sum is blocked alike at any thread count.
     for seed in range(2, 4):
         expected = uninterrupted.train_batch(batch_of(4, seed=seed), SumOfLogProbs())
         assert resumed.train_batch(batch_of(4, seed=seed), SumOfLogProbs()) == expected
@@ -376,9 +389,13 @@ def test_an_engine_built_from_a_local_directory_exports_model_and_tokenizer(tiny
     batch = batch_of(4)
     exported = {name: tensor for bucket in source.named_weights() for name, tensor in bucket}
     assert all(torch.equal(tensor, exported[name]) for bucket in loaded.named_weights() for name, tensor in bucket)
-    # The weights are bit-identical; the two forwards are not guaranteed to be: with more than one thread
-    # the CPU kernels may block a float32 sum differently for tensors at different addresses (seen with 2
-    # threads, never with 1). A few float32 ulps per sum through the tiny model's layers stay far below 1e-5.
+    # The weights are bit-identical; the two forwards are not guaranteed to be. The loaded engine runs the 4
+    # rows as one micro-batch (its default micro_batch_size_per_gpu) where the source runs two of 2, and with
+    # 2 threads the CPU matmuls split float32 sums differently for a pack of 35 tokens than for packs of 20
+    # and 15 (2.4e-7 apart on the log-probs here). Its weights also sit where safetensors put them (8-byte
+    # aligned, not 64), which changes the summation order of single-row products. A few float32 ulps per
+    # sum through 2 layers stay far below 1e-5; a weight matrix left out (zeroed) moves these log-probs by
+    # 4e-3 or more.
     torch.testing.assert_close(loaded.forward(batch).batch["log_probs"], source.forward(batch).batch["log_probs"],
                                rtol=1e-5, atol=1e-5)
     loaded.export_hf(str(tmp_path / "exported"))

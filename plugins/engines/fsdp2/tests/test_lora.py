@@ -191,6 +191,8 @@ def test_named_weights_are_the_merged_model_in_plain_names_and_equal_peft_merge_
     engine.export_adapter(str(tmp_path / "adapter"))
     peft_merged = peft.PeftModel.from_pretrained(plain, str(tmp_path / "adapter")).merge_and_unload()
     expected = dict(peft_merged.named_parameters())
+    # Bit for bit, as lora.py promises: merged_weight is peft's formula in peft's order on the same tensors,
+    # elementwise but for B @ A, whose rank-4 sums run through the same kernel at the same shapes.
     assert all(torch.equal(merged[name], expected[name]) for name in merged)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     assert max(float((merged[name] - base[name]).abs().max()) for name in merged) > 1e-3  # the adapter moved the weights
@@ -245,6 +247,9 @@ def test_an_engine_starts_from_an_adapter_folder_and_trains_it(model_dir, batch_
     source.export_adapter(str(tmp_path / "adapter"))
     batch = batch_of(8, seed=5)
     started = built(from_directory(model_dir), lora=lora(adapter_path=str(tmp_path / "adapter")))
+    # Exact: both engines read the base weights from the same files (so they sit at the same alignment),
+    # hold the adapter in allocations of their own, and run the same micro-batches of 2 rows through the
+    # same kernels in this process.
     assert torch.equal(started.forward(batch).batch["log_probs"], source.forward(batch).batch["log_probs"])
     assert started.train_batch(batch, policy_gradient)["trainable_params"] == 23552
     with pytest.raises(ValueError, match="has rank 4 and alpha 8.0, actor.lora says rank 8"):
@@ -284,6 +289,8 @@ def test_save_load_then_the_next_steps_equal_not_stopping(model_dir, batch_of, t
     uninterrupted.save(str(tmp_path / "checkpoint"))
     expected = [uninterrupted.train_batch(batch_of(4, seed=seed), policy_gradient) for seed in range(2, 4)]
     resumed.load(str(tmp_path / "checkpoint"))
+    # Exact resume is the project's promise: both engines read the base from the same files, the checkpoint
+    # restores adapter, optimizer, schedule and RNG, and the same micro-batches run through the same kernels.
     assert [resumed.train_batch(batch_of(4, seed=seed), policy_gradient) for seed in range(2, 4)] == expected
     after_uninterrupted, after_resumed = named_weights_of(uninterrupted), named_weights_of(resumed)
     assert all(torch.equal(after_resumed[name], after_uninterrupted[name]) for name in after_uninterrupted)

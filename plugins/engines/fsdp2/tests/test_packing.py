@@ -148,6 +148,9 @@ def test_an_unpacked_call_on_a_packing_model_keeps_the_configured_attention(batc
     with torch.no_grad():
         expected = built(packed=False).module(**arguments).logits
         actual = built(packed=True).module(**arguments).logits
+    # Exact on purpose: the two models draw the same weights under the seed into fresh allocations and take
+    # the same inputs, so the same attention kernel gives the same bits at any thread count; another kernel
+    # (eager instead of sdpa) would differ in the last bits.
     assert torch.equal(actual, expected)
 
 
@@ -160,6 +163,8 @@ def test_a_model_whose_attention_cannot_be_packed_runs_padded_with_a_warning(bat
     with pytest.warns(UserWarning, match="Qwen2ForCausalLM does not route attention through Hugging Face's attention interface"):
         engine = built(packed=True)
     assert engine.state()["remove_padding"] is False
+    # Exact: the same weights and the same padded micro-batch through the same kernels; packed rows would
+    # differ in the last bits (and be 0 at padding).
     assert torch.equal(engine.forward(rows).batch["log_probs"], expected)
 
 
