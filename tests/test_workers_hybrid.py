@@ -92,6 +92,9 @@ def test_sleep_frees_the_rollout_weights_and_wake_plus_sync_reproduces_generatio
     in_process_hybrid.sync_weights()  # wakes the rollout, then loads every bucket
     second = in_process_hybrid.generate_sequences(prompts)
     assert rollout.parameter_bytes() == held
+    # Exact: the rollout's weights (drawn from the config, load_weights=False) were fresh 64-byte aligned
+    # allocations before the sleep and are again after the wake-up, holding the same values, and the seeded
+    # sampler draws from the same rows in this process.
     assert torch.equal(first.batch["responses"], second.batch["responses"])
     assert torch.equal(first.batch["rollout_log_probs"], second.batch["rollout_log_probs"])
 
@@ -178,6 +181,8 @@ def test_in_one_process_the_rollout_reads_the_engine_weights_in_place_and_sample
                 copier.rollout.update_weights(bucket)
             shared = group.generate_sequences(prompts)
             copied = reference.generate_sequences(prompts)
+            # Both rollouts read the same values from 64-byte aligned allocations (the engine's parameters,
+            # the copier's own) and decode the same rows, so the same seed draws the same tokens.
             assert torch.equal(shared.batch["responses"], copied.batch["responses"])
             assert torch.allclose(shared.batch["rollout_log_probs"], copied.batch["rollout_log_probs"], atol=1e-6)
         assert storages(worker.rollout.model.parameters()).keys() <= engine_storages.keys()
