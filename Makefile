@@ -48,13 +48,14 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -m "not gpu and not slow" $(PYTEST_ARGS)
 
-# test-fast on the machines users and CI have, not just this one: 1 and 4 OpenMP threads (numerics must not
-# depend on the thread count); torch's and oneDNN's kernels limited to AVX2, as on a CPU without AVX-512 or
+# test-fast on the machines users and CI have, not just this one: 1 and 4 threads (numerics must not depend
+# on the thread count; torch caps OMP_NUM_THREADS at the cores, so RLPLAT_TEST_TORCH_THREADS sets the test
+# process's 4 threads, see conftest.py); torch's and oneDNN's kernels limited to AVX2, as on a CPU without AVX-512 or
 # native bf16; then from a fresh clone of HEAD (commit first) in a 0700 temporary directory whose path has a
 # space, with its own .venv installed from scratch (the sandbox's user cannot read it).
 test-matrix: setup
 	OMP_NUM_THREADS=1 $(MAKE) --no-print-directory test-fast
-	OMP_NUM_THREADS=4 $(MAKE) --no-print-directory test-fast
+	OMP_NUM_THREADS=4 RLPLAT_TEST_TORCH_THREADS=4 $(MAKE) --no-print-directory test-fast
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(MAKE) --no-print-directory test-fast
 	set -e; base=$$(mktemp -d); chmod 700 "$$base"; trap 'rm -rf "$$base"' EXIT; \
 		git clone --quiet "$(CURDIR)" "$$base/a clone/rlplat"; \
