@@ -16,6 +16,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
+import shlex
 import site
 import sys
 import uuid
@@ -93,6 +94,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, num_gpus:
     if address:
         ray.init(address=address, log_to_driver=True, **runtime)
     else:
+        runtime = quoted_interpreter(runtime)
         # Ray turns 127.0.0.1 into the machine's routable address unless cluster mode is off; the switch
         # is an environment variable for the processes Ray starts, and a constant Ray read at import here.
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -109,6 +111,23 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, num_gpus:
             **runtime,
         )
     _runtime_env_of_job[ray.get_runtime_context().get_job_id()] = environment
+
+
+#: runtime_env settings that choose the workers' interpreter themselves.
+OWN_INTERPRETER = ("py_executable", "pip", "uv", "conda", "container", "image_uri")
+
+
+def quoted_interpreter(runtime: dict[str, Any]) -> dict[str, Any]:
+    """``ray.init``'s arguments for a local cluster whose workers start through a runtime environment: Ray
+    then starts each worker with ``bash -c "exec <interpreter> ..."`` and leaves the interpreter's path
+    unquoted (its ``py_executable`` is a shell fragment, like ``uv run``), so a path with a space or a
+    shell character (a clone in ``~/my projects``) failed every worker's start. This one's quoted path is
+    given as ``py_executable`` unless a setting chooses the interpreter itself."""
+    environment = runtime.get("runtime_env")
+    quoted = shlex.quote(sys.executable)
+    if not environment or quoted == sys.executable or any(key in environment for key in OWN_INTERPRETER):
+        return runtime
+    return {**runtime, "runtime_env": {**environment, "py_executable": quoted}}
 
 
 def require_runtime_env(requested: Mapping[str, Any]) -> None:
