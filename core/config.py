@@ -479,7 +479,7 @@ def validate_config(config: DictConfig) -> None:
     from rlplat import registry
 
     algorithm = algorithm_spec(config.algorithm.name)
-    resolve_use_gpu(config)
+    check_cluster(config)  # first: cluster.use_gpu=auto resolved before the checks below read it
     for kind, key in (("engine", "actor.engine"), ("engine", "critic.engine"), ("rollout", "rollout.name"),
                       ("reward_manager", "reward.manager"), ("advantage_estimator", "algorithm.adv_estimator")):
         entry_schema(kind, OmegaConf.select(config, key), key)
@@ -527,7 +527,6 @@ def validate_config(config: DictConfig) -> None:
         raise ConfigError(f"cluster.memory_check must be refuse, warn or skip, got {config.cluster.memory_check!r}.")
     if config.cluster.device_memory_gib is not None and not config.cluster.device_memory_gib > 0:
         raise ConfigError(f"cluster.device_memory_gib must be > 0 or null, got {config.cluster.device_memory_gib}.")
-    check_cluster(config)
     if not config.cluster.cpus_per_process > 0:
         raise ConfigError(f"cluster.cpus_per_process must be > 0, got {config.cluster.cpus_per_process}.")
     if config.cluster.threads_per_process is not None and config.cluster.threads_per_process < 1:

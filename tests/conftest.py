@@ -137,3 +137,15 @@ def no_ray_left_by_the_module():
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
+
+
+@pytest.fixture
+def run_files(tmp_path) -> tuple[Path, Path]:
+    """``(model directory, train parquet)`` for a config that validates: an empty model folder (validation
+    reads no weights) and one arithmetic row."""
+    from rlplat.data import write_parquet
+
+    model = tmp_path / "model"
+    model.mkdir()
+    rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}]
+    return model, write_parquet(rows, tmp_path / "train.parquet")

@@ -5,15 +5,11 @@ from __future__ import annotations
 import pytest
 
 from rlplat.config import ConfigError, load_config
-from rlplat.data import write_parquet
 
 
 @pytest.fixture
-def paths(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}]
-    train = write_parquet(rows, tmp_path / "train.parquet")
+def paths(run_files):
+    model, train = run_files
     return {"model.path": str(model), "data.train_files": f"[{train}]"}
 
 

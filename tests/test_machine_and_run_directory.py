@@ -16,11 +16,8 @@ from rlplat.trainer_config import check_run_directory, first_logged_step, prepar
 
 
 @pytest.fixture
-def paths(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}]
-    train = write_parquet(rows, tmp_path / "train.parquet")
+def paths(run_files):
+    model, train = run_files
     return [f"model.path={model}", f"data.train_files=[{train}]"]
 
 
