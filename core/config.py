@@ -508,14 +508,14 @@ def validate_config(config: DictConfig) -> None:
     check_agent(config, data)
 
     rollout_entry = registry.entry("rollout", config.rollout.name)
-    if rollout_entry.metadata.get("needs_gpu") and not config.cluster.use_gpu:
+    if rollout_entry.needs_gpu and not config.cluster.use_gpu:
         raise ConfigError(
             f"rollout {config.rollout.name!r} runs on GPUs only: set cluster.use_gpu=true "
             "(and cluster.devices_per_node to the GPUs per machine), or use the hf rollout on CPUs."
         )
     if config.reward.manager == "judge":
         judge_rollout = (OmegaConf.to_container(config.reward.config, resolve=True) or {}).get("rollout", "hf")
-        if registry.entry("rollout", judge_rollout).metadata.get("needs_gpu") and not config.cluster.use_gpu:
+        if registry.entry("rollout", judge_rollout).needs_gpu and not config.cluster.use_gpu:
             raise ConfigError(f"reward.config.rollout: the judge's rollout {judge_rollout!r} runs on GPUs only: set "
                               "cluster.use_gpu=true, or serve the judge with the hf rollout on CPUs.")
     if algorithm.needs_critic and config.critic.enable is False:

@@ -28,7 +28,8 @@ callback owned by core; the hook calls it once per thing it provides and returns
     A structured-config dataclass (or its dotted path) describing the entry's config node.
 ``metadata``
     Anything else a consumer of this kind documents (e.g. an algorithm's ``needs_critic``; a rollout's
-    ``needs_gpu``, checked against ``cluster.use_gpu`` when a run's config is validated).
+    ``needs_gpu``, checked against ``cluster.use_gpu`` when a run's config is validated: a bool, or the
+    ``"module:function"`` path of a function of no argument that answers without importing the backend).
 
 Hooks are called once per plugin, in load order; none of them returns a value, so no answer "wins".
 New arguments may be added to a hook later; an implementation may accept any subset of them.
@@ -64,7 +65,7 @@ def register_rollouts(register):
     The factory builds a :class:`rlplat.contracts.rollout.RolloutEngine` from ``(config, **kwargs)``;
     ``config`` maps the :class:`rlplat.contracts.rollout.RolloutBuildConfig` keys and ``rollout.config``.
     ``config_schema`` extends ``RolloutBuildConfig``. ``metadata={"needs_gpu": True}`` makes a run on CPUs
-    a config error; ``metadata={"estimate_memory": "package.memory:estimate"}`` names the rollout's memory
+    a config error (``"module:function"`` instead of True: asked when the config is validated); ``metadata={"estimate_memory": "package.memory:estimate"}`` names the rollout's memory
     estimate without its class, as for engines.
     """
 

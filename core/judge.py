@@ -403,7 +403,7 @@ class JudgeRole(Role):
         from rlplat.workers.actor_rollout_ref import ActorRolloutRefWorker
 
         settings = read_config_node(run.config.reward.config, JudgeConfig, "reward.config")
-        if registry.entry("rollout", settings.rollout).metadata.get("needs_gpu") and not run.config.cluster.use_gpu:
+        if registry.entry("rollout", settings.rollout).needs_gpu and not run.config.cluster.use_gpu:
             raise ConfigError(f"reward.config.rollout: the judge's rollout {settings.rollout!r} runs on GPUs only: set "
                               "cluster.use_gpu=true, or serve the judge with the hf rollout on CPUs")
         return WorkerSpec(ActorRolloutRefWorker, settings.worker_config())

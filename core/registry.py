@@ -85,6 +85,19 @@ class Entry:
             return "ok"
         return "unavailable: " + unavailable_reason(missing, self.install_hint)
 
+    @property
+    def needs_gpu(self) -> bool:
+        """``metadata["needs_gpu"]``: a bool, or the ``"module:function"`` path of a function of no argument
+        that answers (e.g. from which build of a backend is installed; it must not import the backend)."""
+        value = self.metadata.get("needs_gpu", False)
+        if not isinstance(value, str):
+            return bool(value)
+        try:
+            return bool(resolve_dotted_path(value)())
+        except Exception as error:
+            raise EntryLoadError(f"{self.kind} {self.name!r} from {self.origin}: its metadata needs_gpu={value!r} could not be "
+                                 f"answered: {plugin_loading.describe_exception(error)}") from error
+
     def load(self) -> Any:
         """The factory itself: resolves a dotted path (importing its module) after checking ``requires``."""
         missing = self.missing_requirements()

@@ -11,7 +11,7 @@ import asyncio
 import os
 import queue
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -126,6 +126,38 @@ def pad_and_eos_token_ids(model_path: str | None, pad_token_id: int | None, eos_
             raise ValueError(f"{engine} rollout: no pad_token_id and no EOS token known; set rollout.config.pad_token_id")
         pad = eos[0]
     return int(pad), eos
+
+
+#: Where a Hugging Face causal LM keeps its input embedding and its output layer.
+INPUT_EMBEDDING, OUTPUT_LAYER = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def tied_weight_aliases(model_path: str | None) -> dict[str, tuple[str, ...]]:
+    """``{name: other names of the same tensor}`` for a model whose output layer is its input embedding
+    (``tie_word_embeddings``, the config class's default when ``config.json`` omits it; local files only).
+    Training engines send a tied tensor once, under the embedding's name; a rollout engine that keeps its
+    own copy of the output layer (vLLM's CPU backend packs one when the layer is processed) must get it
+    under both names, or it samples from the stale copy. Empty when nothing is tied or no path is known."""
+    if model_path is None:
+        return {}
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return {INPUT_EMBEDDING: (OUTPUT_LAYER,)} if getattr(text_config, "tie_word_embeddings", False) else {}
+
+
+def with_tied_aliases(bucket: Sequence[tuple[str, Any]], aliases: Mapping[str, Sequence[str]]) -> list[tuple[str, Any]]:
+    """The bucket with each tied tensor also under its other names (:func:`tied_weight_aliases`), unless the
+    bucket already names them."""
+    named = [(name, tensor) for name, tensor in bucket]
+    present = {name for name, _ in named}
+    for name, tensor in list(named):
+        for alias in aliases.get(name, ()):
+            if alias not in present:
+                named.append((alias, tensor))
+                present.add(alias)
+    return named
 
 
 class RequestBatcher:

@@ -242,3 +242,22 @@ def test_dotted_path_that_fails_to_import_names_the_entry_and_its_plugin(isolate
     isolated_registry.register_plugin(Plugin(), name="loss-plugin", distribution="loss-dist", version="0.9")
     with pytest.raises(EntryLoadError, match=r"policy_loss 'broken' from loss-dist 0.9 \(plugin 'loss-plugin'\)"):
         isolated_registry.get("policy_loss", "broken")
+
+
+def test_needs_gpu_is_a_bool_or_a_function_asked_when_read(isolated_registry):
+    from rlplat import hookimpl
+
+    class Rollouts:
+        @hookimpl
+        def register_rollouts(self, register):
+            register("fixed", "json:dumps", metadata={"needs_gpu": True})
+            register("asks", "json:dumps", metadata={"needs_gpu": "os.path:isabs"})  # a function of no argument raises
+            register("answers", "json:dumps", metadata={"needs_gpu": "builtins:bool"})  # bool() is False
+            register("plain", "json:dumps")
+
+    isolated_registry.register_plugin(Rollouts(), name="rollouts")
+    assert isolated_registry.entry("rollout", "fixed").needs_gpu is True
+    assert isolated_registry.entry("rollout", "answers").needs_gpu is False
+    assert isolated_registry.entry("rollout", "plain").needs_gpu is False
+    with pytest.raises(EntryLoadError, match=r"rollout 'asks' .*needs_gpu='os.path:isabs' could not be answered"):
+        isolated_registry.entry("rollout", "asks").needs_gpu

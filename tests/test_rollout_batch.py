@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlplat.contracts.rollout import TokenOutput
-from rlplat.rollout_batch import assemble_rollout, finish_reason, prompt_token_lists
+from rlplat.rollout_batch import assemble_rollout, finish_reason, prompt_token_lists, tied_weight_aliases, with_tied_aliases
 from rlplat.testing import left_padded_prompts
 
 
@@ -112,3 +112,26 @@ def test_pad_and_eos_come_from_config_and_generation_config(tmp_path):
     assert pad_and_eos_token_ids(model_dir, 5, (9,), "test") == (5, (9,))
     with pytest.raises(ValueError, match="test rollout: no pad_token_id and no EOS token known"):
         pad_and_eos_token_ids(None, None, None, "test")
+
+
+def test_a_tied_output_layer_is_sent_under_both_names_once(tmp_path):
+    from rlplat.testing.tiny_models import save_tiny_model
+
+    aliases = tied_weight_aliases(save_tiny_model(tmp_path / "tied", seed=0))  # the demo's model ties its embeddings
+    assert aliases == {"model.embed_tokens.weight": ("lm_head.weight",)}
+    embedding, norm = torch.ones(2), torch.zeros(2)
+    named = with_tied_aliases([("model.embed_tokens.weight", embedding), ("model.norm.weight", norm)], aliases)
+    assert [name for name, _ in named] == ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    assert named[2][1] is embedding
+    both = [("model.embed_tokens.weight", embedding), ("lm_head.weight", norm)]
+    assert with_tied_aliases(both, aliases) == both  # already named: not twice
+    assert with_tied_aliases([("model.norm.weight", norm)], aliases) == [("model.norm.weight", norm)]
+    assert tied_weight_aliases(None) == {}
+
+
+def test_an_untied_model_has_no_aliases(tmp_path):
+    from transformers import Qwen2Config
+
+    Qwen2Config(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, tie_word_embeddings=False).save_pretrained(tmp_path)
+    assert tied_weight_aliases(str(tmp_path)) == {}

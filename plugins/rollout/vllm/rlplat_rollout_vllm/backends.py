@@ -1,8 +1,9 @@
 """The two ways the ``vllm`` rollout reaches vLLM: a ``vllm.LLM`` in this process, or a vLLM server over
 HTTP. Both offer the same methods: generation, sleep/wake, prefix-cache reset, the four calls of
 vLLM's weight-sync client protocol (``init_weight_transfer_engine``, ``start_weight_update``,
-``update_weights``, ``finish_weight_update``), and one LoRA adapter served with every request
-(``load_adapter``, ``drop_adapter``).
+``update_weights``, ``finish_weight_update``), ``load_weights`` (one bucket through the worker extension,
+for the ``load`` weight path), and one LoRA adapter served with every request (``load_adapter``,
+``drop_adapter``).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import tempfile
 import threading
 import urllib.parse
-from typing import Any, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
 from rlplat.rollout_batch import RequestBatcher
@@ -28,6 +30,11 @@ from rlplat_rollout_vllm.translate import (
     sampling_kwargs,
     server_arguments,
 )
+
+#: The worker extension's method (:mod:`rlplat_rollout_vllm.worker_extension`).
+LOAD_METHOD = "rlplat_load_weights"
+#: Where buckets for an engine in another process are written: memory-backed where the node has it.
+SHARED_MEMORY = "/dev/shm"
 
 # Weight updates carry CUDA IPC handles (tuples of torch types) to vLLM's engine process: its msgpack
 # RPC and its HTTP route accept them only with pickle allowed. The engine process is this worker's own
@@ -53,18 +60,77 @@ def without_distributed_env():
         os.environ.update(saved)
 
 
+@contextlib.contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` set in this process's environment while the block runs (vLLM reads its variables when
+    the engine starts), the previous ones restored after."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def cpu_environment(config: VLLMRolloutConfig) -> dict[str, str]:
+    """What vLLM's CPU platform needs in its environment. Threads are not bound (``nobind``): vLLM's
+    ``auto`` pins the engine to one core and reserves another, which would pin the trainer sharing the
+    process or the machine; a value the user set is kept."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
+
+
+def runs_in_process(config: VLLMRolloutConfig, cpu: bool) -> bool:
+    """``rollout.config.in_process``, or its default: in process on CPU unless the worker belongs to a
+    torch.distributed group of several processes (vLLM would take that group for its own world)."""
+    if config.in_process is not None:
+        return config.in_process
+    if not cpu:
+        return False
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def bucket_file(bucket: Sequence[tuple[str, Any]]) -> str:
+    """The bucket as a safetensors file in shared memory (or the temporary folder), for an engine in another
+    process on this node; the worker extension removes it once read. Tensors that share memory (a tied
+    output layer under two names) are written as copies."""
+    from safetensors.torch import save_file
+
+    tensors, seen = {}, set()
+    for name, tensor in bucket:
+        tensor = tensor.detach().to("cpu")
+        tensors[name] = tensor.clone() if tensor.untyped_storage().data_ptr() in seen else tensor.contiguous()
+        seen.add(tensor.untyped_storage().data_ptr())
+    folder = SHARED_MEMORY if os.path.isdir(SHARED_MEMORY) and os.access(SHARED_MEMORY, os.W_OK) else None
+    descriptor, path = tempfile.mkstemp(prefix="rlplat-vllm-bucket-", suffix=".safetensors", dir=folder)
+    os.close(descriptor)
+    try:
+        save_file(tensors, path)
+    except BaseException:
+        os.unlink(path)
+        raise
+    return path
+
+
 class InProcessBackend:
     """A ``vllm.LLM`` owned by this worker. ``LLM`` is not thread safe, so calls are serialised by a lock;
     concurrent :meth:`generate_one` calls (agent loops) are gathered into one ``LLM.generate`` batch
     with a sampling-parameter object per prompt."""
 
-    def __init__(self, config: VLLMRolloutConfig):
+    def __init__(self, config: VLLMRolloutConfig, cpu: bool = False):
         os.environ.update(INSECURE_SERIALIZATION)
         import vllm
 
         self.vllm = vllm
-        with without_distributed_env():
-            self.llm = vllm.LLM(**engine_kwargs(config))
+        self.in_process = runs_in_process(config, cpu)
+        env = {**(cpu_environment(config) if cpu else {}), **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if self.in_process else {})}
+        with without_distributed_env(), environment(env):
+            self.llm = vllm.LLM(**engine_kwargs(config, cpu))
         self.owner_pid = os.getpid()
         self.adapter: Any = None  # the LoRARequest every generation uses, if any
         self.lock = threading.Lock()
@@ -138,6 +204,17 @@ class InProcessBackend:
         with self.lock:
             self.llm.finish_weight_update(weight_version=weight_version)
 
+    def load_weights(self, bucket: Sequence[tuple[str, Any]]) -> None:
+        """One bucket into the model through the worker extension: by reference in this process, else as a
+        file in shared memory."""
+        source = list(bucket) if self.in_process else bucket_file(bucket)
+        try:
+            with self.lock:
+                self.llm.collective_rpc(LOAD_METHOD, args=(source,))
+        finally:
+            if isinstance(source, str) and os.path.exists(source):
+                os.unlink(source)  # the worker failed before reading it
+
     def load_adapter(self, name: str, adapter_id: int, path: str) -> None:
         """Load the adapter folder ``path`` now (a bad adapter fails here, not at the next generation)
         and serve it from now on; the previous adapter is unloaded."""
@@ -170,13 +247,14 @@ class ServerBackend:
     loopback, dev routes on) or attached to at ``server_url``. An attached server must run with
     ``VLLM_SERVER_DEV_MODE=1`` and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` on the same node's GPUs."""
 
-    def __init__(self, config: VLLMRolloutConfig):
+    def __init__(self, config: VLLMRolloutConfig, cpu: bool = False):
         self.config = config
         self.owner_pid = os.getpid()
         self.adapter: str | None = None  # the LoRA adapter's name, sent as the model of every completion
+        env = {**SERVER_ENV, **(LORA_SERVER_ENV if config.max_lora_rank else {}), **(cpu_environment(config) if cpu else {})}
         self.base_url, self.server = config.start_or_attach(
-            "vllm.entrypoints.cli.main", lambda host, port: server_arguments(config, host, port),
-            health_path="/health", env={**SERVER_ENV, **(LORA_SERVER_ENV if config.max_lora_rank else {})}, name="vllm server",
+            "rlplat_rollout_vllm.server_main", lambda host, port: server_arguments(config, host, port, cpu),
+            health_path="/health", env=env, name="vllm server",
         )
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
@@ -223,6 +301,16 @@ class ServerBackend:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.weights.finish_weight_update(weight_version)
+
+    def load_weights(self, bucket: Sequence[tuple[str, Any]]) -> None:
+        """One bucket through the worker extension (``/collective_rpc``, a dev route): the server reads it
+        from a file in this node's shared memory, so it must run on this node."""
+        path = bucket_file(bucket)
+        try:
+            self.post("/collective_rpc", {"method": LOAD_METHOD, "args": [path]})
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
 
     def load_adapter(self, name: str, adapter_id: int, path: str) -> None:
         """Load the adapter folder ``path`` into the server (which reads it from this node's disk) under

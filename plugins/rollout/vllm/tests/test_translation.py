@@ -20,6 +20,7 @@ from rlplat_rollout_vllm.translate import (
     samples_from_completion_response,
     sampling_kwargs,
     server_arguments,
+    weight_path,
     write_adapter,
 )
 
@@ -72,6 +73,22 @@ class TestEngineKwargs:
         assert "max_model_len" not in kwargs and "max_num_seqs" not in kwargs
         assert kwargs["max_logprobs"] == 5 and kwargs["enforce_eager"] is True
         assert engine_kwargs(VLLMRolloutConfig(model_path="/m"))["load_format"] == "auto"
+
+    def test_on_vllms_cpu_platform_sleep_is_off_the_kv_cache_is_in_gib_and_weights_load_through_the_extension(self):
+        kwargs = engine_kwargs(VLLMRolloutConfig(model_path="/m", cpu_kv_cache_gib=0.5), cpu=True)
+        assert kwargs["enable_sleep_mode"] is False and kwargs["kv_cache_memory_bytes"] == 1 << 29
+        assert kwargs["worker_extension_cls"] == "rlplat_rollout_vllm.worker_extension.WeightLoader"
+        assert kwargs["weight_transfer_config"] == {"backend": "ipc"}  # the update bracket's engine
+        gpu = engine_kwargs(VLLMRolloutConfig(model_path="/m"))
+        assert "worker_extension_cls" not in gpu and "kv_cache_memory_bytes" not in gpu
+        assert engine_kwargs(VLLMRolloutConfig(model_path="/m", weight_transfer_backend="load"))["worker_extension_cls"]
+
+    def test_the_ipc_path_is_refused_on_the_cpu_platform_and_auto_picks_per_platform(self):
+        assert (weight_path(VLLMRolloutConfig(model_path="/m"), cpu=True), weight_path(VLLMRolloutConfig(model_path="/m"), cpu=False)) == ("load", "ipc")
+        with pytest.raises(ValueError, match="needs CUDA"):
+            engine_kwargs(VLLMRolloutConfig(model_path="/m", weight_transfer_backend="ipc"), cpu=True)
+        with pytest.raises(ValueError, match="weight_transfer_backend must be one of"):
+            read_config_node({"model_path": "/m", "weight_transfer_backend": "nccl"}, VLLMRolloutConfig)
 
     def test_server_arguments_put_the_model_first_and_write_every_flag(self):
         config = VLLMRolloutConfig(model_path="/m", mode="server", enable_prefix_caching=False, max_model_len=512)
