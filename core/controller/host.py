@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import socket
 from datetime import timedelta
 from typing import Any, Callable
@@ -179,7 +180,17 @@ class WorkerHost:
         return os.getpid()
 
     def shutdown(self) -> None:
-        """Destroy the process group this host created (before the process is killed)."""
+        """Close the workers this host holds (those that define ``close``: engines that run processes or
+        process groups of their own stop them while this process's group still exists), then destroy the
+        process group this host created (before the process is killed). A worker whose ``close`` fails is
+        reported and the others are still closed."""
+        for role, worker in list(self.workers.items()):
+            close = getattr(worker, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception as error:  # shutting down: the next worker and the group still need closing
+                    print(f"rlplat: closing the {role} worker failed: {type(error).__name__}: {error}", file=sys.stderr)
         if self.owns_process_group:
             import torch.distributed as dist
 

@@ -108,6 +108,14 @@ class ActorRolloutRefWorker(Worker):
     def has(self, role: str) -> bool:
         return role in self.config.roles
 
+    def close(self) -> None:
+        """Stop the rollout's engine (its server or engine processes; an in-process vLLM destroys the
+        process groups it made), called by the host before the process group goes."""
+        close = getattr(self.rollout, "close", None)
+        if callable(close):
+            self.rollout = None
+            close()
+
     def require(self, role: str, method: str) -> Any:
         engine = {"actor": self.actor, "rollout": self.rollout, "ref": self.reference}[role]
         if engine is None:

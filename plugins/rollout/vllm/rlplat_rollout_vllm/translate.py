@@ -58,6 +58,22 @@ def repeat_greedy(samples: list[TokenOutput], sampling: SamplingParams) -> list[
 #: The worker extension the ``load`` weight path calls (:mod:`rlplat_rollout_vllm.worker_extension`).
 WORKER_EXTENSION = "rlplat_rollout_vllm.worker_extension.WeightLoader"
 GIB = 1 << 30
+#: the token budget of a scheduler step on CPU unless a sequence is longer (vLLM's default is 2048 or 8192)
+CPU_BATCHED_TOKENS = 8192
+
+
+def model_max_length(model_path: str | None) -> int:
+    """``max_position_embeddings`` of the model's ``config.json`` (the length vLLM allows when
+    ``max_model_len`` is not set), 0 when unknown."""
+    if model_path is None:
+        return 0
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    config = config.get("text_config", config)
+    value = config.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) else 0
 
 
 def weight_path(config: VLLMRolloutConfig, cpu: bool) -> str:
@@ -96,6 +112,12 @@ def engine_kwargs(config: VLLMRolloutConfig, cpu: bool = False) -> dict[str, Any
     if cpu:
         # vLLM refuses sleep mode on CPU; its KV cache is sized in bytes of host memory
         values.update(enable_sleep_mode=False, kv_cache_memory_bytes=int(config.cpu_kv_cache_gib * GIB))
+        # vLLM's CPU runner fails a seeded request whose prompt a chunked prefill splits (it rewinds the
+        # request's generator, which only CUDA generators can do: "CPU Generator does not use offset"):
+        # prompts are prefilled whole, so a step's token budget must hold the longest sequence
+        values["enable_chunked_prefill"] = False
+        if config.max_num_batched_tokens is None:
+            values["max_num_batched_tokens"] = max(CPU_BATCHED_TOKENS, config.max_model_len or model_max_length(config.model_path))
     if weight_path(config, cpu) == "load":
         values["worker_extension_cls"] = WORKER_EXTENSION
     if config.max_lora_rank:

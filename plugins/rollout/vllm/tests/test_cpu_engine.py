@@ -153,6 +153,15 @@ def test_a_failed_update_is_named_and_the_rollout_refuses_to_sample_until_a_full
     assert (transformers_log_probs(tiny_causal_lm(seed=0).eval(), out) - out.batch["rollout_log_probs"]).abs().max() < KERNEL_TOLERANCE
 
 
+def test_seeded_prompts_beyond_one_steps_token_budget_are_sampled(engine):
+    """90 seeded prompts of 120 tokens (10,800 tokens, more than a scheduler step's 8,192): vLLM's CPU runner
+    fails a seeded request whose prompt a chunked prefill splits, so the rollout prefills prompts whole."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = [[1] + torch.randint(3, 16, (119,), generator=generator).tolist() for _ in range(90)]
+    out = engine.generate(left_padded_prompts(prompts, 0), SamplingParams(n=1, max_new_tokens=4, seed=5))
+    assert out.batch["responses"].shape == (90, 4) and (out.batch["response_mask"][:, 0] == 1).all()
+
+
 def test_concurrent_agent_calls_after_an_update_see_the_new_weights(hybrid_engine):
     own = trainer_weights(tiny_causal_lm(seed=0))
     model = tiny_causal_lm(seed=3).eval()

@@ -79,6 +79,11 @@ class TestEngineKwargs:
         assert kwargs["enable_sleep_mode"] is False and kwargs["kv_cache_memory_bytes"] == 1 << 29
         assert kwargs["worker_extension_cls"] == "rlplat_rollout_vllm.worker_extension.WeightLoader"
         assert kwargs["weight_transfer_config"] == {"backend": "ipc"}  # the update bracket's engine
+        # prompts prefilled whole (a split seeded prompt fails on CPU); the step budget holds the longest one
+        assert kwargs["enable_chunked_prefill"] is False and kwargs["max_num_batched_tokens"] == 8192
+        long = engine_kwargs(VLLMRolloutConfig(model_path="/m", max_model_len=20000), cpu=True)
+        assert long["max_num_batched_tokens"] == 20000
+        assert engine_kwargs(VLLMRolloutConfig(model_path="/m", max_num_batched_tokens=512), cpu=True)["max_num_batched_tokens"] == 512
         gpu = engine_kwargs(VLLMRolloutConfig(model_path="/m"))
         assert "worker_extension_cls" not in gpu and "kv_cache_memory_bytes" not in gpu
         assert engine_kwargs(VLLMRolloutConfig(model_path="/m", weight_transfer_backend="load"))["worker_extension_cls"]
@@ -213,3 +218,12 @@ def test_a_packed_chunk_becomes_the_ipc_update_info():
         "names": ["a", "b"], "dtype_names": ["bfloat16", "bfloat16"], "shapes": [[2, 3], [4]],
         "ipc_handles": {"GPU-1": ("args",)}, "tensor_sizes": [12, 8],
     }
+
+
+def test_the_models_length_comes_from_its_config_json(tmp_path):
+    from rlplat_rollout_vllm.translate import model_max_length
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 32768}))
+    assert model_max_length(str(tmp_path)) == 32768
+    assert engine_kwargs(VLLMRolloutConfig(model_path=str(tmp_path)), cpu=True)["max_num_batched_tokens"] == 32768
+    assert model_max_length(str(tmp_path / "missing")) == 0 and model_max_length(None) == 0
