@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -232,3 +233,27 @@ def test_in_process_worker_errors_name_role_rank_method_and_keep_the_traceback()
     assert (error.role, error.rank, error.method) == ("actor", 0, "fail")
     assert "KeyError" in error.cause and "missing key 'responses'" in str(error)
     assert 'raise KeyError("missing key' in error.remote_traceback
+
+
+def test_the_host_closes_its_workers_before_its_process_group_and_a_failing_close_stops_no_other(capsys, monkeypatch):
+    from rlplat.controller.host import WorkerHost
+
+    monkeypatch.setenv("RANK", os.environ.get("RANK", "0"))  # the host sets RANK/WORLD_SIZE/LOCAL_RANK; monkeypatch restores them
+    monkeypatch.setenv("WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+    monkeypatch.setenv("LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))
+    closed = []
+
+    class Closing:
+        def __init__(self, name, fails=False):
+            self.name, self.fails = name, fails
+
+        def close(self):
+            closed.append(self.name)
+            if self.fails:
+                raise RuntimeError("engine already gone")
+
+    host = WorkerHost(rank=0, world_size=1)
+    host.workers = {"rollout": Closing("rollout", fails=True), "critic": Closing("critic"), "plain": object()}
+    host.shutdown()
+    assert closed == ["rollout", "critic"]
+    assert "closing the rollout worker failed: RuntimeError: engine already gone" in capsys.readouterr().err
