@@ -227,3 +227,18 @@ def test_the_models_length_comes_from_its_config_json(tmp_path):
     assert model_max_length(str(tmp_path)) == 32768
     assert engine_kwargs(VLLMRolloutConfig(model_path=str(tmp_path)), cpu=True)["max_num_batched_tokens"] == 32768
     assert model_max_length(str(tmp_path / "missing")) == 0 and model_max_length(None) == 0
+
+
+def test_on_cpu_the_plan_counts_a_kv_cache_of_cpu_kv_cache_gib_held_in_every_phase():
+    from rlplat.plan.estimate import MemoryContext
+    from rlplat_rollout_vllm.memory import estimate
+
+    qwen2 = {"model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
+    context = MemoryContext(role="rollout", processes=1, device="cpu", prompt_length=16, response_length=16, sequences_per_process=8,
+                            free_between_phases=True)
+    plan = estimate({"model_path": "/m", "dtype": "float32", "cpu_kv_cache_gib": 0.5}, qwen2, context)
+    kv = next(item for item in plan.items if item.name == "KV cache")
+    assert kv.bytes == 1 << 29 and kv.calls == ("resident",) and not plan.problems
+    tiny = estimate({"model_path": "/m", "dtype": "float32", "cpu_kv_cache_gib": 1e-6}, qwen2, context)
+    assert "cpu_kv_cache_gib=1e-06 holds" in tiny.problems[0] and "less than one sequence (32)" in tiny.problems[0]
