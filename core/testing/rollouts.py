@@ -108,6 +108,18 @@ class RolloutEngineConformance:
         assert torch.equal(first.batch["rollout_log_probs"], second.batch["rollout_log_probs"])
         assert not torch.equal(first.batch["responses"], third.batch["responses"])
 
+    def test_copies_of_one_prompt_in_a_seeded_call_draw_samples_of_their_own(self, rollout, prompt_token_lists, pad_token_id):
+        """Every row of a seeded call draws from a stream of its own: 8 copies of one prompt, 2 samples each,
+        are not 8 repeats of the same 2 (a rollout that gave each prompt the call's seed returned exactly that,
+        and correlated the samples of different prompts too). More than half of the copies must differ: the
+        fixtures' model samples 6 tokens with variety (the seed test needs that already), so independent
+        copies collide rarely."""
+        copies = left_padded_prompts([prompt_token_lists[0]] * 8, pad_token_id)
+        out = rollout.generate(copies, SamplingParams(n=2, max_new_tokens=6, seed=19))
+        rows = [tuple(row) for row in out.batch["responses"].tolist()]
+        distinct_copies = {tuple(rows[2 * copy : 2 * copy + 2]) for copy in range(8)}
+        assert len(distinct_copies) > 4, f"{len(distinct_copies)} distinct sample pairs over 8 copies of one prompt"
+
     def test_greedy_samples_are_identical(self, rollout, prompts):
         out = rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=4, greedy=True))
         assert torch.equal(out.batch["responses"][0::2], out.batch["responses"][1::2])

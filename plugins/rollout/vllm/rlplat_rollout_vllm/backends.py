@@ -14,6 +14,7 @@ import os
 import tempfile
 import threading
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Mapping, Sequence
 
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
@@ -31,6 +32,8 @@ from rlplat_rollout_vllm.translate import (
     server_arguments,
 )
 
+#: Requests a seeded batch keeps in flight to a server (each prompt is a request of its own there).
+SEEDED_REQUESTS_IN_FLIGHT = 64
 #: The worker extension's method (:mod:`rlplat_rollout_vllm.worker_extension`).
 LOAD_METHOD = "rlplat_load_weights"
 #: Where buckets for an engine in another process are written: memory-backed where the node has it.
@@ -138,13 +141,17 @@ class InProcessBackend:
         self.generation_open.set()
         self.batcher = RequestBatcher(self.run_pending, "vllm-rollout-batcher")
 
-    def run(self, token_lists: Sequence[Sequence[int]], sampling_list: Sequence[SamplingParams], eos_token_ids: Sequence[int]) -> list[TokenOutput]:
-        """One ``LLM.generate`` call; the samples prompt-major, ``n`` per prompt in vLLM's index order."""
-        built: dict[SamplingParams, Any] = {}  # a batch shares one setting: build it once
-        for sampling in sampling_list:
-            if sampling not in built:
-                built[sampling] = self.vllm.SamplingParams(**sampling_kwargs(sampling, eos_token_ids))
-        params = [built[sampling] for sampling in sampling_list]
+    def run(self, token_lists: Sequence[Sequence[int]], sampling_list: Sequence[SamplingParams], eos_token_ids: Sequence[int],
+            first_rows: Sequence[int]) -> list[TokenOutput]:
+        """One ``LLM.generate`` call; the samples prompt-major, ``n`` per prompt in vLLM's index order.
+        ``first_rows``: each request's first row in its call (its seed, :func:`request_seed`)."""
+        built: dict[tuple, Any] = {}  # unseeded requests of a batch share one setting: build it once
+        params = []
+        for sampling, first_row in zip(sampling_list, first_rows):
+            key = (sampling, first_row if sampling.seed is not None else 0)
+            if key not in built:
+                built[key] = self.vllm.SamplingParams(**sampling_kwargs(sampling, eos_token_ids, key[1]))
+            params.append(built[key])
         with self.lock:
             outputs = self.llm.generate([{"prompt_token_ids": list(tokens)} for tokens in token_lists], params, use_tqdm=False,
                                         lora_request=self.adapter)
@@ -159,7 +166,8 @@ class InProcessBackend:
         return samples
 
     def generate(self, token_lists: Sequence[Sequence[int]], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> list[TokenOutput]:
-        return self.run(token_lists, [sampling] * len(token_lists), eos_token_ids)
+        per_request = samples_per_request(sampling)
+        return self.run(token_lists, [sampling] * len(token_lists), eos_token_ids, [index * per_request for index in range(len(token_lists))])
 
     async def generate_one(self, token_ids: list[int], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> TokenOutput:
         return await self.batcher.submit((token_ids, sampling, tuple(eos_token_ids)))
@@ -167,7 +175,7 @@ class InProcessBackend:
     def run_pending(self, items: list[tuple]) -> list[TokenOutput]:
         """One ``LLM.generate`` call for queued single-prompt requests (one engine: one EOS set)."""
         self.generation_open.wait()
-        return self.run([item[0] for item in items], [item[1] for item in items], items[0][2])
+        return self.run([item[0] for item in items], [item[1] for item in items], items[0][2], [0] * len(items))
 
     def pause_generation(self) -> None:
         """Hold new generation until :meth:`resume_generation` (calls from this thread finish the weight
@@ -265,10 +273,20 @@ class ServerBackend:
         return request_json(url, payload, method="POST", timeout=self.config.request_timeout_s)
 
     def generate(self, token_lists: Sequence[Sequence[int]], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> list[TokenOutput]:
-        response = self.post("/v1/completions", completion_payload(token_lists, sampling, eos_token_ids, self.adapter))
-        stop = set(sampling.stop_token_ids) | set(eos_token_ids)
-        samples = samples_from_completion_response(response, len(token_lists), samples_per_request(sampling), stop, sampling.max_new_tokens)
-        return repeat_greedy(samples, sampling)
+        """One ``/v1/completions`` request for the batch; a seeded call one request per prompt, sent at once
+        (a request has one seed, and each prompt needs its own: :func:`request_seed`)."""
+        per_request, stop = samples_per_request(sampling), set(sampling.stop_token_ids) | set(eos_token_ids)
+        if sampling.seed is None or sampling.greedy or len(token_lists) == 1:
+            response = self.post("/v1/completions", completion_payload(token_lists, sampling, eos_token_ids, self.adapter))
+            samples = samples_from_completion_response(response, len(token_lists), per_request, stop, sampling.max_new_tokens)
+            return repeat_greedy(samples, sampling)
+
+        def one(index: int) -> list[TokenOutput]:
+            payload = completion_payload([token_lists[index]], sampling, eos_token_ids, self.adapter, first_row=index * per_request)
+            return samples_from_completion_response(self.post("/v1/completions", payload), 1, per_request, stop, sampling.max_new_tokens)
+
+        with ThreadPoolExecutor(max_workers=min(SEEDED_REQUESTS_IN_FLIGHT, len(token_lists)), thread_name_prefix="vllm-seeded") as pool:
+            return [sample for samples in pool.map(one, range(len(token_lists))) for sample in samples]
 
     async def generate_one(self, token_ids: list[int], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> TokenOutput:
         # concurrent requests are batched by the server itself

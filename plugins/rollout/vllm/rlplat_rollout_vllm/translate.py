@@ -21,13 +21,28 @@ SAMPLED_TOKEN_ONLY = 0
 LOGPROBS_MODE = "processed_logprobs"
 
 
-def sampling_kwargs(sampling: SamplingParams, eos_token_ids: Sequence[int] = ()) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.SamplingParams`` (and the same names in a completion request).
+#: Seeds of one call's requests are spread by this factor (see :func:`request_seed`); vLLM takes seeds in int64.
+SEED_STRIDE, SEED_RANGE = 1_000_003, 2**63
+
+
+def request_seed(seed: int | None, first_row: int) -> int | None:
+    """The seed of the request whose first sample is row ``first_row`` of a call seeded with ``seed``.
+    vLLM seeds the ``n`` samples of a request ``seed + i``; one seed for every request of a call would give
+    sample ``i`` of every prompt the same random numbers (correlated samples across prompts: on a model
+    near uniform, the same tokens). Row ``r`` of a call therefore draws with ``seed * SEED_STRIDE + r``:
+    distinct within a call, and a ``generate_tokens`` call with ``seed`` samples as row 0 of a ``generate``
+    with that seed. ``None`` stays None (vLLM's own generator)."""
+    return None if seed is None else (seed * SEED_STRIDE + first_row) % SEED_RANGE
+
+
+def sampling_kwargs(sampling: SamplingParams, eos_token_ids: Sequence[int] = (), first_row: int = 0) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` (and the same names in a completion request) for the
+    request whose first sample is row ``first_row`` of the call (:func:`request_seed`).
 
     ``greedy`` is temperature 0 with the filters off (vLLM's greedy path). ``top_k=0`` means off in both
-    projects. The configured EOS ids join ``stop_token_ids`` so that a model whose tokenizer names no
-    EOS still stops where rlplat expects. ``seed`` seeds each request; vLLM gives the ``n`` samples of a
-    request the seeds ``seed + i``.
+    projects. The rollout's EOS ids (configured, else the model's) join ``stop_token_ids`` and vLLM's own
+    EOS handling is off (``ignore_eos``): a response ends exactly at the tokens rlplat names, as in the hf
+    rollout, also when ``rollout.config.eos_token_ids`` differs from the tokenizer's EOS.
     """
     stop = sorted(set(sampling.stop_token_ids) | set(eos_token_ids))
     return {
@@ -38,8 +53,8 @@ def sampling_kwargs(sampling: SamplingParams, eos_token_ids: Sequence[int] = ())
         "max_tokens": sampling.max_new_tokens,
         "min_tokens": 0,
         "stop_token_ids": stop,
-        "ignore_eos": False,
-        "seed": sampling.seed,
+        "ignore_eos": True,
+        "seed": request_seed(sampling.seed, first_row),
         "logprobs": SAMPLED_TOKEN_ONLY,
         "detokenize": False,
     }
@@ -144,10 +159,12 @@ def server_arguments(config: VLLMRolloutConfig, host: str, port: int, cpu: bool 
     return ["serve", model, *flags, "--host", host, "--port", str(port)]
 
 
-def completion_payload(token_lists: Sequence[Sequence[int]], sampling: SamplingParams, eos_token_ids: Sequence[int], model: str | None) -> dict[str, Any]:
+def completion_payload(token_lists: Sequence[Sequence[int]], sampling: SamplingParams, eos_token_ids: Sequence[int], model: str | None,
+                       first_row: int = 0) -> dict[str, Any]:
     """A ``/v1/completions`` request for a batch of token-id prompts: the same sampling keywords, the
-    sampled tokens' ids and log-probs returned (``return_token_ids``, ``logprobs``)."""
-    values = sampling_kwargs(sampling, eos_token_ids)
+    sampled tokens' ids and log-probs returned (``return_token_ids``, ``logprobs``). One request has one
+    seed: a seeded call sends each prompt as a request of its own (``first_row``: its first sample's row)."""
+    values = sampling_kwargs(sampling, eos_token_ids, first_row)
     values.pop("detokenize")  # not a request field; the server detokenizes, which costs little
     payload = {"prompt": [list(tokens) for tokens in token_lists], "return_token_ids": True, **values}
     if model is not None:

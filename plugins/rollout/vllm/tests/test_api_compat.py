@@ -517,7 +517,9 @@ def test_hybrid_generation_calls_vllm_correctly_and_assembles_the_batch(hybrid):
     assert calls[1][1] == ({"init_info": {"packed": True}},)
     generate_args = calls[2][1]
     assert generate_args[0] == [{"prompt_token_ids": [1, 5, 6]}, {"prompt_token_ids": [1, 4]}]
-    assert all(isinstance(params, vllm.SamplingParams) and params.seed == 3 for params in generate_args[1])
+    assert all(isinstance(params, vllm.SamplingParams) for params in generate_args[1])
+    # each request its own seeds: vLLM seeds a request's n=2 samples seed + i, so rows 0-1 and 2-3 of the call
+    assert [params.seed for params in generate_args[1]] == [3 * 1_000_003, 3 * 1_000_003 + 2]
     assert out.batch["responses"].tolist() == [[10, 11, 2, 0], [11, 11, 2, 0]] * 2
     assert out.batch["response_mask"].tolist() == [[1, 1, 1, 0]] * 4
     assert out.batch["rollout_log_probs"][0].tolist() == [-0.5, -1.0, -1.5, 0.0]

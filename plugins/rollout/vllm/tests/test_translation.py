@@ -35,8 +35,20 @@ class TestSamplingKwargs:
         sampling = SamplingParams(n=4, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=33, stop_token_ids=(9, 3), seed=5)
         assert sampling_kwargs(sampling) == {
             "n": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_tokens": 33, "min_tokens": 0,
-            "stop_token_ids": [3, 9], "ignore_eos": False, "seed": 5, "logprobs": 0, "detokenize": False,
+            "stop_token_ids": [3, 9], "ignore_eos": True, "seed": 5 * 1_000_003, "logprobs": 0, "detokenize": False,
         }
+
+    def test_each_request_of_a_seeded_call_gets_seeds_of_its_own(self):
+        # vLLM seeds the n samples of a request seed + i: requests spaced by n give every row its own seed
+        sampling = SamplingParams(n=4, seed=5)
+        seeds = [sampling_kwargs(sampling, first_row=prompt * 4)["seed"] + i for prompt in range(3) for i in range(4)]
+        assert seeds == [5 * 1_000_003 + row for row in range(12)]
+        assert sampling_kwargs(SamplingParams(seed=5))["seed"] == seeds[0]  # generate_tokens samples as row 0
+        assert sampling_kwargs(SamplingParams(seed=2**62))["seed"] < 2**63  # vLLM takes int64 seeds
+
+    def test_responses_end_at_the_rollouts_eos_ids_not_at_vllms_own(self):
+        kwargs = sampling_kwargs(SamplingParams(stop_token_ids=(9,)), eos_token_ids=(5,))
+        assert kwargs["ignore_eos"] is True and kwargs["stop_token_ids"] == [5, 9]
 
     def test_greedy_is_temperature_zero_with_the_filters_off_and_one_sample(self):
         kwargs = sampling_kwargs(SamplingParams(n=3, greedy=True, temperature=0.3, top_p=0.5, top_k=7))
@@ -210,6 +222,8 @@ def test_the_completion_request_carries_token_prompts_and_asks_for_token_ids():
     assert payload["prompt"] == [[1, 2], [3]]
     assert payload["return_token_ids"] is True and payload["logprobs"] == 0 and payload["max_tokens"] == 4
     assert "detokenize" not in payload and "model" not in payload
+    assert payload["seed"] == 1_000_003
+    assert completion_payload([[3]], SamplingParams(n=2, seed=1), eos_token_ids=(0,), model=None, first_row=2)["seed"] == 1_000_003 + 2
 
 
 def test_a_packed_chunk_becomes_the_ipc_update_info():
