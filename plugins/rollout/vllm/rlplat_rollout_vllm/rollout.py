@@ -70,6 +70,12 @@ class VLLMRollout(BackendRolloutEngine):
         from vllm.platforms import current_platform
 
         self.cpu = current_platform.is_cpu()
+        if self.cpu:
+            from rlplat_rollout_vllm.platform import cpp_compiler_problem
+
+            problem = cpp_compiler_problem()
+            if problem is not None:  # refused before the engine starts, not at the first generation
+                raise RuntimeError(f"vllm rollout on vLLM's CPU platform: {problem}")
         self.weight_path = weight_path(self.config, self.cpu)
         self.pad_token_id, self.eos_token_ids = pad_and_eos_token_ids(self.config.model_path, self.config.pad_token_id, self.config.eos_token_ids, "vllm")
         self.tied = tied_weight_aliases(self.config.model_path)

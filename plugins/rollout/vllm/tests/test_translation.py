@@ -256,3 +256,17 @@ def test_on_cpu_the_plan_counts_a_kv_cache_of_cpu_kv_cache_gib_held_in_every_pha
     assert kv.bytes == 1 << 29 and kv.calls == ("resident",) and not plan.problems
     tiny = estimate({"model_path": "/m", "dtype": "float32", "cpu_kv_cache_gib": 1e-6}, qwen2, context)
     assert "cpu_kv_cache_gib=1e-06 holds" in tiny.problems[0] and "less than one sequence (32)" in tiny.problems[0]
+
+
+def test_a_missing_cpp_compiler_is_named_before_vllms_cpu_backend_starts(monkeypatch, tmp_path):
+    from rlplat_rollout_vllm.platform import cpp_compiler_problem
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no compiler
+    assert "no C++ compiler on PATH (g++, clang++, c++; or set CXX)" in cpp_compiler_problem()
+    compiler = tmp_path / "g++"
+    compiler.write_text("#!/bin/sh\n")
+    compiler.chmod(0o755)
+    assert cpp_compiler_problem() is None
+    monkeypatch.setenv("CXX", "/nonexistent/clang++")
+    assert cpp_compiler_problem() == "CXX='/nonexistent/clang++' is not an executable on PATH"
