@@ -26,8 +26,7 @@ from rlplat.contracts.rollout import SamplingParams  # noqa: E402
 from rlplat.testing import RolloutEngineConformance, TinyModelRolloutFixtures, left_padded_prompts  # noqa: E402
 from rlplat.testing.engines import TokenMeanNLL  # noqa: E402
 from rlplat.testing.rollouts import TINY_MODEL_PROMPTS as PROMPTS  # noqa: E402
-from rlplat.testing.tiny_models import save_tiny_model, tiny_causal_lm  # noqa: E402
-from rlplat_rollout_vllm.rollout import VLLMRollout  # noqa: E402
+from rlplat.testing.tiny_models import tiny_causal_lm  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -58,23 +57,7 @@ def transformers_log_probs(model, out, temperature: float = 1.0) -> torch.Tensor
     return expected.gather(-1, out.batch["responses"][..., None]).squeeze(-1) * out.batch["response_mask"]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def hybrid_engine(model_dir):
-    engine = VLLMRollout({"model_path": model_dir, **SETTINGS})
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def server_engine(model_dir):
-    engine = VLLMRollout({"model_path": model_dir, "mode": "server", **SETTINGS})
-    yield engine
-    engine.close()
+# model_dir, hybrid_engine and server_engine (built with SETTINGS): conftest.py
 
 
 @pytest.fixture(params=["hybrid", "server"])

@@ -15,15 +15,9 @@ if not torch.cuda.is_available():
 from rlplat.contracts.rollout import SamplingParams  # noqa: E402
 from rlplat.testing import RolloutEngineConformance, TinyModelRolloutFixtures, left_padded_prompts  # noqa: E402
 from rlplat.testing.rollouts import TINY_MODEL_PROMPTS as PROMPTS  # noqa: E402
-from rlplat.testing.tiny_models import save_tiny_model  # noqa: E402
-from rlplat_rollout_vllm.rollout import VLLMRollout  # noqa: E402
 
 SETTINGS = {"dtype": "bfloat16", "gpu_memory_utilization": 0.2, "max_model_len": 128, "enforce_eager": True}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), seed=0)
+# model_dir, hybrid_engine and server_engine (built with SETTINGS): conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -31,20 +25,6 @@ def hf_weights(model_dir):
     from transformers import AutoModelForCausalLM
 
     return list(AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items())
-
-
-@pytest.fixture(scope="module")
-def hybrid_engine(model_dir):
-    engine = VLLMRollout({"model_path": model_dir, **SETTINGS})
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def server_engine(model_dir):
-    engine = VLLMRollout({"model_path": model_dir, "mode": "server", **SETTINGS})
-    yield engine
-    engine.close()
 
 
 class Fixtures(TinyModelRolloutFixtures):
