@@ -194,3 +194,37 @@ def register_judge_parsers(register):
     ``config_schema``) and returns a :class:`rlplat.contracts.reward.JudgeParser`;
     ``reward.config.parser`` picks one. rlplat registers ``number``, ``tagged`` and ``yes_no``.
     """
+
+
+@hookspec
+def register_presets(register):
+    """Register run presets (kind ``preset``): what ``rlplat run --demo NAME`` (and ``plan``, ``config``)
+    put before the user's own overrides. The factory takes no arguments and returns the preset's dotted
+    overrides (a list of strings; the user's come after them and win). ``metadata={"algorithm": "grpo"}``
+    is the algorithm the preset implies when ``--algo`` is not given; ``metadata={"default": True}`` marks
+    the preset used when neither ``model.path`` nor ``--config`` is given (one at most).
+    """
+
+
+@hookspec
+def register_config_translators(register):
+    """Register config translators (kind ``config_translator``): readers of another framework's keys
+    (e.g. verl's ``actor_rollout_ref.actor.optim.lr``) on a run's command line and YAML file. The factory
+    is called as ``factory(config_path, arguments, algo=..., rollout=...)`` and returns
+    ``(config_path, arguments, notes)``: the (possibly rewritten) YAML path, rlplat's dotted overrides and
+    one note per translated key, printed to the user. Translators run in name order, each on the
+    previous one's output; one raises :class:`rlplat.config_node.ConfigError` for a key it recognises
+    but cannot translate.
+    """
+
+
+@hookspec
+def register_config_nodes(register):
+    """Register run-config nodes a plugin owns (kind ``config_node``), named by their dotted path
+    (``"agent"``, ``"reward.model"``). ``config_schema`` (required) is the node's dataclass: its defaults
+    join the run config at load, and the node is read and checked with it. ``metadata={"validate":
+    "package.module:function"}`` names a check called as ``function(node, config)`` after the whole config
+    is checked (``node`` the schema instance, ``config`` the run's ``DictConfig``); it raises
+    :class:`rlplat.config_node.ConfigError`. Without the plugin, setting a key of its node is an unknown
+    key whose message names the node's owner when known.
+    """

@@ -46,6 +46,9 @@ HOOK_OF_KIND: dict[str, str] = {
     "tool_parser": "register_tool_parsers",
     "environment": "register_environments",
     "judge_parser": "register_judge_parsers",
+    "preset": "register_presets",
+    "config_translator": "register_config_translators",
+    "config_node": "register_config_nodes",
 }
 KINDS: tuple[str, ...] = tuple(HOOK_OF_KIND)
 

@@ -16,6 +16,8 @@ DESIGN_KINDS = (
     "agent_loop", "tool", "tool_parser", "environment",
     # reward models and judges (issue: reward models, an LLM judge, an asynchronous reward loop)
     "judge_parser",
+    # seams that keep optional features out of core (issue: a small core)
+    "preset", "config_translator", "config_node",
 )
 
 
