@@ -222,9 +222,8 @@ def register_config_translators(register):
 def register_config_nodes(register):
     """Register run-config nodes a plugin owns (kind ``config_node``), named by their dotted path
     (``"agent"``, ``"reward.model"``). ``config_schema`` (required) is the node's dataclass: its defaults
-    join the run config at load, and the node is read and checked with it. ``metadata={"validate":
-    "package.module:function"}`` names a check called as ``function(node, config)`` after the whole config
-    is checked (``node`` the schema instance, ``config`` the run's ``DictConfig``); it raises
-    :class:`rlplat.config_node.ConfigError`. Without the plugin, setting a key of its node is an unknown
-    key whose message names the node's owner when known.
+    join the run config at load, and the node is read and checked with it. The factory is the node's
+    check, called as ``factory(node, config)`` once the whole config has been checked (``node`` the schema
+    instance, ``config`` the run's ``DictConfig``), raising :class:`rlplat.config_node.ConfigError`; None
+    when the schema says it all. Without the plugin, setting a key of its node is an unknown key.
     """
