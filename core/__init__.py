@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlplat import moved as _moved
 from rlplat.lazy_names import lazy_names
+
+_moved.install()  # old names of modules that moved out of core (rlplat.moved)
 
 __all__ = [
     "Algorithm",

@@ -1,0 +1,91 @@
+"""Modules that left core keep importing under their old names for one minor version.
+
+When a feature moves out of core into a plugin distribution (``rlplat.demo`` -> ``rlplat_demo`` in
+``rlplat-demo``), ``import rlplat.demo.tools`` still works: the import is answered with the new module
+itself (one module object under two names, never a second copy) and a :class:`DeprecationWarning` names the
+new path and the version the old one goes away in. Without the distribution the import fails with an
+error that says what to install. Installed by ``import rlplat`` (a finder at the front of
+``sys.meta_path``); nothing here imports a plugin until an old name is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Moved:
+    """``old`` (a module and its submodules) now lives at ``new`` in the distribution ``distribution``;
+    the old name is removed in rlplat ``removed_in``."""
+
+    old: str
+    new: str
+    distribution: str
+    removed_in: str
+
+
+#: Old module prefix -> where it went. The longest matching prefix wins (``rlplat.demo.scorer`` before
+#: ``rlplat.demo``).
+MOVED: dict[str, Moved] = {}
+
+
+def add(old: str, new: str, distribution: str, removed_in: str) -> None:
+    """Record that ``old`` moved to ``new`` (in ``distribution``; the old name goes in ``removed_in``)."""
+    MOVED[old] = Moved(old, new, distribution, removed_in)
+
+
+def _target(fullname: str) -> tuple[Moved, str] | None:
+    for old in sorted(MOVED, key=len, reverse=True):
+        if fullname == old or fullname.startswith(old + "."):
+            moved = MOVED[old]
+            return moved, moved.new + fullname[len(old):]
+    return None
+
+
+class _AliasLoader(importlib.abc.Loader):
+    def __init__(self, moved: Moved, target: str):
+        self.moved, self.target = moved, target
+
+    def create_module(self, spec: Any) -> Any:
+        moved = self.moved
+        warnings.warn(f"{spec.name} moved to {self.target} (distribution {moved.distribution}); the old name is "
+                      f"removed in rlplat {moved.removed_in}", DeprecationWarning, stacklevel=2)
+        try:
+            return importlib.import_module(self.target)
+        except ModuleNotFoundError as error:
+            if error.name and (self.target == error.name or self.target.startswith(error.name + ".")):
+                raise ModuleNotFoundError(
+                    f"{spec.name} moved to {self.target}, which is not installed: pip install {moved.distribution}",
+                    name=spec.name) from None
+            raise
+
+    def exec_module(self, module: Any) -> None:
+        pass  # the target module ran when it was imported
+
+
+class MovedModuleFinder(importlib.abc.MetaPathFinder):
+    """Answers imports of the old names in :data:`MOVED` with the modules at their new names."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        found = _target(fullname)
+        if found is None:
+            return None
+        moved, new_name = found
+        return importlib.util.spec_from_loader(fullname, _AliasLoader(moved, new_name))
+
+
+def install() -> None:
+    """Put the finder first on ``sys.meta_path`` (before the path finder, which would otherwise load a
+    second copy of a submodule through the aliased package's ``__path__``); idempotent."""
+    if not any(isinstance(finder, MovedModuleFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, MovedModuleFinder())
+
+
+# rlplat 0.2 moved these out of core; their old names go in 0.3.
+add("rlplat.demo.scorer", "rlplat.scorers", "rlplat", "0.3")
