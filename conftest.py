@@ -1,8 +1,18 @@
-"""Settings for the whole test run: ``tests/`` and every built-in plugin's ``tests/``."""
+"""Settings and fixtures for the whole test run: ``tests/`` and every built-in plugin's ``tests/``
+(subprocess runs of this venv's interpreter and ``rlplat`` script, the CLI in process, a local Ray cluster)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent
+VENV_BIN = Path(sys.executable).parent
 
 
 def pytest_configure(config) -> None:
@@ -13,3 +23,87 @@ def pytest_configure(config) -> None:
         import torch
 
         torch.set_num_threads(int(threads))
+
+
+def subprocess_environment(pythonpath: Path | None, env: dict[str, str] | None) -> dict[str, str]:
+    environment = dict(os.environ)
+    environment.pop("RLPLAT_PLUGINS", None)
+    environment.pop("RLPLAT_DISABLE_PLUGIN_AUTOLOAD", None)
+    if pythonpath is not None:
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), environment.get("PYTHONPATH")]))
+    environment.update(env or {})
+    return environment
+
+
+def run_python(code: str, *, pythonpath: Path | None = None, env: dict[str, str] | None = None, timeout: float = 120):
+    """Run ``code`` in a fresh interpreter of this venv; returns the CompletedProcess (text)."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, env=subprocess_environment(pythonpath, env), timeout=timeout, cwd=ROOT,
+    )
+
+
+def run_cli(*args: str, pythonpath: Path | None = None, env: dict[str, str] | None = None, timeout: float = 120):
+    """Run the installed ``rlplat`` console script, as a user would."""
+    script = VENV_BIN / "rlplat"
+    assert script.exists(), f"{script} is missing: install rlplat into this venv first (make setup)"
+    return subprocess.run(
+        [str(script), *args],
+        capture_output=True, text=True, env=subprocess_environment(pythonpath, env), timeout=timeout, cwd=ROOT,
+    )
+
+
+@pytest.fixture
+def python_run():
+    """``python_run(code, pythonpath=None, env=None)``: run code in a fresh interpreter of this venv."""
+    return run_python
+
+
+@pytest.fixture
+def cli_run():
+    """``cli_run(*args, pythonpath=None, env=None)``: run the installed ``rlplat`` console script."""
+    return run_cli
+
+
+@pytest.fixture
+def cli_in_process(capfd):
+    """``cli_in_process(*args)``: ``rlplat <args>`` run by ``rlplat.cli.main.main`` in this process (no new
+    interpreter); returns a CompletedProcess with its exit code and what it wrote to stdout and stderr."""
+    from rlplat.cli.main import main
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capfd.readouterr()  # what came before is not the command's output
+        try:
+            main([str(arg) for arg in args])
+            code = 0
+        except SystemExit as exited:
+            code = exited.code if isinstance(exited.code, int) else (0 if exited.code is None else 1)
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(["rlplat", *args], code, out, err)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray cluster for one test module (dashboard off, 127.0.0.1, token auth off), then stopped."""
+    import ray
+
+    from rlplat.controller.ray_backend import start_ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    start_ray(num_cpus=8)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_ray_left_by_the_module():
+    """A run on ``cluster.backend=ray`` starts a local Ray cluster in this process and leaves it up for the
+    next run of the module; it is stopped when the module ends, so that no module leaves Ray's processes
+    running into the next (whose idle load they would add to)."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()

@@ -27,17 +27,15 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from rlplat.config_node import ConfigError, did_you_mean, read_config_node, resolve_schema
-from rlplat.agent.config import AgentConfig
 # the nodes each component receives and the plugin-owned nodes: their own module, the names stay importable here
 from rlplat.config_components import (BUILTIN_LOSS_SCHEMAS, ENGINE_BUILD_SOURCES, ROLLOUT_BUILD_SOURCES,  # noqa: F401
-                                      SAMPLING_SOURCES, PluginNode, agent_nodes, engine_node, entry_schema, loss_schema,
+                                      SAMPLING_SOURCES, PluginNode, engine_node, entry_schema, loss_schema, owned_nodes,
                                       optimizer_build, plugin_nodes, rollout_node, sampling_node, total_training_steps, uses_critic)
 from rlplat.data_config import DataConfig
 from rlplat.lora import LoraConfig, check_lora
 from rlplat.pipeline import check_trainer_mode
 from rlplat.sync_probe import SyncProbeConfig
 from rlplat.trainer_config import SharedTrainerConfig, check_run_directory
-from rlplat.reward_model import RewardModelConfig
 
 __all__ = ["ConfigError", "RLConfig", "load_config", "validate_config", "plugin_nodes", "engine_node",
            "rollout_node", "sampling_node", "to_yaml"]
@@ -145,6 +143,10 @@ class RolloutConfig:
     """The rollout's own keys, checked against the schema the rollout registers."""
     sync_probe: SyncProbeConfig = dataclasses.field(default_factory=SyncProbeConfig)
     """After weight syncs, check that the rollout serves the trainer's weights (:mod:`rlplat.sync_probe`)."""
+    driver: Optional[str] = None
+    """Rollout driver (kind ``rollout_driver``) turning prompts into trajectories, e.g. ``agent_loops``
+    (rlplat-agents). None: the driver whose trigger the run sets (``agent.loop``, or an ``agent_name``
+    column in the data), else the rollout's batched ``generate``."""
 
 
 @dataclasses.dataclass
@@ -169,9 +171,6 @@ class RewardConfig:
     config: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """The reward manager's own settings (``fallback_score``, ``timeout_s``, overlong buffer, ...),
     checked against the schema the manager registers."""
-    model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)
-    """A reward model scoring each response (``reward.model.path``), served by its own worker group,
-    and how its score joins the rule score (see :mod:`rlplat.reward_model`)."""
 
 
 @dataclasses.dataclass
@@ -314,8 +313,6 @@ class RLConfig:
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
-    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
-    """Multi-turn rollouts through agent loops, tools and environments (see :mod:`rlplat.agent`)."""
     roles: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """Placement of worker roles (kind ``role``): ``roles.critic.placement=separate``,
     ``roles.rollout.placement=separate roles.rollout.devices_per_node=2``, and a plugin role's own keys
@@ -375,7 +372,7 @@ def load_config(
     validate: bool = True,
 ) -> DictConfig:
     """The resolved, validated config (see the module docstring for the order of sources)."""
-    config = OmegaConf.structured(RLConfig)
+    config = base_config()
     file_node = None
     if config_file is not None:
         path = Path(config_file)
@@ -421,55 +418,65 @@ def load_config(
     return config
 
 
-def data_agent_names(files: Sequence[str]) -> set[str]:
-    """The ``agent_name`` values (nulls left out) of the parquet files that have the column."""
+def base_config() -> DictConfig:
+    """Core's typed defaults (:class:`RLConfig`) with every node a plugin owns (kind ``config_node``) in its
+    place, typed by the node's schema."""
+    from omegaconf import open_dict
+
+    from rlplat import registry
+
+    config = OmegaConf.structured(RLConfig)
+    for entry in sorted(registry.entries("config_node"), key=lambda entry: entry.name):
+        schema = resolve_schema(entry.config_schema)
+        if schema is None:
+            raise ConfigError(f"config node {entry.name!r} from {entry.origin} declares no config_schema.")
+        if OmegaConf.select(config, entry.name, default=None) is not None:
+            raise ConfigError(f"config node {entry.name!r} from {entry.origin} is a node core already has.")
+        with open_dict(config):
+            OmegaConf.update(config, entry.name, OmegaConf.structured(schema), force_add=True, merge=False)
+    return config
+
+
+def data_columns(files: Sequence[str]) -> set[str]:
+    """The column names of the parquet files (from their schemas; no data is read)."""
     import pyarrow.parquet as pq
 
-    names: set[str] = set()
-    for path in files:
-        if "agent_name" in pq.read_schema(path).names:
-            names.update(value for value in pq.read_table(path, columns=["agent_name"]).column(0).to_pylist() if value)
-    return names
+    return {name for path in files for name in pq.read_schema(path).names}
 
 
-def check_agent(config: DictConfig, data: DataConfig) -> None:
-    """The ``agent`` node against the registries, the tools file and the data's ``agent_name`` values."""
-    from rlplat.agent.config import VERL_LOOP_NAMES, check_tools_read
+def rollout_driver(config: DictConfig, data: DataConfig | None = None) -> str | None:
+    """The run's rollout driver (kind ``rollout_driver``): ``rollout.driver``, else the first driver (by
+    name) whose ``metadata["config_key"]`` the run sets or whose ``metadata["column"]`` the data has, else
+    None (the rollout's batched ``generate``)."""
+    from rlplat import registry
 
-    agent = read_config_node(config.agent, AgentConfig, "agent")
-    entry_schema("tool_parser", agent.tool_parser, "agent.tool_parser")
-    used = {agent.loop} if agent.loop else set()
-    for key in ("train_files", "val_files"):
-        for name in data_agent_names(getattr(data, key)):
-            used.add(name)
-            entry_schema("agent_loop", VERL_LOOP_NAMES.get(name, name), f"the agent_name {name!r} in data.{key}")
-    if agent.loop:
-        entry_schema("agent_loop", agent.loop, "agent.loop")
-    loops = {VERL_LOOP_NAMES.get(name, name) for name in used}
-    if "env" in loops and agent.environment is None:
-        raise ConfigError("the env agent loop needs an environment: set agent.environment (e.g. retry).")
-    if "tool" in loops and agent.tools_config is None:
-        raise ConfigError("the tool agent loop offers the tools of agent.tools_config, which is not set: give a tools file.")
-    check_tools_read(agent, loops)
-    if agent.tools_config is not None:
-        from rlplat.agent.tools import read_tools_file
-
-        read_tools_file(agent.tools_config)
-    if loops - {"single_turn"}:
-        check_chat_template(config)
+    if config.rollout.driver is not None:
+        entry_schema("rollout_driver", config.rollout.driver, "rollout.driver")
+        return config.rollout.driver
+    data = data if data is not None else read_config_node(config.data, DataConfig, "data")
+    columns = data_columns([*data.train_files, *data.val_files])
+    for entry in sorted(registry.entries("rollout_driver"), key=lambda entry: entry.name):
+        key, column = entry.metadata.get("config_key"), entry.metadata.get("column")
+        if (key and OmegaConf.select(config, key, default=None) is not None) or (column and column in columns):
+            return entry.name
+    if "agent_name" in columns:
+        raise ConfigError("the data has an agent_name column (rows naming their agent loops), but no installed rollout "
+                          "driver reads it: install rlplat-agents (pip install rlplat-agents), or drop the column.")
+    return None
 
 
-def check_chat_template(config: DictConfig) -> None:
-    """Multi-turn loops append messages through the chat template: the tokenizer must have one."""
-    from transformers import AutoTokenizer
+def check_config_nodes(config: DictConfig) -> None:
+    """Each plugin-owned node's check (the factory of its ``config_node`` entry), once the config is checked."""
+    from rlplat import registry
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-    except Exception as error:
-        raise ConfigError(f"model.path: the tokenizer in {config.model.path} cannot be loaded for the agent loops: {error}") from None
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ConfigError(f"agent loops with several turns render messages with the tokenizer's chat template, and the "
-                          f"tokenizer in {config.model.path} has none (only the single_turn loop works without one).")
+    for entry in sorted(registry.entries("config_node"), key=lambda entry: entry.name):
+        node = read_config_node(OmegaConf.select(config, entry.name, default=None), resolve_schema(entry.config_schema),
+                                entry.name)
+        try:
+            check = entry.load()
+        except Exception as error:
+            raise ConfigError(f"{entry.name}: its check could not be loaded: {error}") from None
+        check(node, config)
 
 
 # -- validation -------------------------------------------------------------------------------------------
@@ -504,8 +511,9 @@ def validate_config(config: DictConfig) -> None:
     for node in plugin_nodes(config, algorithm, total_training_steps(config, parquet_rows(data.train_files))):
         node.check()
     check_scorer(config)
-    check_roles(config, algorithm, registry)
-    check_agent(config, data)
+    check_roles(config, algorithm, registry, total_training_steps(config, parquet_rows(data.train_files)))
+    rollout_driver(config, data)
+    check_config_nodes(config)
 
     rollout_entry = registry.entry("rollout", config.rollout.name)
     if rollout_entry.needs_gpu and not config.cluster.use_gpu:
@@ -513,11 +521,6 @@ def validate_config(config: DictConfig) -> None:
             f"rollout {config.rollout.name!r} runs on GPUs only: set cluster.use_gpu=true "
             "(and cluster.devices_per_node to the GPUs per machine), or use the hf rollout on CPUs."
         )
-    if config.reward.manager == "judge":
-        judge_rollout = (OmegaConf.to_container(config.reward.config, resolve=True) or {}).get("rollout", "hf")
-        if registry.entry("rollout", judge_rollout).needs_gpu and not config.cluster.use_gpu:
-            raise ConfigError(f"reward.config.rollout: the judge's rollout {judge_rollout!r} runs on GPUs only: set "
-                              "cluster.use_gpu=true, or serve the judge with the hf rollout on CPUs.")
     if algorithm.needs_critic and config.critic.enable is False:
         raise ConfigError(
             f"algorithm {algorithm.name!r} needs a critic, but critic.enable=false. Remove that override or "
@@ -633,9 +636,17 @@ def check_scorer(config: DictConfig) -> None:
         raise ConfigError(f"{error}".rstrip(".") + ".") from None
 
 
-def check_roles(config: DictConfig, algorithm: Any, registry: Any) -> None:
-    from rlplat.contracts.role import read_role_config
+def check_roles(config: DictConfig, algorithm: Any, registry: Any, total_steps: int) -> None:
+    """The ``roles`` node, and each role's own check of the run config: the function its entry names in
+    ``metadata["check"]`` (light: the role's class, and its worker's torch, are not imported)."""
+    from rlplat.contracts.role import RunContext, read_role_config
+    from rlplat.registry import resolve_dotted_path
 
+    run = RunContext(config, algorithm, total_steps)
+    for entry in registry.entries("role"):
+        check = entry.metadata.get("check")
+        if check is not None:
+            (resolve_dotted_path(check) if isinstance(check, str) else check)(run)
     for name in config.roles:
         role = registry.get("role", name)()
         settings = read_role_config(config, name)

@@ -26,7 +26,7 @@ from rlplat.losses.config import LOSS_SET_KEYS
 
 __all__ = ["ENGINE_BUILD_SOURCES", "ROLLOUT_BUILD_SOURCES", "SAMPLING_SOURCES", "BUILTIN_LOSS_SCHEMAS", "PluginNode",
            "optimizer_build", "engine_node", "rollout_node", "sampling_node", "total_training_steps", "uses_critic", "entry_schema",
-           "loss_schema", "plugin_nodes", "agent_nodes"]
+           "loss_schema", "plugin_nodes", "owned_nodes"]
 
 
 # -- the nodes each component receives -----------------------------------------------------------------
@@ -224,27 +224,25 @@ def plugin_nodes(config: DictConfig, algorithm: Any, total_steps: int) -> list[P
                               f"{did_you_mean(name, registry.names('role'), 'roles.')}")
         schema, owner = entry_schema("role", name, f"roles.{name}")
         nodes.append(PluginNode(f"roles.{name}", owner, schema or RoleConfig, node or {}))
-    nodes += agent_nodes(config)
-    from rlplat.reward_model import reward_model_nodes
-
-    nodes += reward_model_nodes(config)
-    return nodes
+    return nodes + owned_nodes(config)
 
 
-def agent_nodes(config: DictConfig) -> list[PluginNode]:
-    """The plugin-owned nodes under ``agent``: each loop's ``agent.loops.<name>`` and the environment's
-    ``agent.environment_config``."""
-    from rlplat.contracts.agent import AgentLoopConfig
+def owned_nodes(config: DictConfig) -> list[PluginNode]:
+    """The nodes plugins own (kind ``config_node``: ``agent``, ``reward.model``, ...) and the plugin-owned
+    nodes inside each, from the function its entry's ``metadata["nodes"]`` names."""
+    from rlplat import registry
+    from rlplat.registry import resolve_dotted_path
 
-    agent = config.agent
     nodes = []
-    for name, node in OmegaConf.to_container(agent.loops, resolve=True).items():
-        schema, owner = entry_schema("agent_loop", name, f"agent.loops.{name}")
-        nodes.append(PluginNode(f"agent.loops.{name}", owner, schema or AgentLoopConfig, node or {}))
-    if agent.environment is not None:
-        schema, owner = entry_schema("environment", agent.environment, "agent.environment")
-        nodes.append(PluginNode("agent.environment_config", owner, schema,
-                                OmegaConf.to_container(agent.environment_config, resolve=True)))
-    elif agent.environment_config:
-        raise ConfigError("agent.environment_config is set but agent.environment is not: name the environment.")
+    for entry in sorted(registry.entries("config_node"), key=lambda entry: entry.name):
+        values = OmegaConf.select(config, entry.name, default=None)
+        values = OmegaConf.to_container(values, resolve=True) if values is not None else {}
+        nodes.append(PluginNode(entry.name, entry.origin, resolve_schema(entry.config_schema), values))
+        inner = entry.metadata.get("nodes")
+        if inner is not None:
+            try:
+                function = resolve_dotted_path(inner) if isinstance(inner, str) else inner
+            except Exception as error:
+                raise ConfigError(f"{entry.name}: the nodes of {entry.origin} could not be loaded: {error}") from None
+            nodes += function(config)
     return nodes

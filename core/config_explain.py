@@ -85,6 +85,9 @@ def explain(config: DictConfig) -> list[KeyDoc]:
                 keys.append(KeyDoc(key, describe(hint), default_of(field), values.get(field.name), CORE, docs.get(field.name, "")))
 
     walk(RLConfig, "", node)
+    listed = {doc.key for doc in keys}
+    for item in owned.values():  # the nodes plugins own outside core's schema (kind config_node)
+        keys.extend(doc for doc in plugin_keys(item) if doc.key not in listed)
     return keys
 
 

@@ -10,7 +10,7 @@
 * ``extra_info`` (struct, optional): passed to the scorer as is; a missing column or a null gives ``{}``;
   multi-turn rows carry ``tools_kwargs`` (per-tool arguments) and optionally ``tools`` here (verl's);
 * ``agent_name`` (string, optional): the agent loop of the row (``tool``, ``env``, verl's
-  ``tool_agent``, ...; see :mod:`rlplat.agent.manager`); null: ``agent.loop``.
+  ``tool_agent``, ...; see :mod:`rlplat_agents.manager` (rlplat-agents)); null: ``agent.loop``.
 
 Other columns are ignored. :func:`write_parquet` writes such files.
 

@@ -145,6 +145,9 @@ def register_roles(register):
     The factory takes no arguments and returns a :class:`rlplat.contracts.role.Role`. ``config_schema``
     (a subclass of :class:`rlplat.contracts.role.RoleConfig`) types the role's ``roles.<name>`` node.
     rlplat registers its own roles (``actor``, ``rollout``, ``critic``) through this hook.
+    ``metadata={"check": "package.module:function"}`` names a light check of the run config, called at
+    validation as ``function(run)`` (a :class:`rlplat.contracts.role.RunContext`) for every run; it raises
+    :class:`rlplat.config_node.ConfigError` for a setting the role cannot serve.
     """
 
 
@@ -224,6 +227,22 @@ def register_config_nodes(register):
     (``"agent"``, ``"reward.model"``). ``config_schema`` (required) is the node's dataclass: its defaults
     join the run config at load, and the node is read and checked with it. The factory is the node's
     check, called as ``factory(node, config)`` once the whole config has been checked (``node`` the schema
-    instance, ``config`` the run's ``DictConfig``), raising :class:`rlplat.config_node.ConfigError`; None
-    when the schema says it all. Without the plugin, setting a key of its node is an unknown key.
+    instance, ``config`` the run's ``DictConfig``), raising :class:`rlplat.config_node.ConfigError`.
+    ``metadata={"nodes": "package.module:function"}`` names a function of the run config returning the
+    plugin-owned nodes inside this one (``rlplat.config.PluginNode``s: an agent loop's node, the reward
+    model's engine node), checked and explained like core's. Without the plugin, setting a key of its node
+    is an unknown key.
+    """
+
+
+@hookspec
+def register_rollout_drivers(register):
+    """Register rollout drivers (kind ``rollout_driver``): what turns a batch of prompts into trajectories
+    through a rollout worker's engines (agent loops, a gateway). The factory takes a
+    :class:`rlplat.contracts.rollout.RolloutDriverContext` and returns a
+    :class:`rlplat.contracts.rollout.RolloutDriver`. ``rollout.driver`` names the run's; when unset, a
+    driver is chosen by its metadata: ``{"config_key": "agent.loop"}`` (the key is set) or
+    ``{"column": "agent_name"}`` (the data has the column). ``metadata={"config_node": "agent"}`` is the node
+    its context carries; ``metadata={"batch_metrics": "package.module:function"}`` a function
+    ``(batch, prefix) -> dict`` the trainer calls on each trained and validation batch.
     """

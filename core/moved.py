@@ -89,3 +89,11 @@ def install() -> None:
 
 # rlplat 0.2 moved these out of core; their old names go in 0.3.
 add("rlplat.demo.scorer", "rlplat.scorers", "rlplat", "0.3")
+add("rlplat.agent", "rlplat_agents", "rlplat-agents", "0.3")
+add("rlplat.agent.sandbox", "rlplat_python_tool.sandbox", "rlplat-python-tool", "0.3")
+add("rlplat.cli.check_template", "rlplat_agents.check_template", "rlplat-agents", "0.3")
+add("rlplat.judge", "rlplat_judge.manager", "rlplat-judge", "0.3")
+add("rlplat.judge_parsers", "rlplat_judge.parsers", "rlplat-judge", "0.3")
+add("rlplat.reward_model", "rlplat_reward_model.config", "rlplat-reward-model", "0.3")
+add("rlplat.workers.reward_model", "rlplat_reward_model.worker", "rlplat-reward-model", "0.3")
+add("rlplat.reward_loop", "rlplat_rewards.reward_loop", "rlplat-rewards", "0.3")

@@ -49,6 +49,7 @@ HOOK_OF_KIND: dict[str, str] = {
     "preset": "register_presets",
     "config_translator": "register_config_translators",
     "config_node": "register_config_nodes",
+    "rollout_driver": "register_rollout_drivers",
 }
 KINDS: tuple[str, ...] = tuple(HOOK_OF_KIND)
 

@@ -25,9 +25,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlplat.agent.manager import agent_metrics
 from rlplat.checkpoint import CheckpointManager, capture_rng_state, graceful_interrupt, restore_rng_state
-from rlplat.config import (algorithm_schema, check_machine, old_log_prob_pass_reasons, sampling_node,
+from rlplat.config import (algorithm_schema, check_machine, old_log_prob_pass_reasons, rollout_driver, sampling_node,
                            total_training_steps, validate_config)
 from rlplat.config_node import read_config_node
 from rlplat.contracts.role import RunContext
@@ -37,8 +36,7 @@ from rlplat.placement import Placement, enabled_roles, place
 from rlplat.losses import rollout_correction
 from rlplat.pipeline import AsyncSettings, RolloutPipeline, TrainedPromptsLog, pop_window, row_versions
 from rlplat.protocol import DataProto
-from rlplat.reward_loop import last_tokens, precomputed_scores
-from rlplat.reward_model import combine, read_reward_model
+from rlplat.reward_kit import last_tokens
 from rlplat.sync_probe import SyncProbe, SyncProbeConfig
 from rlplat.tracking import Tracker
 from rlplat.trainer_config import RUN_CONFIG_FILE, first_logged_step, prepare_run_directory
@@ -91,6 +89,18 @@ def balanced_order(tokens: list[int], parts: int) -> list[int] | None:
     return [row for chunk in chunks for row in sorted(chunk)]
 
 
+def driver_batch_metrics(driver: str | None) -> Any:
+    """The function ``(batch, prefix) -> metrics`` the run's rollout driver names in its entry's
+    ``metadata["batch_metrics"]`` (agent loops: turns, tool calls, ...); one returning nothing otherwise."""
+    from rlplat import registry
+    from rlplat.registry import resolve_dotted_path
+
+    path = registry.entry("rollout_driver", driver).metadata.get("batch_metrics") if driver is not None else None
+    if path is None:
+        return lambda batch, prefix: {}
+    return resolve_dotted_path(path) if isinstance(path, str) else path
+
+
 class Trainer:
     """Runs ``config`` (from :func:`rlplat.config.load_config`) to the end: ``Trainer(config).fit()``."""
 
@@ -123,8 +133,8 @@ class Trainer:
         self.total_steps = total_training_steps(config, self.train_loader.rows_per_epoch)
         self.context = RunContext(config, self.algorithm, self.total_steps)
         self.placement: Placement | None = None
-        self.actor = self.critic = self.rollout = self.reward_model = None
-        self.reward_model_settings = read_reward_model(config)
+        self.actor = self.critic = self.rollout = None
+        self.driver_metrics = driver_batch_metrics(rollout_driver(config))
         self.async_settings = AsyncSettings.of(config.trainer)
         self.pipeline: RolloutPipeline | None = None
         probe_set = self.val_loader.dataset if self.val_loader is not None else self.train_loader.dataset
@@ -144,7 +154,6 @@ class Trainer:
         groups = self.placement.groups
         self.actor, self.critic = groups["actor"], groups.get("critic")
         self.rollout = groups.get("rollout", self.actor)
-        self.reward_model = groups.get("reward_model")
         for name, group in groups.items():
             self.placement.roles[name].start(group)
         bind = getattr(self.reward, "bind_workers", None)  # a manager served by a worker group (the judge)
@@ -286,7 +295,7 @@ class Trainer:
         if self.trained_prompts is not None:
             self.trained_prompts.write(self.step, batch)
         metrics.update(batch_metrics(batch, sampled_mask))
-        metrics.update(agent_metrics(batch))
+        metrics.update(self.driver_metrics(batch, ""))
         metrics.update(batch.meta_info.get("reward_metrics", {}))
         timing["timing_s/step"] = time.perf_counter() - started
         tokens = float(batch.batch["attention_mask"].sum())
@@ -355,32 +364,22 @@ class Trainer:
             attempt += 1
 
     def score(self, batch: DataProto, timing: dict[str, float] | None = None, *, validation: bool = False) -> DataProto:
-        """The reward manager's scores (or those the rollout workers computed while generating, when the
-        ``async`` manager overlapped scoring with agent loops: :func:`rlplat.reward_loop.precomputed_scores`); a row whose agent loop returned a reward of its own (an
-        environment's, non-tensor ``agent_reward``) gets that instead, at its last sampled token; with a
-        reward model, its score joined to them (:func:`rlplat.reward_model.combine`). With a reward model
-        and ``reward.model.rule_weight=0`` the manager is called in validation only (for its accuracy)."""
-        settings = self.reward_model_settings
-        if self.reward_model is not None and settings.rule_weight == 0 and not validation:
+        """The reward manager's scores (or those its :meth:`~RewardManager.trajectory_scorer` computed in the
+        rollout workers while they generated: :meth:`~RewardManager.scores_from_rollout`); a row whose
+        agent loop returned a reward of its own (an environment's, non-tensor ``agent_reward``) gets that
+        instead, at its last sampled token; then each role that scores responses (a reward model) joins
+        its scores (:meth:`Role.join_scores`). When such a role says the rule scores are not needed
+        (:meth:`Role.rule_scores_needed`: a reward model with ``rule_weight=0``, in training), the manager
+        is not called."""
+        roles = self.placement.roles if self.placement is not None else {}
+        if all(role.rule_scores_needed(self.context, validation) for role in roles.values()):
+            scored = self.reward.scores_from_rollout(batch)
+            scored = self.environment_rewards(batch, self.reward(batch) if scored is None else scored)
+        else:
             scored = DataProto.from_dict({"token_level_scores": torch.zeros(batch.batch["responses"].shape, dtype=torch.float32)},
                                          meta_info={"reward_metrics": {}})
-        else:
-            scored = precomputed_scores(batch)
-            scored = self.environment_rewards(batch, self.reward(batch) if scored is None else scored)
-        if self.reward_model is None:
-            return scored
-        started = time.perf_counter()
-        model = self.reward_model.compute_rm_score(batch)
-        if validation and settings.combine == "normalized":  # a validation score comparable across steps
-            settings = dataclasses.replace(settings, combine="sum")
-        scores, metrics = combine(scored.batch["token_level_scores"], model.batch["rm_scores"], batch.batch["response_mask"], settings)
-        if timing is not None:
-            timing["timing_s/reward_model"] = timing.get("timing_s/reward_model", 0.0) + time.perf_counter() - started
-        worker = model.meta_info.get("metrics", {})
-        metrics["reward/model/truncated"] = float(np.sum(worker.get("reward/model/truncated", [0.0])))
-        scored.batch["token_level_scores"] = scores
-        scored.non_tensor_batch["rm_score"] = model.batch["rm_scores"].numpy().astype(np.float64)
-        scored.meta_info["reward_metrics"] = {**scored.meta_info.get("reward_metrics", {}), **metrics}
+        for name, role in roles.items():
+            scored = role.join_scores(self.placement.groups[name], batch, scored, validation=validation, timing=timing)
         return scored
 
     def environment_rewards(self, batch: DataProto, scored: DataProto) -> DataProto:
@@ -429,9 +428,9 @@ class Trainer:
         for prompts in self.val_loader:
             batch = self.generate(prompts, greedy)
             scored = self.score(batch, validation=True)
-            if "rm_score" in scored.non_tensor_batch:
-                scores.setdefault("val/reward/model/mean", []).extend(scored.non_tensor_batch["rm_score"].tolist())
-            for name, value in agent_metrics(batch, "val/").items():
+            for name, values in scored.meta_info.get("validation_values", {}).items():  # per row, e.g. a reward model's
+                scores.setdefault(name, []).extend(values)
+            for name, value in self.driver_metrics(batch, "val/").items():
                 scores.setdefault(name, []).append(value)
             sequence = scored.batch["token_level_scores"].sum(-1).tolist()
             accuracy = scored.non_tensor_batch.get("acc")

@@ -17,7 +17,7 @@ DESIGN_KINDS = (
     # reward models and judges (issue: reward models, an LLM judge, an asynchronous reward loop)
     "judge_parser",
     # seams that keep optional features out of core (issue: a small core)
-    "preset", "config_translator", "config_node",
+    "preset", "config_translator", "config_node", "rollout_driver",
 )
 
 

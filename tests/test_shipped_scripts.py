@@ -132,7 +132,7 @@ def test_the_embedded_python_of_a_shell_script_is_found():
 
 def test_a_missing_first_party_name_is_reported():
     origin = ROOT / "scripts" / "example.py"
-    assert problems_of_import(origin, 0, "rlplat.demo", ["scorer"]) == ["rlplat.demo has no scorer"]
+    assert problems_of_import(origin, 0, "rlplat.contracts", ["no_such_name"]) == ["rlplat.contracts has no no_such_name"]
     assert problems_of_import(origin, 0, "rlplat.no_such_module", []) != []
     assert problems_of_import(origin, 0, "gpu_check", ["no_such_function"]) == ["gpu_check has no no_such_function"]
 

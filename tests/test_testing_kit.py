@@ -385,7 +385,7 @@ ENVIRONMENT_SUITE_BROKEN = suite_run(ENVIRONMENT_SUITE, "Broken")
 AGENT_LOOP_SUITE = """
     import dataclasses
     import pytest
-    from rlplat.agent.chat import ChatRenderer
+    from rlplat_agents.chat import ChatRenderer
     from rlplat.contracts.agent import AgentContext, AgentLoop, TrajectoryBuilder
     from rlplat.contracts.rollout import SamplingParams
     from rlplat.testing import AgentLoopConformance, ScriptedClient

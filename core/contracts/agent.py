@@ -5,7 +5,7 @@ rollout replica's :meth:`~rlplat.contracts.rollout.RolloutEngine.generate_tokens
 turns, parses tool calls out of them with a :class:`ToolCallParser`, runs :class:`Tool` s or steps an
 :class:`Environment`, and appends what comes back as the tokens the chat template adds for it. Sampled
 tokens are appended verbatim, never re-rendered, so the tokens trained on are the tokens sampled. The
-result is a :class:`Trajectory`; the manager (:mod:`rlplat.agent.manager`) turns a batch of them into
+result is a :class:`Trajectory`; the manager (:mod:`rlplat_agents.manager` (rlplat-agents)) turns a batch of them into
 the keys :meth:`RolloutEngine.generate` returns, so estimators, losses and the trainer see no difference
 except ``response_mask``, which is 0 on every token the model did not sample.
 
@@ -291,7 +291,7 @@ class AgentLoopConfig:
 @dataclasses.dataclass
 class AgentContext:
     """What a loop gets besides its row and client: the tokenizer and the chat-template
-    ``renderer`` (:class:`rlplat.agent.chat.ChatRenderer`), the sampling settings of every turn
+    ``renderer`` (:class:`rlplat_agents.chat.ChatRenderer` (rlplat-agents)), the sampling settings of every turn
     (``max_new_tokens`` is the loop's to set per turn), the response token budget, the row's
     prompt as the data loader tokenised it, the tools offered to this row (name -> (tool, state
     arguments)), the tool-call parser, and the stop tokens that end an assistant turn."""

@@ -45,6 +45,21 @@ class RewardManager(abc.ABC):
         (``actor``, ``judge``, a plugin's role, ...). A manager that scores through a worker group (the
         ``judge`` manager asks the ``judge`` role's rollout) keeps it here; the default needs none."""
 
+    def trajectory_scorer(self) -> Any:
+        """What scores each trajectory as soon as it finishes, while the others still generate: asked in the
+        rollout workers by a rollout driver that runs trajectories one by one (agent loops), which writes
+        the outcomes into the batch it returns; :meth:`scores_from_rollout` reads them back in the driver.
+        Its interface is the manager's and its driver's business (``rlplat_rewards``'s ``async`` manager
+        returns its reward loop). None, the default: the trainer scores the whole batch by calling the
+        manager."""
+        return None
+
+    def scores_from_rollout(self, batch: "DataProto") -> "DataProto | None":
+        """This manager's output for ``batch`` from the scores its :meth:`trajectory_scorer` computed in the
+        rollout workers, or None when the batch carries none (or they are stale): then the trainer calls
+        the manager. The default: None."""
+        return None
+
 
 class JudgeParser(abc.ABC):
     """Reads the score a judge model wrote in its answer (kind ``judge_parser``).

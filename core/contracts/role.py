@@ -120,6 +120,20 @@ class Role(abc.ABC):
         None. The default takes no part."""
         return None
 
+    def rule_scores_needed(self, run: RunContext, validation: bool) -> bool:
+        """Whether a step (or validation) still needs the reward manager's scores while this role scores
+        responses itself (:meth:`join_scores`); False lets the trainer skip the manager (a reward model
+        whose rule weight is 0, in training). The default: True."""
+        return True
+
+    def join_scores(self, group: "WorkerGroup", batch: "DataProto", scored: "DataProto", *, validation: bool,
+                    timing: "dict[str, float] | None" = None) -> "DataProto":
+        """A role that scores responses (a reward model) joins its scores to ``scored`` (the reward
+        manager's output for ``batch``: ``token_level_scores``, non-tensor fields, ``meta_info
+        ["reward_metrics"]``) and returns the result, adding its time to ``timing`` when given. Called
+        for training steps and validation. The default returns ``scored`` unchanged."""
+        return scored
+
     def start(self, group: "WorkerGroup") -> None:
         """Called once after the group is built: calls the worker's ``init_model`` when it registers one."""
         if "init_model" in group.method_names:

@@ -150,3 +150,43 @@ class RolloutEngine(abc.ABC):
         ``metadata={"estimate_memory": "package.memory:estimate"}`` is called instead, without importing
         the rollout's module."""
         return None
+
+
+@dataclasses.dataclass
+class RolloutDriverContext:
+    """What a rollout driver gets in the rollout worker that builds it (once, at the first batch it drives)."""
+
+    engines: Sequence[RolloutEngine]
+    """The worker's rollout engines (one replica today), for ``generate`` and ``generate_tokens``."""
+    node: Mapping[str, Any]
+    """The run-config node the driver's entry names in ``metadata["config_node"]`` (e.g. ``agent``), as a
+    plain mapping; empty when it names none."""
+    tokenizer_path: Optional[str]
+    """The policy's tokenizer (and chat template): ``model.tokenizer_path`` or ``model.path``."""
+    prompt_length: int
+    """``data.max_prompt_length``: the width of the prompts the data loader gives."""
+    template_kwargs: Mapping[str, Any]
+    """``data.apply_chat_template_kwargs``."""
+    trajectory_scorer: Any = None
+    """The run's reward manager's :meth:`~rlplat.contracts.reward.RewardManager.trajectory_scorer` (built in
+    this worker), or None: then the trainer scores the batch."""
+
+
+class RolloutDriver(abc.ABC):
+    """Turns a batch of prompts into a batch of trajectories through a worker's rollout engines (kind
+    ``rollout_driver``): multi-turn agent loops, a gateway for agents run elsewhere. Without one, a batch is
+    the rollout's batched :meth:`RolloutEngine.generate`. Built by the registered factory from a
+    :class:`RolloutDriverContext`."""
+
+    def handles(self, prompts: "DataProto") -> bool:
+        """Whether this batch goes through the driver (else through ``generate``). The default: every batch."""
+        return True
+
+    @abc.abstractmethod
+    def generate(self, prompts: "DataProto", sampling: SamplingParams) -> "DataProto":
+        """The same keys and row order as :meth:`RolloutEngine.generate` (``response_mask`` 1 only on sampled
+        tokens), plus any non-tensor columns the driver documents; ``meta_info["metrics"]`` may carry
+        floats for the step's metrics."""
+
+    def close(self) -> None:
+        """Release what the driver holds (threads, servers) when its worker closes. The default: nothing."""

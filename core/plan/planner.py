@@ -295,7 +295,7 @@ def plan_run(config: Any, algorithm: Any = None) -> RunPlan:
 
     from rlplat.config import algorithm_spec, engine_node, rollout_node, uses_critic
     from rlplat.contracts.role import read_role_config
-    from rlplat.reward_model import engine_node as reward_engine_node, read_reward_model
+    from rlplat.registry import resolve_dotted_path
 
     algorithm = algorithm or algorithm_spec(config.algorithm.name)
     cluster = config.cluster
@@ -353,14 +353,14 @@ def plan_run(config: Any, algorithm: Any = None) -> RunPlan:
         critic = roles_node("critic")
         pool = pool_of("critic", critic.placement, critic.nnodes, critic.devices_per_node, "roles.critic")
         add("engine", config.critic.engine, "critic", pool, engine_node(config, "critic", steps), policy, model_path)
-    reward = read_reward_model(config)
-    if reward.enabled:
-        pool = pool_of("reward_model", reward.placement, reward.nnodes, reward.devices_per_node, "reward.model")
-        component = add("engine", reward.engine, "reward_model", pool, reward_engine_node(config, reward),
-                        read_model_config(reward.path, "reward.model.path"), reward.path)
-        if reward.sleep and gpu:
-            component.resident_phases = ("reward_model",)
-        phases.append("reward_model")
+    for entry in planned_role_entries():  # a plugin role's components (the reward model's engine)
+        for item in resolve_dotted_path(entry.metadata["plan"])(config, gpu):
+            pool = pool_of(item.role, item.placement, item.nnodes, item.devices_per_node, item.key)
+            component = add(item.kind, item.name, item.role, pool, item.node,
+                            read_model_config(item.model_path, f"{item.key}.path"), item.model_path)
+            component.resident_phases = item.resident_phases
+            if item.phase not in phases:
+                phases.append(item.phase)
     roles = {component.role for component in components}
     unplanned = unplanned_roles(config, algorithm, steps)
     phases.append("old_log_prob")
@@ -372,8 +372,43 @@ def plan_run(config: Any, algorithm: Any = None) -> RunPlan:
     return RunPlan("GPU" if gpu else "CPU", memory, memory_source, list(pools.values()), components, phases, unplanned)
 
 
-#: The roles :func:`plan_run` builds components for (the rollout role is the rollout's pool).
-PLANNED_ROLES = ("actor", "rollout", "critic", "reward_model")
+#: The roles :func:`plan_run` builds components for (the rollout role is the rollout's pool); a plugin's
+#: role is planned through the function its entry names in ``metadata["plan"]`` (:class:`PlannedComponent`).
+PLANNED_ROLES = ("actor", "rollout", "critic")
+
+
+@dataclasses.dataclass
+class PlannedComponent:
+    """One component a plugin role adds to the plan (``metadata["plan"]`` of its ``role`` entry names a
+    function ``(config, gpu) -> list[PlannedComponent]``, empty when the run does not enable the role)."""
+
+    kind: str
+    """``engine`` or ``rollout``: whose memory estimate prices it."""
+    name: str
+    """The engine's or rollout's registered name."""
+    role: str
+    """The role, as :class:`~rlplat.plan.estimate.MemoryContext` names it (e.g. ``reward_model``)."""
+    placement: str
+    """``colocated`` (the actor's pool) or ``separate``."""
+    nnodes: Any
+    devices_per_node: Any
+    key: str
+    """The run-config node that places it (``reward.model``), for the pool's source and messages."""
+    node: dict
+    """What the engine's or rollout's factory receives."""
+    model_path: str
+    """Its Hugging Face model folder (``config.json`` gives the shapes)."""
+    phase: str
+    """The phase of a step in which it runs (e.g. ``reward_model``)."""
+    resident_phases: Any = None
+    """The phases in which its weights are resident (None: all)."""
+
+
+def planned_role_entries() -> list:
+    """The ``role`` entries that plan their own components (``metadata["plan"]``)."""
+    from rlplat import registry
+
+    return [entry for entry in registry.entries("role") if entry.metadata.get("plan")]
 
 
 def unplanned_roles(config: Any, algorithm: Any, steps: int) -> list[str]:
@@ -384,7 +419,8 @@ def unplanned_roles(config: Any, algorithm: Any, steps: int) -> list[str]:
     from rlplat.contracts.role import RunContext
 
     run = RunContext(config, algorithm, steps)
-    others = [name for name in registry.names("role") if name not in PLANNED_ROLES]
+    planned = set(PLANNED_ROLES) | {entry.name for entry in planned_role_entries()}
+    others = [name for name in registry.names("role") if name not in planned]
     return [name for name in sorted(others) if registry.get("role", name)().enabled(run)]
 
 

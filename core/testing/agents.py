@@ -1,7 +1,7 @@
 """Conformance suites for the agent kinds: ``agent_loop``, ``tool``, ``tool_parser``, ``environment``.
 
 Agent-loop suites run the loop against a :class:`~rlplat.contracts.agent.TokenClient` the plugin's
-test provides (a real rollout engine through :class:`rlplat.agent.manager.EngineClient`, or
+test provides (a real rollout engine through :class:`rlplat_agents.manager.EngineClient`, or
 :class:`ScriptedClient`, which plays given model turns so that tool calls happen on demand) and check
 the invariants every trainer relies on: the trained tokens are the sampled ones, each turn was
 generated after exactly the tokens the trajectory holds before it, masks and log-probs line up.

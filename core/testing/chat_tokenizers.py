@@ -1,4 +1,4 @@
-"""Tiny tokenizers carrying the chat templates vendored in ``rlplat/agent/templates``, made locally.
+"""Tiny tokenizers carrying the chat templates vendored in ``rlplat/testing/templates``, made locally.
 
 Each is byte-level with no merges (one token per byte, ids below 256, so any text round-trips) plus the
 template's control tokens as added tokens: the turn markers and end-of-text tokens as special tokens
@@ -53,13 +53,25 @@ TEMPLATE_TOKENS = {
 }
 
 
+VENDORED_TEMPLATES = ("chatml_tools", "thinking", "llama3_tools")
+"""Chat templates shipped in ``rlplat/testing/templates`` (see :func:`vendored_template`)."""
+
+
+def vendored_template(name: str) -> str:
+    """The text of the vendored chat template ``name`` (one of :data:`VENDORED_TEMPLATES`)."""
+    from importlib import resources
+
+    if name not in VENDORED_TEMPLATES:
+        raise ValueError(f"no vendored chat template {name!r}; choose one of {list(VENDORED_TEMPLATES)}")
+    return resources.files("rlplat.testing").joinpath("templates", f"{name}.jinja").read_text(encoding="utf-8")
+
+
 def chat_tokenizer(template: str):
     """A ``PreTrainedTokenizerFast`` for the vendored template named ``template`` (one of
     :data:`TEMPLATES`), its ``chat_template`` set to that template's text."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from rlplat.agent.chat import vendored_template
 
     if template not in TEMPLATE_TOKENS:
         raise ValueError(f"no tiny tokenizer for template {template!r}; choose one of {list(TEMPLATE_TOKENS)}")

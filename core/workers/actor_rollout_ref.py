@@ -98,7 +98,7 @@ class ActorRolloutRefWorker(Worker):
         self.actor = self.rollout = self.reference = None
         self.actor_loss = None
         self.rollout_asleep = False
-        self.agents = None  # the agent-loop manager, built at the first batch that needs it
+        self.driver = None  # the rollout driver (agent loops, ...), built at the first batch that needs it
         self.actor_version = 0  # updates applied to the actor's weights
         self.rollout_version = 0  # the actor version whose weights the rollout holds
         self.weights_shared = False  # the rollout reads the engine's parameters in place
@@ -111,6 +111,9 @@ class ActorRolloutRefWorker(Worker):
     def close(self) -> None:
         """Stop the rollout's engine (its server or engine processes; an in-process vLLM destroys the
         process groups it made), called by the host before the process group goes."""
+        if self.driver is not None:
+            driver, self.driver = self.driver, None
+            driver.close()
         close = getattr(self.rollout, "close", None)
         if callable(close):
             self.rollout = None
@@ -167,8 +170,9 @@ class ActorRolloutRefWorker(Worker):
         if self.rollout_asleep and self.actor is not None:
             self.sync_weights()  # two generations in a row (validation, then a step): wake with the actor's weights
         version = self.sampling_version()
-        if self.uses_agent_loops(prompts):
-            output = self.agent_manager().generate(prompts, sampling, sampling.max_new_tokens)
+        driver = self.rollout_driver()
+        if driver is not None and driver.handles(prompts):
+            output = driver.generate(prompts, sampling)
         else:
             output = rollout.generate(prompts, sampling)
         if self.config.free_rollout_between_phases:
@@ -196,55 +200,37 @@ class ActorRolloutRefWorker(Worker):
         elif self.rollout is not None:
             self.rollout_version = int(version)
 
-    def uses_agent_loops(self, prompts: DataProto) -> bool:
-        """Whether this batch goes through agent loops: ``agent.loop`` is set or the rows name theirs."""
-        return bool(self.config.agent.get("loop")) or "agent_name" in prompts.non_tensor_batch
+    def rollout_driver(self) -> Any:
+        """The run's rollout driver (kind ``rollout_driver``) over this worker's rollout, built once; None
+        when the run has none (batches go through the rollout's ``generate``)."""
+        if self.driver is None and self.config.rollout_driver is not None:
+            from rlplat import registry
+            from rlplat.contracts.rollout import RolloutDriverContext
 
-    def agent_manager(self):
-        """The agent-loop manager over this worker's rollout (one replica), its tools built once."""
-        if self.agents is None:
-            from transformers import AutoTokenizer
+            context = RolloutDriverContext(
+                engines=[self.rollout], node=dict(self.config.driver_node), tokenizer_path=self.config.tokenizer_path,
+                prompt_length=self.config.prompt_length, template_kwargs=dict(self.config.template_kwargs),
+                trajectory_scorer=self.trajectory_scorer())
+            self.driver = registry.get("rollout_driver", self.config.rollout_driver)(context)
+        return self.driver
 
-            from rlplat.agent.config import AgentConfig
-            from rlplat.agent.manager import AgentLoopManager, EngineClient
-            from rlplat.agent.tools import read_tools_file
-            from rlplat.config_node import read_config_node
-            from rlplat.data import pad_token_id_of
-
-            config = read_config_node(dict(self.config.agent), AgentConfig, "agent")
-            if self.config.tokenizer_path is None:
-                raise RuntimeError("agent loops need the tokenizer: the worker config has no tokenizer_path (model.path)")
-            tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_path)
-            tools = {}
-            if config.tools_config is not None:
-                for spec in read_tools_file(config.tools_config):
-                    tool = spec.build()
-                    tools[tool.name] = tool
-            self.agents = AgentLoopManager(
-                [EngineClient(self.rollout)], tokenizer, config, pad_token_id=pad_token_id_of(tokenizer),
-                max_prompt_length=self.config.agent_prompt_length, template_kwargs=self.config.template_kwargs, tools=tools,
-                reward_loop=self.overlapped_reward_loop(tokenizer))
-        return self.agents
-
-    def overlapped_reward_loop(self, tokenizer: Any):
-        """The reward loop that scores each trajectory as it finishes: when the run's reward manager is
-        :class:`~rlplat.reward_loop.AsyncRewardManager` (``reward.manager=async``, not a subclass, whose
-        scores could differ) with ``reward.config.overlap``; else None (the driver scores)."""
+    def trajectory_scorer(self) -> Any:
+        """The run's reward manager's scorer of finished trajectories
+        (:meth:`~rlplat.contracts.reward.RewardManager.trajectory_scorer`), built in this worker; None when
+        the run has no manager here or the manager scores batches only."""
         node = dict(self.config.reward)
         if not node.get("manager"):
             return None
+        from transformers import AutoTokenizer
+
         from rlplat import registry
-        from rlplat.reward_loop import AsyncRewardManager, RewardLoop, RewardLoopConfig
         from rlplat.scorers import scorer_for
 
-        if registry.get("reward_manager", node["manager"]) is not AsyncRewardManager:
-            return None
-        settings = read_config_node(node.get("config"), RewardLoopConfig, "reward.config")
-        if not settings.overlap:
-            return None
         custom = node.get("custom_function") or {}
         scorer = scorer_for(node.get("scorer"), custom.get("path"), custom.get("name") or "compute_score")
-        return RewardLoop(scorer, tokenizer, settings)
+        tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_path) if self.config.tokenizer_path else None
+        manager = registry.get("reward_manager", node["manager"])(scorer, tokenizer, node.get("config") or {})
+        return manager.trajectory_scorer()
 
     # -- log-probs ---------------------------------------------------------------------------------
 

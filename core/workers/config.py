@@ -49,23 +49,25 @@ class ActorRolloutRefConfig:
     free_rollout_between_phases: bool = False
     """Put the rollout to sleep after generating and wake it for the next weight sync (frees memory)."""
 
-    agent: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    """The ``agent`` node (:class:`rlplat.agent.config.AgentConfig`): a batch goes through agent loops
-    when it sets ``loop`` or the prompts carry an ``agent_name`` column."""
+    rollout_driver: str | None = None
+    """The run's rollout driver (kind ``rollout_driver``, :func:`rlplat.config.rollout_driver`), or None:
+    batches go through the rollout's ``generate``."""
+
+    driver_node: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """The run-config node the driver's entry names (``metadata["config_node"]``, e.g. ``agent``)."""
 
     tokenizer_path: str | None = None
-    """Where the tokenizer (and its chat template) is: ``model.path``; agent loops need it."""
+    """Where the tokenizer (and its chat template) is: ``model.path``; rollout drivers need it."""
 
-    agent_prompt_length: int = 512
-    """Prompt width of agent batches (``agent.max_prompt_length`` or ``data.max_prompt_length``)."""
+    prompt_length: int = 512
+    """``data.max_prompt_length``: the width of the data loader's prompts."""
 
     template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    """``data.apply_chat_template_kwargs``: what agent loops render the template with."""
+    """``data.apply_chat_template_kwargs``: what rollout drivers render chat templates with."""
 
     reward: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    """The run's ``reward`` node (``manager``, ``scorer``, ``custom_function``, ``config``). With the
-    ``async`` manager and ``reward.config.overlap``, agent batches are scored here, each trajectory as
-    it finishes (:mod:`rlplat.reward_loop`)."""
+    """The run's ``reward`` node (``manager``, ``scorer``, ``custom_function``, ``config``): a rollout driver
+    asks the manager built from it for its :meth:`~rlplat.contracts.reward.RewardManager.trajectory_scorer`."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.roles) - {"actor", "rollout", "ref"})

@@ -56,11 +56,24 @@ def actor_rollout_config(run: RunContext, roles: list[str]) -> dict[str, Any]:
         "rollout_config": rollout_node(config), "actor": actor_loss_config(run),
         "free_rollout_between_phases": config.rollout.free_between_phases,
         "share_weights": config.rollout.share_weights,
-        "agent": OmegaConf.to_container(config.agent, resolve=True), "tokenizer_path": config.model.tokenizer_path or config.model.path,
-        "agent_prompt_length": config.agent.max_prompt_length or config.data.max_prompt_length,
+        **driver_settings(config), "tokenizer_path": config.model.tokenizer_path or config.model.path,
+        "prompt_length": config.data.max_prompt_length,
         "template_kwargs": OmegaConf.to_container(config.data.apply_chat_template_kwargs, resolve=True) or {},
         "reward": reward_node(config),
     }
+
+
+def driver_settings(config: Any) -> dict[str, Any]:
+    """The worker-config keys of the run's rollout driver: its name and the node its entry names."""
+    from rlplat import registry
+    from rlplat.config import rollout_driver
+
+    name = rollout_driver(config)
+    if name is None:
+        return {"rollout_driver": None, "driver_node": {}}
+    node_path = registry.entry("rollout_driver", name).metadata.get("config_node")
+    node = OmegaConf.select(config, node_path, default=None) if node_path else None
+    return {"rollout_driver": name, "driver_node": OmegaConf.to_container(node, resolve=True) if node is not None else {}}
 
 
 def reward_node(config: Any) -> dict[str, Any]:

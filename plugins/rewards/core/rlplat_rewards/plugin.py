@@ -34,3 +34,5 @@ def register_reward_scorers(register):
 def register_reward_managers(register):
     for name, (target, description) in REWARD_MANAGERS.items():
         register(name, f"rlplat_rewards.{target}", description=description, config_schema=_CONFIG)
+    register("async", "rlplat_rewards.reward_loop:AsyncRewardManager", config_schema="rlplat_rewards.reward_loop:RewardLoopConfig",
+             description="per-sample scoring with a concurrency bound, a timeout, retries and a default score; overlaps with agent loops")

@@ -1,0 +1,142 @@
+"""The ``agent`` node of the run config (light: the driver reads it without torch)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Iterable, Optional
+
+VERL_LOOP_NAMES = {"single_turn_agent": "single_turn", "tool_agent": "tool"}
+"""verl's ``agent_name`` values, read as rlplat's loop names."""
+
+
+@dataclasses.dataclass
+class AgentConfig:
+    """The ``agent`` node: multi-turn rollouts through agent loops. With no ``agent.loop`` and no
+    ``agent_name`` column in the data, generation is the rollout's batched ``generate``."""
+
+    loop: Optional[str] = None
+    """Agent loop (kind ``agent_loop``: ``single_turn``, ``tool``, ``env``, a plugin's) for rows without an
+    ``agent_name``. None: rows must name theirs, or the run generates without agent loops."""
+    loops: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Each loop's own node: ``agent.loops.tool.max_turns=4``, checked against the loop's schema."""
+    tools_config: Optional[str] = None
+    """YAML file of the tools offered (see :mod:`rlplat_agents.tools`)."""
+    tool_parser: str = "hermes"
+    """How the model writes tool calls (kind ``tool_parser``)."""
+    environment: Optional[str] = None
+    """Environment of the ``env`` loop (kind ``environment``: ``retry``, a plugin's)."""
+    environment_config: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The environment's own node."""
+    max_concurrency: int = 256
+    """Conversations in flight at once per worker."""
+    max_prompt_length: Optional[int] = None
+    """Width of the prompts of agent batches (a prompt rendered with its tools is longer than the data
+    loader's). None: ``data.max_prompt_length``. A longer prompt is an error naming the row."""
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1 or null, got {self.max_prompt_length}")
+
+    def enabled(self, has_agent_names: bool = False) -> bool:
+        """Whether generation goes through agent loops: a default loop is set, or the rows name theirs."""
+        return self.loop is not None or has_agent_names
+
+
+def check_tools_read(agent: AgentConfig, loops: Iterable[str]) -> None:
+    """:class:`~rlplat.config_node.ConfigError` when ``agent.tools_config`` is set but no agent loop of the
+    run offers its tools: ``loops`` (the loops the run uses: ``agent.loop`` and the data's ``agent_name``
+    values, rlplat's names) is empty, so generation is single-turn, or every one of them declares
+    ``uses_tools = False``. A loop that does not declare it is trusted to read them."""
+    if agent.tools_config is None:
+        return
+    from rlplat import registry
+    from rlplat.config_node import ConfigError
+
+    loops = sorted(set(loops))
+    fix = ("set agent.loop=tool (verl: actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent), give the rows "
+           "an agent_name column naming a loop that offers tools (verl's tool_agent), or drop agent.tools_config")
+    if not loops:
+        raise ConfigError(f"agent.tools_config={agent.tools_config} is read by no agent loop: agent.loop is not set and "
+                          f"the data names no loop (no agent_name values), so generation is single-turn and the tools "
+                          f"are never offered; {fix}.")
+    if all(getattr(registry.get("agent_loop", name), "uses_tools", None) is False for name in loops):
+        raise ConfigError(f"agent.tools_config={agent.tools_config} is read by no agent loop of this run: "
+                          f"{', '.join(loops)} offer{'s' if len(loops) == 1 else ''} no tools; {fix}.")
+
+
+# -- the node's checks (kind config_node) ------------------------------------------------------------------
+
+def data_agent_names(files: Iterable[str]) -> set[str]:
+    """The ``agent_name`` values (nulls left out) of the parquet files that have the column."""
+    import pyarrow.parquet as pq
+
+    names: set[str] = set()
+    for path in files:
+        if "agent_name" in pq.read_schema(path).names:
+            names.update(value for value in pq.read_table(path, columns=["agent_name"]).column(0).to_pylist() if value)
+    return names
+
+
+def check(agent: AgentConfig, config: Any) -> None:
+    """The ``agent`` node against the registries, the tools file and the data's ``agent_name`` values."""
+    from rlplat.config import ConfigError, entry_schema
+
+    entry_schema("tool_parser", agent.tool_parser, "agent.tool_parser")
+    used = {agent.loop} if agent.loop else set()
+    for key in ("train_files", "val_files"):
+        for name in data_agent_names(config.data[key]):
+            used.add(name)
+            entry_schema("agent_loop", VERL_LOOP_NAMES.get(name, name), f"the agent_name {name!r} in data.{key}")
+    if agent.loop:
+        entry_schema("agent_loop", agent.loop, "agent.loop")
+    loops = {VERL_LOOP_NAMES.get(name, name) for name in used}
+    if "env" in loops and agent.environment is None:
+        raise ConfigError("the env agent loop needs an environment: set agent.environment (e.g. retry).")
+    if "tool" in loops and agent.tools_config is None:
+        raise ConfigError("the tool agent loop offers the tools of agent.tools_config, which is not set: give a tools file.")
+    check_tools_read(agent, loops)
+    if agent.tools_config is not None:
+        from rlplat_agents.tools import read_tools_file
+
+        read_tools_file(agent.tools_config)
+    if loops - {"single_turn"}:
+        check_chat_template(config)
+
+
+def check_chat_template(config: Any) -> None:
+    """Multi-turn loops append messages through the chat template: the tokenizer must have one."""
+    from transformers import AutoTokenizer
+
+    from rlplat.config import ConfigError
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or config.model.path)
+    except Exception as error:
+        raise ConfigError(f"model.path: the tokenizer in {config.model.path} cannot be loaded for the agent loops: {error}") from None
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError(f"agent loops with several turns render messages with the tokenizer's chat template, and the "
+                          f"tokenizer in {config.model.path} has none (only the single_turn loop works without one).")
+
+
+def nodes(config: Any) -> list:
+    """The plugin-owned nodes under ``agent``: each loop's ``agent.loops.<name>`` and the environment's
+    ``agent.environment_config``."""
+    from omegaconf import OmegaConf
+
+    from rlplat.config import ConfigError, PluginNode, entry_schema
+    from rlplat.contracts.agent import AgentLoopConfig
+
+    agent = config.agent
+    found = []
+    for name, node in OmegaConf.to_container(agent.loops, resolve=True).items():
+        schema, owner = entry_schema("agent_loop", name, f"agent.loops.{name}")
+        found.append(PluginNode(f"agent.loops.{name}", owner, schema or AgentLoopConfig, node or {}))
+    if agent.environment is not None:
+        schema, owner = entry_schema("environment", agent.environment, "agent.environment")
+        found.append(PluginNode("agent.environment_config", owner, schema,
+                                OmegaConf.to_container(agent.environment_config, resolve=True)))
+    elif agent.environment_config:
+        raise ConfigError("agent.environment_config is set but agent.environment is not: name the environment.")
+    return found
