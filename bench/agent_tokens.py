@@ -108,8 +108,8 @@ def main() -> None:
     seeded = request_contender("generate_tokens, seeded", rollout.generate_tokens, prompts,
                                lambda index: SamplingParams(max_new_tokens=16, temperature=1.0, seed=index))
     one_each = request_contender("batch of one each (before)", batch_of_one, prompts, lambda _: sampling)
-    from rlplat.agent.config import AgentConfig
-    from rlplat.agent.manager import AgentLoopManager, EngineClient
+    from rlplat_agents.config import AgentConfig
+    from rlplat_agents.manager import AgentLoopManager, EngineClient
     from transformers import AutoTokenizer
 
     manager = AgentLoopManager([EngineClient(rollout)], AutoTokenizer.from_pretrained(demo.model_dir()),

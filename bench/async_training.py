@@ -42,7 +42,7 @@ import dataclasses
 import json
 import zlib
 
-from rlplat.agent.environments import RetryConfig, RetryEnvironment
+from rlplat_agents.environments import RetryConfig, RetryEnvironment
 from rlplat.hookspecs import hookimpl
 
 
