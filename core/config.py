@@ -510,6 +510,7 @@ def validate_config(config: DictConfig) -> None:
     read_config_node(OmegaConf.to_container(config.rollout.sync_probe, resolve=True), SyncProbeConfig, "rollout.sync_probe")
     for node in plugin_nodes(config, algorithm, total_training_steps(config, parquet_rows(data.train_files))):
         node.check()
+    check_rollout_correction(config)
     check_scorer(config)
     check_roles(config, algorithm, registry, total_training_steps(config, parquet_rows(data.train_files)))
     rollout_driver(config, data)
@@ -583,6 +584,16 @@ def check_old_log_prob_mode(config: DictConfig, algorithm: Any) -> None:
             f"only right for a strictly on-policy update; this run is not: {'; '.join(reasons)}. "
             "Use auto (the default: the pass runs where it is needed) or always."
         )
+
+
+def check_rollout_correction(config: DictConfig) -> None:
+    """``algorithm.rollout_correction`` is a node the loss kit can read (verl's keys and presets)."""
+    node = OmegaConf.select(config, "algorithm.rollout_correction", default=None)
+    if node is None:
+        return
+    from rlplat.losses.rollout_correction import read_rollout_correction
+
+    read_rollout_correction(OmegaConf.to_container(node, resolve=True))
 
 
 def check_code_shipping(cluster: DictConfig) -> None:

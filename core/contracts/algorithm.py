@@ -119,13 +119,8 @@ class AlgorithmConfig:
     """Correction between the rollout's and the trainer's log-probs (verl's node and presets:
     ``{preset: decoupled_token_is}``, ``rollout_is``, ``rollout_is_threshold``, ``rollout_rs``,
     ``rollout_rs_threshold``, ``bypass_mode``; :class:`rlplat.losses.rollout_correction.RolloutCorrectionConfig`).
-    None: no correction (the ``rollout_corr/*`` diagnostics are reported whenever the rollout returns log-probs)."""
-
-    def __post_init__(self) -> None:
-        if self.rollout_correction is not None:
-            from rlplat.losses.rollout_correction import read_rollout_correction
-
-            read_rollout_correction(self.rollout_correction)
+    None: no correction (the ``rollout_corr/*`` diagnostics are reported whenever the rollout returns log-probs).
+    Checked when the run config is (``rlplat.config.validate_config``)."""
 
 
 @dataclasses.dataclass

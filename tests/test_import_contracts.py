@@ -1,0 +1,65 @@
+"""The import contracts of ``.importlinter`` hold: core never imports a plugin, plugins import one another
+only where declared, and core's layers import downwards only. Every plugin package of the repository is
+named in the contracts."""
+
+from __future__ import annotations
+
+import configparser
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def plugin_packages() -> set[str]:
+    """The packages of the plugin distributions under ``plugins/`` (``[tool.setuptools] packages``)."""
+    import tomllib
+
+    packages = set()
+    for pyproject in ROOT.glob("plugins/**/pyproject.toml"):
+        if "tests" in pyproject.parts:
+            continue
+        declared = tomllib.loads(pyproject.read_text()).get("tool", {}).get("setuptools", {}).get("packages", [])
+        packages.update(name.split(".")[0] for name in declared)
+    return packages
+
+
+def contracts() -> configparser.ConfigParser:
+    parser = configparser.ConfigParser()
+    parser.read(ROOT / ".importlinter")
+    return parser
+
+
+def names(value: str) -> set[str]:
+    return {line.strip() for line in value.splitlines() if line.strip()}
+
+
+def test_every_plugin_package_is_under_the_contracts():
+    parser = contracts()
+    expected = plugin_packages()
+    assert expected, "no plugin packages found"
+    assert names(parser["importlinter"]["root_packages"]) == expected | {"rlplat"}
+    assert names(parser["importlinter:contract:core-imports-no-plugin"]["forbidden_modules"]) == expected
+    assert names(parser["importlinter:contract:plugins-independent"]["modules"]) == expected
+
+
+def test_the_import_contracts_hold():
+    lint = Path(sys.executable).parent / "lint-imports"
+    result = subprocess.run([str(lint), str(ROOT / ".importlinter")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "BROKEN" not in result.stdout
+
+
+def test_the_command_line_imports_no_plugin():
+    """``rlplat.cli`` lives in ``cli/`` (outside the ``rlplat`` folder the contracts read): checked here."""
+    import ast
+
+    plugins = plugin_packages()
+    offending = []
+    for path in sorted((ROOT / "cli").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            offending += [f"{path.name}:{node.lineno} imports {module}" for module in modules if module.split(".")[0] in plugins]
+    assert offending == []
