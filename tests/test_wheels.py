@@ -37,7 +37,7 @@ INSTALLED = ["rlplat", "rlplat-engine-fsdp2", "rlplat-rollout-hf", "rlplat-algor
 ROOT = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = ROOT / "scripts" / "build_wheels.py"
 # Core registers its own entries under its own name, without an entry point (rlplat.registry).
-CORE_PLUGIN = {"plugin": "rlplat", "distribution": "rlplat"}
+CORE_PLUGIN = ("rlplat", "rlplat")  # (plugin, distribution)
 
 
 def load_build_script():
@@ -199,14 +199,13 @@ def test_plugins_list_shows_exactly_the_plugins_of_the_installed_distributions(f
         entry_points.read_string(wheel_metadata(wheels[name], "entry_points.txt"))
         if entry_points.has_section("rlplat"):
             project = email.parser.Parser().parsestr(wheel_metadata(wheels[name], "METADATA"))["Name"]
-            expected += [{"plugin": plugin, "distribution": project} for plugin in entry_points["rlplat"]]
+            expected += [(plugin, project) for plugin in entry_points["rlplat"]]
     listing = subprocess.run([str(venv / "bin" / "rlplat"), "plugins", "list", "--json"], capture_output=True,
                              text=True, timeout=120, env=venv_environment(venv), cwd=work)
     assert listing.returncode == 0, listing.stderr
     plugins = json.loads(listing.stdout)
-    key = lambda plugin: (plugin["distribution"], plugin["plugin"])  # noqa: E731
-    assert sorted(({"plugin": p["plugin"], "distribution": p["distribution"]} for p in plugins), key=key) == sorted(expected, key=key)
-    assert [(p["plugin"], p["status"], p["reason"]) for p in plugins if p["status"] != "ok"] == []
+    assert sorted((plugin["plugin"], plugin["distribution"]) for plugin in plugins) == sorted(expected)
+    assert [(plugin["plugin"], plugin["reason"]) for plugin in plugins if plugin["status"] != "ok"] == []
 
 
 @pytest.mark.slow
