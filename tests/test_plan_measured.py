@@ -1,13 +1,13 @@
 """The plan against measured peaks on CPU: the fsdp2 engine and the hf rollout on a tiny model, within 15%.
 
 What is measured: the peak of live tensor storage bytes in each call, what ``torch.cuda.max_memory_allocated``
-counts on a GPU. One process: :class:`rlplat.plan.measure.TensorMemoryMeter` (the CPU allocator reports every
-allocation and free to the profiler; their running sum). Two processes: :class:`rlplat.plan.measure.LiveStorageMeter`
+counts on a GPU. One process: :class:`rlplat.testing.memory.TensorMemoryMeter` (the CPU allocator reports every
+allocation and free to the profiler; their running sum). Two processes: :class:`rlplat.testing.memory.LiveStorageMeter`
 (every storage an operator returns, sized after each operator and dropped when freed in any thread), because gloo
 releases collective buffers in its own threads, whose frees the profiler does not see; on one process the two
 meters agree within 0.02% (forward 71,803,892 vs 71,790,580 B, update 95,285,740 vs 95,271,412 B). The engine is measured in its steady state: after one update (the
 optimizer states and the gradients exist from then on), a forward and a second update. Each process runs
-``python -m rlplat.plan.measure`` (two of them form a gloo group for the 2-process case).
+``python -m rlplat.testing.memory`` (two of them form a gloo group for the 2-process case).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def measure(specs: list[dict], world_size: int = 1) -> list[list[dict]]:
             free.bind(("127.0.0.1", 0))
             port = free.getsockname()[1]
         environment.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size))
-    processes = [subprocess.Popen([sys.executable, "-m", "rlplat.plan.measure", json.dumps(specs)], stdout=subprocess.PIPE,
+    processes = [subprocess.Popen([sys.executable, "-m", "rlplat.testing.memory", json.dumps(specs)], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env={**environment, "RANK": str(rank)})
                  for rank in range(world_size)]
     outputs = []
@@ -128,7 +128,7 @@ def gpu_available() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_available(), reason="the GPU check needs CUDA")
 def test_on_a_gpu_the_plan_matches_cudas_measured_peaks():
-    """CUDA's ``max_memory_allocated`` per call (:class:`rlplat.plan.measure.CudaPeaks`) against the plan with
+    """CUDA's ``max_memory_allocated`` per call (:class:`rlplat.testing.memory.CudaPeaks`) against the plan with
     ``device=cuda``: bfloat16 compute (the engine's ``auto``) and the hf rollout in bfloat16."""
     specs = [dict(kind="engine", name="fsdp2", config=dict(model_config=GPU_MODEL, micro_batch_size_per_gpu=4), rows=8,
                   prompt_length=256, response_length=256),

@@ -6,7 +6,7 @@ starts, from the config and the models' ``config.json`` alone.
   model shapes (:class:`ModelShape`) read from ``config.json``. No torch.
 * :mod:`rlplat.plan.planner`: :func:`plan_run` (the :class:`RunPlan` of a resolved config: pools,
   components, bytes per phase, the peak and what sets it, the problems that refuse a run).
-* :mod:`rlplat.plan.measure`: :class:`TensorMemoryMeter`, live tensor bytes measured on CPU.
+* :mod:`rlplat.testing.memory`: :class:`TensorMemoryMeter`, live tensor bytes measured on CPU.
 """
 
 from rlplat.plan.estimate import CALLS, MemoryContext, MemoryEstimate, MemoryItem, ModelShape, human_bytes

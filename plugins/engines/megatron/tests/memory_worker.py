@@ -3,7 +3,7 @@ in the two-process launch the memory and numerics tests share; alone, with RANK,
 MASTER_PORT set: ``python memory_worker.py SPEC_JSON``.
 
 For each layout of the spec, in the same processes: a fresh megatron parallel state, then under
-:class:`rlplat.plan.measure.LiveStorageMeter` (live tensor storage bytes, frees seen in any thread) the engine
+:class:`rlplat.testing.memory.LiveStorageMeter` (live tensor storage bytes, frees seen in any thread) the engine
 is built, takes one update (the optimizer states exist from then on), and the peaks of a forward
 (``forward``), a second update (``update``) and a weight sync (``export``: ``named_weights`` consumed bucket by
 bucket) are recorded. Each rank prints one JSON line: ``{layout name: {call: peak bytes}}``.
@@ -25,7 +25,7 @@ def measure(spec: dict) -> dict[str, dict[str, int]]:
     initialised; the parallel state is destroyed again at the end)."""
     from megatron.core import parallel_state
 
-    from rlplat.plan.measure import LiveStorageMeter, PolicyGradientLoss, synthetic_batch
+    from rlplat.testing.memory import LiveStorageMeter, PolicyGradientLoss, synthetic_batch
     from rlplat_engine_megatron.engine import MegatronEngine
 
     results = {}

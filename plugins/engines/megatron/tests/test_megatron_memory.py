@@ -3,7 +3,7 @@
 refused at load (before any worker starts) naming the key and the numbers, and the estimate against the
 peaks measured on CPU at TP=1 (two data-parallel ranks), TP=2 and PP=2 within 15% (``memory_worker.measure``
 in fresh processes at the start of the two-process launch the numerics test shares;
-:class:`rlplat.plan.measure.LiveStorageMeter` counts live tensor storage bytes)."""
+:class:`rlplat.testing.memory.LiveStorageMeter` counts live tensor storage bytes)."""
 
 from __future__ import annotations
 

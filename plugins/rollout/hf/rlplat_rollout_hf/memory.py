@@ -12,7 +12,7 @@ prompts of ``P`` tokens holds, at its peak:
   up projection and their product, ``3i``) beside the residual stream (``4h``), or the logits of every
   prompt position (``V``, Hugging Face computes them all), kept until the first decoding step returns.
 
-Measured on CPU (:class:`rlplat.plan.measure.TensorMemoryMeter`) the prefill's MLP sets the peak of a
+Measured on CPU (:class:`rlplat.testing.memory.TensorMemoryMeter`) the prefill's MLP sets the peak of a
 small vocabulary, the logits that of a large one.
 """
 

@@ -260,7 +260,7 @@ def measure_rollout(rollout_name: str, config: dict, rows: int, prompt_length: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m rlplat.plan.measure SPECS_JSON``: measure each spec (``{"kind": "engine"|"rollout",
+    """``python -m rlplat.testing.memory SPECS_JSON``: measure each spec (``{"kind": "engine"|"rollout",
     "name", "config", "rows", "prompt_length", "response_length"}``) in this process and print one JSON
     list of peaks. Under ``torchrun``-style variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
     ``MASTER_PORT``) every rank joins one gloo group first, and each prints its own line."""
