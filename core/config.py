@@ -346,12 +346,13 @@ def merge_checked(base: DictConfig, extra: Any, source: str) -> DictConfig:
 
 
 def algorithm_schema(name: str) -> type:
-    """The dataclass the ``algorithm`` node of algorithm ``name`` is read with: its entry's ``config_schema``,
-    else :class:`rlplat.contracts.algorithm.AlgorithmConfig`."""
+    """The dataclass the ``algorithm`` node of algorithm ``name`` is read with: its entry's ``config_schema``
+    with :class:`rlplat.contracts.algorithm.AlgorithmConfig`'s keys (the loop's), or AlgorithmConfig alone
+    (:func:`rlplat.contracts.algorithm.algorithm_node_schema`)."""
     from rlplat import registry
-    from rlplat.contracts.algorithm import AlgorithmConfig
+    from rlplat.contracts.algorithm import algorithm_node_schema
 
-    return resolve_schema(registry.entry("algorithm", name).config_schema) or AlgorithmConfig
+    return algorithm_node_schema(resolve_schema(registry.entry("algorithm", name).config_schema))
 
 
 def algorithm_spec(name: str) -> Any:

@@ -180,7 +180,7 @@ def loss_schema(algorithm: Any, role: str) -> Any:
 
 def plugin_nodes(config: DictConfig, algorithm: Any, total_steps: int) -> list[PluginNode]:
     """Every plugin-owned node of ``config`` with its schema and owner (see the module docstring)."""
-    from rlplat.contracts.algorithm import AlgorithmConfig
+    from rlplat.contracts.algorithm import algorithm_node_schema
     from rlplat.contracts.engine import EngineBuildConfig
     from rlplat.contracts.role import RoleConfig
 
@@ -215,7 +215,11 @@ def plugin_nodes(config: DictConfig, algorithm: Any, total_steps: int) -> list[P
     schema, owner = entry_schema("policy_loss", loss_mode, "actor.loss.policy_loss.loss_mode")
     nodes.append(PluginNode("actor.loss.policy_loss", owner, schema, {"loss_mode": loss_mode, **policy_node}))
     schema, owner = entry_schema("algorithm", config.algorithm.name, "algorithm.name")
-    nodes.append(PluginNode("algorithm", owner, schema or AlgorithmConfig, OmegaConf.to_container(config.algorithm, resolve=True)))
+    try:
+        schema = algorithm_node_schema(schema)
+    except TypeError as error:
+        raise ConfigError(f"algorithm.name: {owner}: {error}") from None
+    nodes.append(PluginNode("algorithm", owner, schema, OmegaConf.to_container(config.algorithm, resolve=True)))
     from rlplat import registry
 
     for name, node in OmegaConf.to_container(config.roles, resolve=True).items():

@@ -7,6 +7,7 @@ produced and 0 on padding and on tool/observation spans of multi-turn data.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Protocol
 
 if TYPE_CHECKING:
@@ -126,6 +127,43 @@ class AlgorithmConfig:
             from rlplat.losses.rollout_correction import read_rollout_correction
 
             read_rollout_correction(self.rollout_correction)
+
+
+@functools.lru_cache(maxsize=None)
+def algorithm_node_schema(schema: type | None) -> type:
+    """The dataclass the ``algorithm`` node is read with, for an algorithm whose entry declares ``schema``:
+    :class:`AlgorithmConfig` when it declares none; the schema itself when it extends AlgorithmConfig (as
+    documented); else a dataclass that is both, the schema's keys and the loop's, whose instances are
+    instances of ``schema``. A schema therefore never has to declare the keys rlplat reads (``name``,
+    ``adv_estimator``, ...) and its algorithm's estimator still receives every key it declared."""
+    if schema is None:
+        return AlgorithmConfig
+    if issubclass(schema, AlgorithmConfig):
+        return schema
+
+    def __post_init__(self: Any) -> None:
+        AlgorithmConfig.__post_init__(self)
+        if hasattr(schema, "__post_init__"):
+            schema.__post_init__(self)
+
+    def __reduce__(self: Any) -> tuple[Any, ...]:
+        # pickled as (its plugin's schema, its values): the combined class is made again where it is loaded
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return rebuild_algorithm_node, (schema, values)
+
+    try:
+        return dataclasses.make_dataclass(
+            schema.__name__, [], bases=(schema, AlgorithmConfig),
+            namespace={"__post_init__": __post_init__, "__reduce__": __reduce__, "__doc__": schema.__doc__,
+                       "__module__": schema.__module__})
+    except TypeError as error:
+        raise TypeError(f"the algorithm schema {schema.__qualname__} cannot be combined with AlgorithmConfig "
+                        f"({error}); give each of its fields a default, or extend AlgorithmConfig") from None
+
+
+def rebuild_algorithm_node(schema: type, values: Mapping[str, Any]) -> Any:
+    """An ``algorithm`` node of :func:`algorithm_node_schema` ``(schema)`` from its values (unpickling)."""
+    return algorithm_node_schema(schema)(**values)
 
 
 @dataclasses.dataclass
