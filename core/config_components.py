@@ -26,7 +26,7 @@ from rlplat.losses.config import LOSS_SET_KEYS
 
 __all__ = ["ENGINE_BUILD_SOURCES", "ROLLOUT_BUILD_SOURCES", "SAMPLING_SOURCES", "BUILTIN_LOSS_SCHEMAS", "PluginNode",
            "optimizer_build", "engine_node", "rollout_node", "sampling_node", "total_training_steps", "uses_critic", "entry_schema",
-           "loss_schema", "plugin_nodes", "agent_nodes"]
+           "loss_schema", "check_aggregation_supported", "plugin_nodes", "agent_nodes"]
 
 
 # -- the nodes each component receives -----------------------------------------------------------------
@@ -178,6 +178,21 @@ def loss_schema(algorithm: Any, role: str) -> Any:
     return algorithm.loss_schema(role)
 
 
+def check_aggregation_supported(config: DictConfig, loss_mode: str, owner: str) -> None:
+    """``actor.loss.loss_agg_mode`` is one the policy loss declares it supports (by its registration's
+    ``loss_agg_modes`` or its plugin's API range, :func:`rlplat.losses.config.declared_loss_agg_modes`); a loss
+    that declares neither is not checked."""
+    from rlplat import registry
+    from rlplat.losses.config import PolicyLossConfig, declared_loss_agg_modes
+
+    entry = registry.entry("policy_loss", loss_mode)
+    supported = declared_loss_agg_modes(entry, registry.plugin(entry.plugin).api)
+    mode = OmegaConf.select(config, "actor.loss.loss_agg_mode", default=PolicyLossConfig.loss_agg_mode)
+    if supported is not None and mode not in supported:
+        raise ConfigError(f"actor.loss.loss_agg_mode={mode}: the policy loss {owner} supports only "
+                          f"{', '.join(supported)}; choose one of them, or another policy loss.")
+
+
 def plugin_nodes(config: DictConfig, algorithm: Any, total_steps: int) -> list[PluginNode]:
     """Every plugin-owned node of ``config`` with its schema and owner (see the module docstring)."""
     from rlplat.contracts.algorithm import algorithm_node_schema
@@ -205,6 +220,9 @@ def plugin_nodes(config: DictConfig, algorithm: Any, total_steps: int) -> list[P
             if loss_node.get(engine_set) is not None:
                 raise ConfigError(f"'{role}.loss.{engine_set}' is set by rlplat (per micro-batch, or from "
                                   "algorithm.rollout_correction); remove it.")
+        if getattr(algorithm, f"{role}_loss", None) is None and (role == "actor" or uses_critic(config, algorithm)):
+            raise ConfigError(f"algorithm {algorithm.name!r} defines no {role} loss ({role}_loss=None), so it cannot "
+                              f"train {'an actor' if role == 'actor' else 'a critic: leave critic.enable unset'}.")
         try:
             schema = loss_schema(algorithm, role)
         except Exception as error:
@@ -213,6 +231,7 @@ def plugin_nodes(config: DictConfig, algorithm: Any, total_steps: int) -> list[P
     policy_node = dict(OmegaConf.to_container(config.actor.loss, resolve=True).get("policy_loss") or {})
     loss_mode = policy_node.get("loss_mode", algorithm.policy_loss)
     schema, owner = entry_schema("policy_loss", loss_mode, "actor.loss.policy_loss.loss_mode")
+    check_aggregation_supported(config, loss_mode, owner)
     nodes.append(PluginNode("actor.loss.policy_loss", owner, schema, {"loss_mode": loss_mode, **policy_node}))
     schema, owner = entry_schema("algorithm", config.algorithm.name, "algorithm.name")
     try:

@@ -112,3 +112,65 @@ def test_an_estimator_typing_the_node_with_its_own_schema_gets_its_keys():
     assert read_config_node(as_mapping, AlgorithmKnobsOnly, "algorithm") == AlgorithmKnobsOnly(baseline_weight=3.0)
     typed = algorithm_node_schema(AlgorithmKnobsOnly)(baseline_weight=3.0)  # what it receives now: already its type
     assert read_config_node(typed, AlgorithmKnobsOnly, "algorithm").baseline_weight == 3.0
+
+
+def test_a_loss_that_declares_its_modes_refuses_another_at_load(register_temporary_plugin, run_files):
+    from rlplat import hookimpl
+
+    class FourModes:
+        @hookimpl
+        def register_policy_losses(self, register):
+            register("four_modes_loss", knobs_loss, config_schema=KnobsOnly, metadata={
+                "loss_agg_modes": ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]})
+
+    register_temporary_plugin(FourModes(), name="four-modes")
+    overrides = run_overrides(run_files, "actor.loss.policy_loss.loss_mode=four_modes_loss")
+    assert load_config(None, [*overrides, "actor.loss.loss_agg_mode=seq-mean-token-mean"], algo="grpo")
+    with pytest.raises(ConfigError, match=r"actor\.loss\.loss_agg_mode=token-sum: the policy loss policy_loss "
+                                          r"'four_modes_loss' .* supports only token-mean, seq-mean-token-sum, "):
+        load_config(None, [*overrides, "actor.loss.loss_agg_mode=token-sum"], algo="grpo")
+
+
+def test_a_loss_of_a_plugin_declaring_api_1_0_supports_its_four_modes(register_temporary_plugin, run_files):
+    from rlplat import hookimpl
+
+    class Api10:
+        RLPLAT_PLUGIN_API = ">=1.0,<2"
+
+        @hookimpl
+        def register_policy_losses(self, register):
+            register("api10_loss", knobs_loss, config_schema=KnobsOnly)
+
+    register_temporary_plugin(Api10(), name="api-1-0")
+    overrides = run_overrides(run_files, "actor.loss.policy_loss.loss_mode=api10_loss", "actor.loss.loss_agg_mode=token-sum")
+    with pytest.raises(ConfigError, match="supports only token-mean, seq-mean-token-sum, seq-mean-token-mean, "
+                                          "seq-mean-token-sum-norm; choose one of them"):
+        load_config(None, overrides, algo="grpo")
+
+
+def test_a_loss_that_declares_nothing_is_not_checked_at_load(register_temporary_plugin, run_files):
+    from rlplat import hookimpl
+
+    class Undeclared:
+        @hookimpl
+        def register_policy_losses(self, register):
+            register("undeclared_loss", knobs_loss, config_schema=KnobsOnly)
+
+    register_temporary_plugin(Undeclared(), name="undeclared")
+    overrides = run_overrides(run_files, "actor.loss.policy_loss.loss_mode=undeclared_loss", "actor.loss.loss_agg_mode=token-sum")
+    assert load_config(None, overrides, algo="grpo").actor.loss.loss_agg_mode == "token-sum"
+
+
+def test_an_algorithm_without_a_critic_loss_loads_and_refuses_a_critic(register_temporary_plugin, run_files):
+    from rlplat import hookimpl
+
+    class NoCriticLoss:  # plugin API 1.0 asked critic_loss=None of an algorithm that needs no critic
+        @hookimpl
+        def register_algorithms(self, register):
+            register("no_critic_loss", lambda: Algorithm(name="no_critic_loss", adv_estimator="grpo", critic_loss=None))
+
+    register_temporary_plugin(NoCriticLoss(), name="no-critic-loss")
+    assert load_config(None, run_overrides(run_files), algo="no_critic_loss").algorithm.name == "no_critic_loss"
+    with pytest.raises(ConfigError, match=r"algorithm 'no_critic_loss' defines no critic loss \(critic_loss=None\), so it "
+                                          r"cannot train a critic: leave critic.enable unset"):
+        load_config(None, run_overrides(run_files, "critic.enable=true"), algo="no_critic_loss")

@@ -239,7 +239,10 @@ class Algorithm:
 
     def loss_schema(self, which: str) -> Any:
         """The dataclass the ``actor.loss`` / ``critic.loss`` node is checked against (the loss factory's
-        ``config_schema``), or None when the factory declares none."""
+        ``config_schema``), or None when the factory declares none or there is no factory (an algorithm
+        written for plugin API 1.0 set ``critic_loss=None`` when it needed no critic)."""
+        if getattr(self, f"{which}_loss") is None:
+            return None
         return getattr(self.resolve(f"{which}_loss"), "config_schema", None)
 
     def default_nodes(self) -> dict[str, Any]:
