@@ -390,6 +390,10 @@ def load_config(
         override_node = OmegaConf.from_dotlist(list(overrides))
     except Exception as error:
         raise ConfigError(f"overrides: {error}; write them as key=value, e.g. actor.optim.lr=1e-6.") from None
+    from rlplat.deprecation import rename_config_keys  # renamed keys are read under their new names, with a warning
+
+    file_node = rename_config_keys(file_node, f"--config {config_file}")
+    override_node = rename_config_keys(override_node, "overrides")
     shortcuts = OmegaConf.create({})
     if algo:
         shortcuts.algorithm = {"name": algo}
