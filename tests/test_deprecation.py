@@ -152,3 +152,19 @@ def test_an_implementation_of_the_old_method_name_is_called_under_the_new_one():
     assert caught[0].filename == __file__  # the warning points at the class statement
 
     assert Old().save("/tmp/b") == "old saved /tmp/b"  # not abstract: save is the old implementation
+
+
+def test_a_1_0_estimator_reading_the_algorithm_node_as_a_mapping_still_works_with_a_warning():
+    from rlplat.contracts.algorithm import AlgorithmConfig
+
+    node = AlgorithmConfig(gamma=0.9)
+    with pytest.warns(DeprecationWarning, match=r"config\['gamma'\] on the algorithm node .* use config.gamma instead"):
+        assert node["gamma"] == 0.9
+    with pytest.warns(DeprecationWarning, match=r"use config.lam instead"):
+        assert node.get("lam") == 1.0
+    with pytest.warns(DeprecationWarning):
+        assert node.get("missing", 3) == 3
+    with pytest.warns(DeprecationWarning):
+        assert "gamma" in node
+    with pytest.warns(DeprecationWarning), pytest.raises(KeyError):
+        node["missing"]

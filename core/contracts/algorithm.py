@@ -128,6 +128,29 @@ class AlgorithmConfig:
 
             read_rollout_correction(self.rollout_correction)
 
+    # Plugin API 1.0 gave estimators the node as a mapping (``config["gamma"]``, ``config.get("gamma")``);
+    # that reading keeps working, with a DeprecationWarning, until plugin API 1.2.
+    def __getitem__(self, key: str) -> Any:
+        self._warn_mapping_access(f"config[{key!r}]", key)
+        try:
+            return getattr(self, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self._warn_mapping_access(f"config.get({key!r})", key)
+        return getattr(self, key, default)
+
+    def __contains__(self, key: str) -> bool:
+        self._warn_mapping_access(f"{key!r} in config", key)
+        return key in {field.name for field in dataclasses.fields(self)}
+
+    def _warn_mapping_access(self, old: str, key: str) -> None:
+        from rlplat.deprecation import warn
+
+        warn(f"{old} on the algorithm node (a mapping in plugin API 1.0; an {type(self).__name__} since 1.1)",
+             f"config.{key}", "1.2", stacklevel=3)
+
 
 @functools.lru_cache(maxsize=None)
 def algorithm_node_schema(schema: type | None) -> type:
