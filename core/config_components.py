@@ -110,7 +110,8 @@ def uses_critic(config: DictConfig, algorithm: Any) -> bool:
 class PluginNode:
     """A node of the run config whose schema a plugin declares: its dotted ``key``, who owns it, the
     schema (None: the owner declares none, so only core's keys are known), what the owner receives
-    (``values``) and which of its keys core fills in (the user may not set them in the node)."""
+    (``values``) and which of its keys core fills in (the user may not set them in the node; a schema need
+    not declare them: an engine's schema that does not extend ``EngineBuildConfig`` still validates)."""
 
     key: str
     owner: str
@@ -126,14 +127,11 @@ class PluginNode:
                 raise ConfigError(f"'{self.key}.{key}' is set from {self.core_keys[key]}: set that instead [{self.owner}].")
         if self.schema is None:
             return self.values
-        missing = [key for key in self.core_keys if key not in {f.name for f in dataclasses.fields(self.schema)}]
-        if missing:
-            raise ConfigError(
-                f"{self.owner} declares the config schema {self.schema.__name__}, which lacks the keys core passes "
-                f"to every such plugin ({', '.join(missing)}); the plugin must extend its contract's build config."
-            )
+        # the keys core fills in reach the plugin whether or not its schema declares them; the schema checks the rest
+        declared = {field.name for field in dataclasses.fields(self.schema)}
+        values = {key: value for key, value in self.values.items() if key in declared or key not in self.core_keys}
         try:
-            return read_config_node(self.values, self.schema, self.key)
+            return read_config_node(values, self.schema, self.key)
         except ConfigError as error:
             raise ConfigError(f"{error} [{self.owner}]") from None
 

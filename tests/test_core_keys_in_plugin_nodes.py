@@ -174,3 +174,25 @@ def test_an_algorithm_without_a_critic_loss_loads_and_refuses_a_critic(register_
     with pytest.raises(ConfigError, match=r"algorithm 'no_critic_loss' defines no critic loss \(critic_loss=None\), so it "
                                           r"cannot train a critic: leave critic.enable unset"):
         load_config(None, run_overrides(run_files, "critic.enable=true"), algo="no_critic_loss")
+
+
+def test_an_engine_schema_that_lists_only_its_own_keys_validates_and_still_checks_them(register_temporary_plugin, run_files):
+    from rlplat import hookimpl
+
+    @dataclasses.dataclass
+    class OwnKeysOnly:  # does not extend EngineBuildConfig: core's model_path, lr, ... are not declared
+        gradient_checkpointing: bool = False
+
+    class Engine:
+        @hookimpl
+        def register_engines(self, register):
+            register("own_keys_engine", "json:dumps", config_schema=OwnKeysOnly)
+
+    register_temporary_plugin(Engine(), name="own-keys-engine")
+    overrides = run_overrides(run_files, "actor.engine=own_keys_engine", "critic.engine=own_keys_engine")
+    config = load_config(None, [*overrides, "actor.engine_config.gradient_checkpointing=true"], algo="grpo")
+    assert config.actor.engine_config.gradient_checkpointing is True
+    with pytest.raises(ConfigError, match=r"unknown config key 'actor\.engine_config\.gradient_checkpoint'"):
+        load_config(None, [*overrides, "actor.engine_config.gradient_checkpoint=true"], algo="grpo")
+    with pytest.raises(ConfigError, match=r"'actor\.engine_config\.lr' is set from actor\.optim\.lr: set that instead"):
+        load_config(None, [*overrides, "actor.engine_config.lr=0.1"], algo="grpo")
