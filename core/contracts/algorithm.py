@@ -47,16 +47,19 @@ class AdvantageEstimator(Protocol):
 class PolicyLoss(Protocol):
     """``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config) -> (loss, metrics)``.
 
-    All tensors [B, R]; ``log_prob`` carries gradients. ``loss_agg_mode`` is one of
-    ``rlplat.losses.LOSS_AGG_MODES`` (an unknown one raises ``ValueError``; aggregating through
-    :func:`rlplat.losses.aggregate_with_settings` handles every mode). ``config`` is the ``actor.loss`` node as a
+    All tensors [B, R]; ``log_prob`` carries gradients. ``loss_agg_mode`` is one of the modes the loss
+    supports: those its registration lists (``metadata={"loss_agg_modes": [...]}``), else those of the
+    plugin API version its plugin declares (API 1.0's four; ``token-sum`` from 1.1), out of
+    ``rlplat.losses.LOSS_AGG_MODES``. Another raises ``ValueError``; aggregating through
+    :func:`rlplat.losses.aggregate_with_settings` handles every mode. ``config`` is the ``actor.loss`` node as a
     :class:`rlplat.losses.PolicyLossConfig` whose ``global_token_count`` and ``global_sequence_count``
     attributes hold the mini-batch's totals over every data-parallel rank (set per micro-batch by
     :class:`rlplat.losses.ActorLoss`): aggregate with
     ``rlplat.losses.aggregate_with_settings(per_token, response_mask, loss_agg_mode, config)`` and the
     loss of each micro-batch is its share of the mini-batch's. The loss's own knobs are in
     ``config.policy_loss`` (a dict, checked at load against the schema its registry entry declares;
-    ``rlplat.read_config_node(config.policy_loss, MyKnobs, "actor.loss.policy_loss")`` types it).
+    ``rlplat.read_config_node(config.policy_loss, MyKnobs, "actor.loss.policy_loss")`` types it, leaving out
+    rlplat's ``loss_mode`` when ``MyKnobs`` does not declare it).
     Returns a scalar loss and a dict of floats (``actor/pg_clipfrac``, ``actor/ppo_kl``, ...), means
     over this micro-batch's tokens (the actor loss scales them into contributions). The registered
     object *is* the function.
@@ -218,7 +221,8 @@ class Algorithm:
     bonus) and :class:`rlplat.losses.CriticLoss` (the clipped value loss).
 
     **The algorithm node** is checked against the ``config_schema`` of the algorithm's registry entry
-    (default :class:`AlgorithmConfig`); the trainer sets :attr:`config` to it, typed, before the loop.
+    (default :class:`AlgorithmConfig`; a schema that does not extend it is read together with it,
+    :func:`algorithm_node_schema`); the trainer sets :attr:`config` to it, typed, before the loop.
 
     Subclasses override the hooks below to change a step of the loop; the defaults leave it as it is.
     """
