@@ -26,7 +26,7 @@ from rlplat.losses.config import LOSS_SET_KEYS
 
 __all__ = ["ENGINE_BUILD_SOURCES", "ROLLOUT_BUILD_SOURCES", "SAMPLING_SOURCES", "BUILTIN_LOSS_SCHEMAS", "PluginNode",
            "optimizer_build", "engine_node", "rollout_node", "sampling_node", "total_training_steps", "uses_critic", "entry_schema",
-           "loss_schema", "check_aggregation_supported", "plugin_nodes", "agent_nodes"]
+           "loss_schema", "plugin_nodes", "agent_nodes"]
 
 
 # -- the nodes each component receives -----------------------------------------------------------------
