@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from rlplat.api_version import PLUGIN_API_VERSION, UNDECLARED
 from rlplat.plugins import KINDS
 
 app = typer.Typer(help="Inspect installed plugins.", no_args_is_help=True)
@@ -46,7 +47,8 @@ def plugin_status(record) -> str:
 def list_plugins(
     as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON instead of a table."),
 ) -> None:
-    """List every plugin: distribution, version, what it registers (kind: name) and its status."""
+    """List every plugin: distribution, version, what it registers (kind: name) and its status (a plugin
+    whose declared plugin API range does not admit this rlplat's is failed, with both versions)."""
     from rlplat import registry
 
     records = registry.plugins()
@@ -58,6 +60,7 @@ def list_plugins(
                 "version": r.version,
                 "status": r.status,
                 "reason": r.reason,
+                "plugin_api": r.api,
                 "entries": [{"kind": k, "name": n, "status": s} for k, n, s in registrations_of(r.name)],
             }
             for r in records
@@ -68,7 +71,7 @@ def list_plugins(
     if not records:
         console.print("No rlplat plugins are installed (entry-point group 'rlplat').")
         return
-    table = Table(title="rlplat plugins", show_lines=True)
+    table = Table(title=f"rlplat plugins (plugin API {PLUGIN_API_VERSION})", show_lines=True)
     table.add_column("plugin", no_wrap=True)
     table.add_column("distribution", no_wrap=True)
     table.add_column("version", no_wrap=True)
@@ -112,6 +115,8 @@ def info(name: str = typer.Argument(..., help="A plugin name, a distribution, or
     typer.echo(f"distribution: {record.distribution or '-'} {record.version or ''}".rstrip())
     typer.echo(f"module:       {record.module or '-'}")
     typer.echo(f"status:       {plugin_status(record)}")
+    declared = f"declares {record.api}" if record.api else f"declares none (taken as {UNDECLARED})"
+    typer.echo(f"plugin API:   {declared}; rlplat provides {PLUGIN_API_VERSION}")
     if record.traceback:
         typer.echo("traceback:\n" + record.traceback.rstrip())
     for entry in sorted(registry.entries_of_plugin(record.name), key=lambda e: (KINDS.index(e.kind), e.name)):

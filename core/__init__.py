@@ -1,7 +1,8 @@
 """rlplat: reinforcement-learning post-training of language models.
 
 The public names are resolved lazily (PEP 562) so that ``import rlplat`` and plugin discovery import
-no torch, Ray or tensordict; each name imports its module on first access.
+no torch, Ray or tensordict; each name imports its module on first access. ``PLUGIN_API_VERSION`` (the
+plugin API this rlplat provides, :mod:`rlplat.api_version`) is a plain constant.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlplat import moved as _moved
+from rlplat.api_version import PLUGIN_API_VERSION
 from rlplat.lazy_names import lazy_names
 
 _moved.install()  # old names of modules that moved out of core (rlplat.moved)
@@ -18,6 +20,7 @@ __all__ = [
     "DataProto",
     "Dispatch",
     "Execute",
+    "PLUGIN_API_VERSION",
     "LocalWorkerGroup",
     "RayWorkerGroup",
     "ResourcePool",

@@ -343,12 +343,13 @@ def merge_checked(base: DictConfig, extra: Any, source: str) -> DictConfig:
 
 
 def algorithm_schema(name: str) -> type:
-    """The dataclass the ``algorithm`` node of algorithm ``name`` is read with: its entry's ``config_schema``,
-    else :class:`rlplat.contracts.algorithm.AlgorithmConfig`."""
+    """The dataclass the ``algorithm`` node of algorithm ``name`` is read with: its entry's ``config_schema``
+    with :class:`rlplat.contracts.algorithm.AlgorithmConfig`'s keys (the loop's), or AlgorithmConfig alone
+    (:func:`rlplat.contracts.algorithm.algorithm_node_schema`)."""
     from rlplat import registry
-    from rlplat.contracts.algorithm import AlgorithmConfig
+    from rlplat.contracts.algorithm import algorithm_node_schema
 
-    return resolve_schema(registry.entry("algorithm", name).config_schema) or AlgorithmConfig
+    return algorithm_node_schema(resolve_schema(registry.entry("algorithm", name).config_schema))
 
 
 def algorithm_spec(name: str) -> Any:
@@ -386,6 +387,10 @@ def load_config(
         override_node = OmegaConf.from_dotlist(list(overrides))
     except Exception as error:
         raise ConfigError(f"overrides: {error}; write them as key=value, e.g. actor.optim.lr=1e-6.") from None
+    from rlplat.deprecation import rename_config_keys  # renamed keys are read under their new names, with a warning
+
+    file_node = rename_config_keys(file_node, f"--config {config_file}")
+    override_node = rename_config_keys(override_node, "overrides")
     shortcuts = OmegaConf.create({})
     if algo:
         shortcuts.algorithm = {"name": algo}

@@ -110,7 +110,8 @@ def uses_critic(config: DictConfig, algorithm: Any) -> bool:
 class PluginNode:
     """A node of the run config whose schema a plugin declares: its dotted ``key``, who owns it, the
     schema (None: the owner declares none, so only core's keys are known), what the owner receives
-    (``values``) and which of its keys core fills in (the user may not set them in the node)."""
+    (``values``) and which of its keys core fills in (the user may not set them in the node; a schema need
+    not declare them: an engine's schema that does not extend ``EngineBuildConfig`` still validates)."""
 
     key: str
     owner: str
@@ -126,14 +127,11 @@ class PluginNode:
                 raise ConfigError(f"'{self.key}.{key}' is set from {self.core_keys[key]}: set that instead [{self.owner}].")
         if self.schema is None:
             return self.values
-        missing = [key for key in self.core_keys if key not in {f.name for f in dataclasses.fields(self.schema)}]
-        if missing:
-            raise ConfigError(
-                f"{self.owner} declares the config schema {self.schema.__name__}, which lacks the keys core passes "
-                f"to every such plugin ({', '.join(missing)}); the plugin must extend its contract's build config."
-            )
+        # the keys core fills in reach the plugin whether or not its schema declares them; the schema checks the rest
+        declared = {field.name for field in dataclasses.fields(self.schema)}
+        values = {key: value for key, value in self.values.items() if key in declared or key not in self.core_keys}
         try:
-            return read_config_node(self.values, self.schema, self.key)
+            return read_config_node(values, self.schema, self.key)
         except ConfigError as error:
             raise ConfigError(f"{error} [{self.owner}]") from None
 
@@ -178,9 +176,24 @@ def loss_schema(algorithm: Any, role: str) -> Any:
     return algorithm.loss_schema(role)
 
 
+def check_aggregation_supported(config: DictConfig, loss_mode: str, owner: str) -> None:
+    """``actor.loss.loss_agg_mode`` is one the policy loss declares it supports (by its registration's
+    ``loss_agg_modes`` or its plugin's API range, :func:`rlplat.losses.config.declared_loss_agg_modes`); a loss
+    that declares neither is not checked."""
+    from rlplat import registry
+    from rlplat.losses.config import PolicyLossConfig, declared_loss_agg_modes
+
+    entry = registry.entry("policy_loss", loss_mode)
+    supported = declared_loss_agg_modes(entry, registry.plugin(entry.plugin).api)
+    mode = OmegaConf.select(config, "actor.loss.loss_agg_mode", default=PolicyLossConfig.loss_agg_mode)
+    if supported is not None and mode not in supported:
+        raise ConfigError(f"actor.loss.loss_agg_mode={mode}: the policy loss {owner} supports only "
+                          f"{', '.join(supported)}; choose one of them, or another policy loss.")
+
+
 def plugin_nodes(config: DictConfig, algorithm: Any, total_steps: int) -> list[PluginNode]:
     """Every plugin-owned node of ``config`` with its schema and owner (see the module docstring)."""
-    from rlplat.contracts.algorithm import AlgorithmConfig
+    from rlplat.contracts.algorithm import algorithm_node_schema
     from rlplat.contracts.engine import EngineBuildConfig
     from rlplat.contracts.role import RoleConfig
 
@@ -205,6 +218,9 @@ def plugin_nodes(config: DictConfig, algorithm: Any, total_steps: int) -> list[P
             if loss_node.get(engine_set) is not None:
                 raise ConfigError(f"'{role}.loss.{engine_set}' is set by rlplat (per micro-batch, or from "
                                   "algorithm.rollout_correction); remove it.")
+        if getattr(algorithm, f"{role}_loss", None) is None and (role == "actor" or uses_critic(config, algorithm)):
+            raise ConfigError(f"algorithm {algorithm.name!r} defines no {role} loss ({role}_loss=None), so it cannot "
+                              f"train {'an actor' if role == 'actor' else 'a critic: leave critic.enable unset'}.")
         try:
             schema = loss_schema(algorithm, role)
         except Exception as error:
@@ -213,9 +229,14 @@ def plugin_nodes(config: DictConfig, algorithm: Any, total_steps: int) -> list[P
     policy_node = dict(OmegaConf.to_container(config.actor.loss, resolve=True).get("policy_loss") or {})
     loss_mode = policy_node.get("loss_mode", algorithm.policy_loss)
     schema, owner = entry_schema("policy_loss", loss_mode, "actor.loss.policy_loss.loss_mode")
+    check_aggregation_supported(config, loss_mode, owner)
     nodes.append(PluginNode("actor.loss.policy_loss", owner, schema, {"loss_mode": loss_mode, **policy_node}))
     schema, owner = entry_schema("algorithm", config.algorithm.name, "algorithm.name")
-    nodes.append(PluginNode("algorithm", owner, schema or AlgorithmConfig, OmegaConf.to_container(config.algorithm, resolve=True)))
+    try:
+        schema = algorithm_node_schema(schema)
+    except TypeError as error:
+        raise ConfigError(f"algorithm.name: {owner}: {error}") from None
+    nodes.append(PluginNode("algorithm", owner, schema, OmegaConf.to_container(config.algorithm, resolve=True)))
     from rlplat import registry
 
     for name, node in OmegaConf.to_container(config.roles, resolve=True).items():

@@ -12,7 +12,12 @@ there loads the same way in a worker:
   and converted where the conversion loses nothing (an ``int`` for a ``float``, ``1.0`` for an
   ``int``, a list for a tuple, an OmegaConf node for a dict);
 * **the dataclass's own checks** (``__post_init__`` raising ``ValueError`` or ``TypeError``) become a
-  :class:`ConfigError` that names the node.
+  :class:`ConfigError` that names the node;
+* **keys rlplat sets in a plugin-owned node for its own use** (:data:`CORE_KEYS_OF_PLUGIN_NODES`: the
+  ``loss_mode`` that selects the policy loss, the ``algorithm`` node's keys the loop reads) are left out when
+  the dataclass does not declare them, so a plugin's schema lists only its own keys;
+* **renamed keys** a dataclass lists in its ``RENAMED_KEYS`` class attribute (old name ->
+  :class:`rlplat.deprecation.RenamedKey`) are read under their new names, with a ``DeprecationWarning``.
 
 :func:`field_docs` returns the attribute docstrings of a dataclass (the string literal under each
 field), which ``rlplat config explain`` prints. This module imports neither torch nor omegaconf.
@@ -51,6 +56,14 @@ def read_config_node(config: Any, cls: type[T], where: str | None = None, *, str
         return config
     values = as_mapping(config, where)
     fields = {field.name: field for field in dataclasses.fields(cls) if field.init}
+    renames = getattr(cls, "RENAMED_KEYS", None)
+    if renames:
+        from rlplat.deprecation import renamed_keys
+
+        values = renamed_keys(values, renames, where)
+    for key in core_keys_of(where):
+        if key not in fields:
+            values.pop(key, None)
     unknown = [key for key in values if key not in fields]
     if unknown and strict:
         key = unknown[0]
@@ -72,6 +85,28 @@ def read_config_node(config: Any, cls: type[T], where: str | None = None, *, str
         raise
     except (ValueError, TypeError) as error:
         raise ConfigError(f"{where}: {error}") from None
+
+
+#: Plugin-owned nodes (by dotted key) -> the keys rlplat puts in them for itself: ``loss_mode`` names the
+#: policy loss the node belongs to; the ``algorithm`` node's keys of :class:`rlplat.contracts.algorithm.AlgorithmConfig`
+#: are the loop's (``name``, ``adv_estimator``, the KL settings, ...). "algorithm" maps to None: its keys are
+#: AlgorithmConfig's fields, looked up when first needed.
+CORE_KEYS_OF_PLUGIN_NODES: dict[str, tuple[str, ...] | None] = {
+    "actor.loss.policy_loss": ("loss_mode",),
+    "algorithm": None,
+}
+
+
+def core_keys_of(where: str) -> tuple[str, ...]:
+    """The keys rlplat sets in the plugin-owned node ``where`` (none for other nodes)."""
+    if where not in CORE_KEYS_OF_PLUGIN_NODES:
+        return ()
+    keys = CORE_KEYS_OF_PLUGIN_NODES[where]
+    if keys is None:
+        from rlplat.contracts.algorithm import AlgorithmConfig
+
+        keys = tuple(field.name for field in dataclasses.fields(AlgorithmConfig))
+    return keys
 
 
 def as_mapping(config: Any, where: str) -> dict[str, Any]:

@@ -33,6 +33,10 @@ callback owned by core; the hook calls it once per thing it provides and returns
 
 Hooks are called once per plugin, in load order; none of them returns a value, so no answer "wins".
 New arguments may be added to a hook later; an implementation may accept any subset of them.
+
+The plugin module declares the plugin API versions it is written for, ``RLPLAT_PLUGIN_API = ">=1.1,<2"``
+(:mod:`rlplat.api_version`; ``docs/plugin_api.md``): outside that range none of its hooks is called and
+``rlplat plugins list`` shows it as failed with the reason. Without a declaration it is taken as API 1.x.
 """
 
 from __future__ import annotations
@@ -104,7 +108,10 @@ def register_policy_losses(register):
 
     The factory *is* the loss, following :class:`rlplat.contracts.algorithm.PolicyLoss`,
     ``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config) -> (loss, metrics)``.
-    ``config_schema`` types the ``actor.loss.policy_loss`` node (``loss_mode`` and the loss's own knobs).
+    ``config_schema`` types the loss's own knobs in the ``actor.loss.policy_loss`` node (declaring
+    ``loss_mode``, which rlplat sets there, is optional). ``metadata={"loss_agg_modes": [...]}`` lists the
+    aggregation modes the loss supports (default: those of the plugin API version its plugin declares);
+    a run in another mode is refused when its config loads.
     """
 
 
@@ -115,7 +122,8 @@ def register_algorithms(register):
     The factory returns an :class:`rlplat.contracts.algorithm.Algorithm`: which estimator and loss it
     uses, whether it needs a critic or a reference model, its default config, losses and loop hooks.
     The factory takes no arguments. ``config_schema`` types the ``algorithm`` node (default:
-    :class:`rlplat.contracts.algorithm.AlgorithmConfig`, which a schema with more keys extends).
+    :class:`rlplat.contracts.algorithm.AlgorithmConfig`, which a schema with more keys extends; a schema
+    that lists only the algorithm's own keys is read together with AlgorithmConfig).
     """
 
 

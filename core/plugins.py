@@ -10,7 +10,9 @@ Two environment variables give the user control, as pytest and llm do:
     The others are listed as ``disabled`` and are not imported.
 
 A plugin that raises while importing, fails pluggy's validation or raises inside a hook is recorded as
-``failed`` with its error and traceback; every other plugin still loads.
+``failed`` with its error and traceback; every other plugin still loads. So is one whose declared plugin
+API range (``RLPLAT_PLUGIN_API``, :mod:`rlplat.api_version`) does not admit this rlplat's: it is imported
+(the declaration is an attribute of its module) but none of its hooks is called.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import pluggy
 
-from rlplat import hookspecs
+from rlplat import api_version, hookspecs
 
 ENTRY_POINT_GROUP = "rlplat"
 ENV_ALLOW_LIST = "RLPLAT_PLUGINS"
@@ -59,7 +61,8 @@ class PluginRecord:
     """What is known about one plugin, whether or not it loaded.
 
     ``status`` is ``"ok"``, ``"failed"`` (``reason`` and ``traceback`` say why) or ``"disabled"``
-    (the user's switches excluded it; it was not imported).
+    (the user's switches excluded it; it was not imported). ``api`` is the plugin API range it declares
+    (None: none, or it was not imported).
     """
 
     name: str
@@ -69,6 +72,7 @@ class PluginRecord:
     status: str = "ok"
     reason: str | None = None
     traceback: str | None = None
+    api: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +141,22 @@ def import_candidate(candidate: Candidate, record: PluginRecord) -> Any | None:
         record.reason = f"import of {candidate.module!r} raised {describe_exception(error)}"
         record.traceback = traceback.format_exc()
         return None
+
+
+def check_plugin_api(plugin: Any, record: PluginRecord) -> bool:
+    """Whether the plugin API range ``plugin`` declares (if any) admits this rlplat's; when it does not,
+    ``record`` says ``failed`` with what the plugin declares, what rlplat provides and what to do."""
+    record.api = api_version.declaration_of(plugin)
+    if record.api is None:
+        return True
+    problem = api_version.incompatibility(record.api)
+    if problem is None:
+        return True
+    distribution = record.distribution or "the plugin"
+    record.status = "failed"
+    record.reason = (f"{problem}: install a release of {distribution} made for plugin API "
+                     f"{api_version.PLUGIN_API_VERSION}, or an rlplat whose plugin API it admits")
+    return False
 
 
 def call_hooks_of(

@@ -193,7 +193,8 @@ class Registry:
 
                 from rlplat import builtin_plugin
 
-                record = PluginRecord("rlplat", builtin_plugin.__name__, "rlplat", version("rlplat"))
+                record = PluginRecord("rlplat", builtin_plugin.__name__, "rlplat", version("rlplat"),
+                                      api=f"=={plugin_loading.api_version.PLUGIN_API_VERSION}")
                 self._plugins[record.name] = record
                 self._activate(builtin_plugin, record)
             environ = os.environ if self._environ is None else self._environ
@@ -216,7 +217,7 @@ class Registry:
                     record.status, record.reason = "disabled", f"not named in {plugin_loading.ENV_ALLOW_LIST}"
                     continue
                 plugin = plugin_loading.import_candidate(candidate, record)
-                if plugin is not None:
+                if plugin is not None and plugin_loading.check_plugin_api(plugin, record):
                     self._activate(plugin, record)
 
     def register_plugin(
@@ -224,8 +225,8 @@ class Registry:
     ) -> PluginRecord:
         """Register a plugin object or module from Python (a notebook, a test, a custom pipeline).
 
-        Returns its record; when one of its hooks raised, the record says ``failed`` and nothing it
-        registered is kept.
+        Returns its record; when one of its hooks raised, or the plugin API range it declares does not
+        admit this rlplat's, the record says ``failed`` and nothing it registered is kept.
         """
         self.load()
         with self._lock:
@@ -235,7 +236,8 @@ class Registry:
             module = getattr(plugin, "__name__", None) if hasattr(plugin, "__file__") else None
             record = PluginRecord(name, module, distribution, version)
             self._plugins[name] = record
-            self._activate(plugin, record)
+            if plugin_loading.check_plugin_api(plugin, record):
+                self._activate(plugin, record)
             return record
 
     def unregister_plugin(self, name: str) -> None:

@@ -7,11 +7,6 @@ installed into this venv.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -29,38 +24,12 @@ ENTRIES = [
 ]
 
 
-def pip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=300)
-
-
-def processes_with_in_environment(marker: str) -> list[int]:
-    """Ids of this user's processes whose environment mentions ``marker`` (empty where /proc is absent)."""
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if marker.encode() in (entry / "environ").read_bytes() and int(entry.name) != os.getpid():
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
 @pytest.fixture(scope="module")
-def template_site(tmp_path_factory) -> Iterator[Path]:
-    """The template installed with ``pip install --no-deps --target``; its sources are removed afterwards,
-    so whatever imports the package imports the installed copy. Processes a failed run left behind (every
-    process it started has the folder in its PYTHONPATH) are stopped at the end."""
-    assert pip("show", DISTRIBUTION).returncode != 0, (
-        f"{DISTRIBUTION} is installed in this venv; `pip uninstall {DISTRIBUTION}` first")
-    folder = tmp_path_factory.mktemp("plugin-template")
-    source, site = folder / "source", folder / "site"
-    shutil.copytree(TEMPLATE, source, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
-    result = pip("install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(site), str(source))
-    assert result.returncode == 0, result.stderr
-    shutil.rmtree(source / PACKAGE)
+def template_site(plugin_installer, tmp_path_factory) -> Iterator[Path]:
+    """The template installed with ``pip install --no-deps --target`` (conftest's ``PluginInstaller``)."""
+    site = plugin_installer.install(TEMPLATE, tmp_path_factory.mktemp("plugin-template"), DISTRIBUTION, PACKAGE)
     yield site
-    for pid in processes_with_in_environment(str(site)):
-        os.kill(pid, signal.SIGKILL)
+    plugin_installer.stop_processes_of(site)
 
 
 def test_the_installed_template_is_listed_with_all_its_entries_ok(template_site, cli_run):
@@ -104,23 +73,16 @@ def test_the_installed_entries_work_through_the_registry(template_site, python_r
     assert result.stdout.splitlines() == ["1.0 0.0", "[1.0, 0.0, 0.0, 0.0]", "example_truncated_is"]
 
 
-def test_without_its_folder_on_the_path_the_template_is_not_there(template_site, cli_run):
+def test_without_its_folder_on_the_path_the_template_is_not_there(template_site, cli_run, plugin_installer):
     listing = cli_run("plugins", "list", "--json")
     assert listing.returncode == 0, listing.stderr
     assert DISTRIBUTION not in {p["distribution"] for p in json.loads(listing.stdout)}
-    assert pip("show", DISTRIBUTION).returncode != 0
+    assert plugin_installer.pip("show", DISTRIBUTION).returncode != 0
 
 
 @pytest.mark.slow
-def test_the_templates_own_conformance_tests_pass_against_the_installed_copy(template_site, tmp_path):
-    tests = template_site.parent / "source" / "tests"
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(template_site), os.environ.get("PYTHONPATH")]))}
-    environment.pop("RLPLAT_PLUGINS", None)
-    environment.pop("RLPLAT_DISABLE_PLUGIN_AUTOLOAD", None)
-    own_tests = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(tests)],
-        capture_output=True, text=True, timeout=300, cwd=template_site, env=environment,
-    )
+def test_the_templates_own_conformance_tests_pass_against_the_installed_copy(template_site, plugin_installer):
+    own_tests = plugin_installer.run_own_tests(template_site)
     assert own_tests.returncode == 0, own_tests.stdout + own_tests.stderr
     lines = own_tests.stdout.strip().splitlines()
     assert " passed" in lines[-1] and "failed" not in lines[-1] and "error" not in lines[-1], lines[-1]
@@ -128,7 +90,8 @@ def test_the_templates_own_conformance_tests_pass_against_the_installed_copy(tem
 
 
 @pytest.mark.slow
-def test_the_templates_algorithm_trains_the_demo_with_its_own_estimator_and_loss(template_site, cli_run, tmp_path):
+def test_the_templates_algorithm_trains_the_demo_with_its_own_estimator_and_loss(template_site, cli_run, tmp_path,
+                                                                                 plugin_installer):
     run_dir = tmp_path / "run"
     result = cli_run(
         "run", "--algo", "example_median_reinforce", "trainer.total_training_steps=2", "trainer.test_freq=0",
@@ -150,4 +113,4 @@ def test_the_templates_algorithm_trains_the_demo_with_its_own_estimator_and_loss
         assert 0.0 <= step["actor/is_truncated_frac"] <= 1.0
         assert "actor/pg_clipfrac" not in step
         assert "critic/advantages/mean" in step and "actor/grad_norm" in step
-    assert processes_with_in_environment(str(template_site)) == []
+    assert plugin_installer.processes_with_in_environment(str(template_site)) == []

@@ -43,12 +43,15 @@ class ModuleRun:
         pytest.LineMatcher(self.lines).fnmatch_lines(patterns)
 
 
-SUITES = {}  # module name -> (template, implementation); filled below, next to each suite
+SUITES = {}  # module name -> (template, implementation, declared plugin API); filled below, next to each suite
+TODAY = ">=1.1,<2"  # the plugin API range of an implementation written for the current API
 
 
-def suite_run(template: str, implementation: str) -> str:
+def suite_run(template: str, implementation: str, plugin_api: str | None = TODAY) -> str:
+    """A suite module: ``IMPLEMENTATION`` in ``template`` becomes ``implementation`` and ``PLUGIN_API`` the
+    range the test class declares (None: it declares none, which is API 1.0)."""
     name = f"test_suite_{len(SUITES)}"
-    SUITES[name] = (template, implementation)
+    SUITES[name] = (template, implementation, plugin_api)
     return name
 
 
@@ -64,6 +67,19 @@ SCORER_SUITE = """
             extra_info["seen"] = True
         return "right" if solution_str == ground_truth else "wrong"
 
+    class Forgetful:
+        # scores by an answer key that a pickled copy loses: picklable (API 1.0 asked no more), but a reward
+        # worker's copy would score otherwise (API 1.1 asks that it does not)
+
+        def __init__(self, answers=("4",)):
+            self.answers = answers
+
+        def __reduce__(self):
+            return Forgetful, ((),)
+
+        def __call__(self, data_source, solution_str, ground_truth, extra_info=None):
+            return float(solution_str.strip() in self.answers)
+
     class TestScorer(RewardScorerConformance):
         @pytest.fixture
         def scorer(self):
@@ -72,9 +88,15 @@ SCORER_SUITE = """
         @pytest.fixture
         def scorer_cases(self):
             return [ScorerCase("t", "4", "4", {"id": 1}, 1.0), ScorerCase("t", "5", "4", None, 0.0)]
+
+        @pytest.fixture
+        def plugin_api(self):
+            return PLUGIN_API
 """
 SCORER_SUITE_GOOD = suite_run(SCORER_SUITE, "good")
 SCORER_SUITE_BROKEN = suite_run(SCORER_SUITE, "broken")
+SCORER_SUITE_FORGETFUL_API_1_0 = suite_run(SCORER_SUITE, "Forgetful()", None)
+SCORER_SUITE_FORGETFUL_API_1_1 = suite_run(SCORER_SUITE, "Forgetful()")
 
 ESTIMATOR_SUITE = """
     import pytest
@@ -121,6 +143,19 @@ LOSS_SUITE = """
         ratio = torch.exp(log_prob - old_log_prob)
         return (-advantages * ratio).mean(), {"actor/ratio_mean": ratio.mean()}
 
+    def four_modes(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config):
+        # written for API 1.0: aggregates its four modes itself (no token-sum)
+        per_token = -advantages * torch.exp(log_prob - old_log_prob) * response_mask
+        if loss_agg_mode == "token-mean":
+            return per_token.sum() / response_mask.sum(), {}
+        if loss_agg_mode == "seq-mean-token-sum":
+            return per_token.sum(-1).mean(), {}
+        if loss_agg_mode == "seq-mean-token-mean":
+            return (per_token.sum(-1) / response_mask.sum(-1)).mean(), {}
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            return per_token.sum(-1).mean() / per_token.shape[-1], {}
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}")
+
     class TestLoss(PolicyLossConformance):
         @pytest.fixture
         def policy_loss(self):
@@ -129,9 +164,15 @@ LOSS_SUITE = """
         @pytest.fixture
         def policy_loss_config(self):
             return {}
+
+        @pytest.fixture
+        def plugin_api(self):
+            return PLUGIN_API
 """
 LOSS_SUITE_GOOD = suite_run(LOSS_SUITE, "good")
 LOSS_SUITE_BROKEN = suite_run(LOSS_SUITE, "broken")
+LOSS_SUITE_FOUR_MODES_API_1_0 = suite_run(LOSS_SUITE, "four_modes", None)
+LOSS_SUITE_FOUR_MODES_API_1_1 = suite_run(LOSS_SUITE, "four_modes")
 
 ALGORITHM_SUITE = """
     import pytest
@@ -163,6 +204,11 @@ ALGORITHM_SUITE = """
         return Algorithm(name="kit", adv_estimator="kit_estimatr", policy_loss="kit_loss", needs_critic="yes",
                          default_config={"gama": 0.9})
 
+    def without_critic_loss():
+        # as API 1.0 asked of an algorithm without a critic: no critic loss
+        return Algorithm(name="kit", adv_estimator="kit_estimator", policy_loss="kit_loss", actor_loss=SumLoss,
+                         critic_loss=None)
+
     class TestAlgorithm(AlgorithmConformance):
         @pytest.fixture(autouse=True)
         def parts(self, register_temporary_plugin):
@@ -171,9 +217,15 @@ ALGORITHM_SUITE = """
         @pytest.fixture
         def algorithm(self):
             return IMPLEMENTATION()
+
+        @pytest.fixture
+        def plugin_api(self):
+            return PLUGIN_API
 """
 ALGORITHM_SUITE_GOOD = suite_run(ALGORITHM_SUITE, "good")
 ALGORITHM_SUITE_BROKEN = suite_run(ALGORITHM_SUITE, "broken")
+ALGORITHM_SUITE_NO_CRITIC_LOSS_API_1_0 = suite_run(ALGORITHM_SUITE, "without_critic_loss", None)
+ALGORITHM_SUITE_NO_CRITIC_LOSS_API_1_1 = suite_run(ALGORITHM_SUITE, "without_critic_loss")
 
 COMMAND_SUITE = """
     import pytest
@@ -206,8 +258,9 @@ def suite_runs(tmp_path_factory) -> dict[str, ModuleRun]:
     """Every suite module written to one directory and run by one pytest subprocess; the outcomes per module."""
     directory = tmp_path_factory.mktemp("suites")
     (directory / "pytest.ini").write_text("[pytest]\n")
-    for name, (template, implementation) in SUITES.items():
-        (directory / f"{name}.py").write_text(textwrap.dedent(template.replace("IMPLEMENTATION", implementation)))
+    for name, (template, implementation, plugin_api) in SUITES.items():
+        source = template.replace("IMPLEMENTATION", implementation).replace("PLUGIN_API", repr(plugin_api))
+        (directory / f"{name}.py").write_text(textwrap.dedent(source))
     report = directory / "report.xml"
     environment = {key: value for key, value in os.environ.items() if key != "PYTEST_ADDOPTS"}
     finished = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={report}",
@@ -236,10 +289,17 @@ def suite_runs(tmp_path_factory) -> dict[str, ModuleRun]:
 
 
 def test_scorer_suite(suite_runs):
-    suite_runs[SCORER_SUITE_GOOD].assert_outcomes(passed=8, skipped=1)
+    suite_runs[SCORER_SUITE_GOOD].assert_outcomes(passed=9, skipped=1)
     broken = suite_runs[SCORER_SUITE_BROKEN]
-    broken.assert_outcomes(passed=1, failed=7, skipped=1)
+    broken.assert_outcomes(passed=2, failed=7, skipped=1)
     broken.fnmatch_lines(["*test_does_not_modify_its_inputs*", "*test_cases_score_as_expected*"])
+
+
+def test_the_scorer_suite_asks_an_api_1_0_scorer_only_to_pickle_and_an_api_1_1_one_to_score_alike_pickled(suite_runs):
+    suite_runs[SCORER_SUITE_FORGETFUL_API_1_0].assert_outcomes(passed=8, skipped=2)
+    later = suite_runs[SCORER_SUITE_FORGETFUL_API_1_1]
+    later.assert_outcomes(passed=8, failed=1, skipped=1)
+    later.fnmatch_lines(["FAILED *test_a_pickled_copy_scores_as_the_original*"])
 
 
 def test_estimator_suite(suite_runs):
@@ -249,8 +309,16 @@ def test_estimator_suite(suite_runs):
     broken.fnmatch_lines(["*test_is_zero_where_the_response_mask_is_zero*", "*test_mismatched_shapes_raise*"])
 
 
+def test_the_policy_loss_suite_asks_an_api_1_0_loss_four_modes_and_an_api_1_1_one_token_sum_too(suite_runs):
+    suite_runs[LOSS_SUITE_FOUR_MODES_API_1_0].assert_outcomes(passed=12, skipped=3)  # token-sum twice, registered_name
+    later = suite_runs[LOSS_SUITE_FOUR_MODES_API_1_1]
+    later.assert_outcomes(passed=12, failed=2, skipped=1)
+    later.fnmatch_lines(["FAILED *test_returns_a_finite_scalar*token-sum*unknown loss_agg_mode 'token-sum'*",
+                         "FAILED *test_masked_tokens_get_no_gradient*token-sum*"])
+
+
 def test_policy_loss_suite(suite_runs):
-    suite_runs[LOSS_SUITE_GOOD].assert_outcomes(passed=13)
+    suite_runs[LOSS_SUITE_GOOD].assert_outcomes(passed=14, skipped=1)
     broken = suite_runs[LOSS_SUITE_BROKEN]
     broken.fnmatch_lines(["*test_masked_tokens_get_no_gradient*", "*test_unknown_aggregation_mode*"])
     assert broken.ret != 0
@@ -261,6 +329,13 @@ def test_algorithm_suite_and_the_temporary_plugin_fixture(suite_runs):
     broken = suite_runs[ALGORITHM_SUITE_BROKEN]
     broken.assert_outcomes(passed=5, failed=3, skipped=1)
     broken.fnmatch_lines(["*Did you mean 'kit_estimator'*", "*unknown config key 'algorithm.gama'*"])
+
+
+def test_the_algorithm_suite_asks_a_critic_loss_of_every_algorithm_from_api_1_1_only(suite_runs):
+    suite_runs[ALGORITHM_SUITE_NO_CRITIC_LOSS_API_1_0].assert_outcomes(passed=7, skipped=2)
+    later = suite_runs[ALGORITHM_SUITE_NO_CRITIC_LOSS_API_1_1]
+    later.assert_outcomes(passed=7, failed=1, skipped=1)
+    later.fnmatch_lines(["FAILED *test_builds_its_critic_loss_from_its_default_critic_config*defines no critic_loss*"])
 
 
 def test_command_suite(suite_runs):

@@ -7,6 +7,7 @@ produced and 0 on padding and on tool/observation spans of multi-turn data.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Protocol
 
 if TYPE_CHECKING:
@@ -46,16 +47,19 @@ class AdvantageEstimator(Protocol):
 class PolicyLoss(Protocol):
     """``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config) -> (loss, metrics)``.
 
-    All tensors [B, R]; ``log_prob`` carries gradients. ``loss_agg_mode`` is one of
-    ``rlplat.losses.LOSS_AGG_MODES`` (an unknown one raises ``ValueError``; aggregating through
-    :func:`rlplat.losses.aggregate_with_settings` handles every mode). ``config`` is the ``actor.loss`` node as a
+    All tensors [B, R]; ``log_prob`` carries gradients. ``loss_agg_mode`` is one of the modes the loss
+    supports: those its registration lists (``metadata={"loss_agg_modes": [...]}``), else those of the
+    plugin API version its plugin declares (API 1.0's four; ``token-sum`` from 1.1), out of
+    ``rlplat.losses.LOSS_AGG_MODES``. Another raises ``ValueError``; aggregating through
+    :func:`rlplat.losses.aggregate_with_settings` handles every mode. ``config`` is the ``actor.loss`` node as a
     :class:`rlplat.losses.PolicyLossConfig` whose ``global_token_count`` and ``global_sequence_count``
     attributes hold the mini-batch's totals over every data-parallel rank (set per micro-batch by
     :class:`rlplat.losses.ActorLoss`): aggregate with
     ``rlplat.losses.aggregate_with_settings(per_token, response_mask, loss_agg_mode, config)`` and the
     loss of each micro-batch is its share of the mini-batch's. The loss's own knobs are in
     ``config.policy_loss`` (a dict, checked at load against the schema its registry entry declares;
-    ``rlplat.read_config_node(config.policy_loss, MyKnobs, "actor.loss.policy_loss")`` types it).
+    ``rlplat.read_config_node(config.policy_loss, MyKnobs, "actor.loss.policy_loss")`` types it, leaving out
+    rlplat's ``loss_mode`` when ``MyKnobs`` does not declare it).
     Returns a scalar loss and a dict of floats (``actor/pg_clipfrac``, ``actor/ppo_kl``, ...), means
     over this micro-batch's tokens (the actor loss scales them into contributions). The registered
     object *is* the function.
@@ -122,6 +126,66 @@ class AlgorithmConfig:
     None: no correction (the ``rollout_corr/*`` diagnostics are reported whenever the rollout returns log-probs).
     Checked when the run config is (``rlplat.config.validate_config``)."""
 
+    # Plugin API 1.0 gave estimators the node as a mapping (``config["gamma"]``, ``config.get("gamma")``);
+    # that reading keeps working, with a DeprecationWarning, until plugin API 1.2.
+    def __getitem__(self, key: str) -> Any:
+        self._warn_mapping_access(f"config[{key!r}]", key)
+        try:
+            return getattr(self, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self._warn_mapping_access(f"config.get({key!r})", key)
+        return getattr(self, key, default)
+
+    def __contains__(self, key: str) -> bool:
+        self._warn_mapping_access(f"{key!r} in config", key)
+        return key in {field.name for field in dataclasses.fields(self)}
+
+    def _warn_mapping_access(self, old: str, key: str) -> None:
+        from rlplat.deprecation import warn
+
+        warn(f"{old} on the algorithm node (a mapping in plugin API 1.0; an {type(self).__name__} since 1.1)",
+             f"config.{key}", "1.2", stacklevel=3)
+
+
+@functools.lru_cache(maxsize=None)
+def algorithm_node_schema(schema: type | None) -> type:
+    """The dataclass the ``algorithm`` node is read with, for an algorithm whose entry declares ``schema``:
+    :class:`AlgorithmConfig` when it declares none; the schema itself when it extends AlgorithmConfig (as
+    documented); else a dataclass that is both, the schema's keys and the loop's, whose instances are
+    instances of ``schema``. A schema therefore never has to declare the keys rlplat reads (``name``,
+    ``adv_estimator``, ...) and its algorithm's estimator still receives every key it declared."""
+    if schema is None:
+        return AlgorithmConfig
+    if issubclass(schema, AlgorithmConfig):
+        return schema
+
+    def __post_init__(self: Any) -> None:
+        AlgorithmConfig.__post_init__(self)
+        if hasattr(schema, "__post_init__"):
+            schema.__post_init__(self)
+
+    def __reduce__(self: Any) -> tuple[Any, ...]:
+        # pickled as (its plugin's schema, its values): the combined class is made again where it is loaded
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return rebuild_algorithm_node, (schema, values)
+
+    try:
+        return dataclasses.make_dataclass(
+            schema.__name__, [], bases=(schema, AlgorithmConfig),
+            namespace={"__post_init__": __post_init__, "__reduce__": __reduce__, "__doc__": schema.__doc__,
+                       "__module__": schema.__module__})
+    except TypeError as error:
+        raise TypeError(f"the algorithm schema {schema.__qualname__} cannot be combined with AlgorithmConfig "
+                        f"({error}); give each of its fields a default, or extend AlgorithmConfig") from None
+
+
+def rebuild_algorithm_node(schema: type, values: Mapping[str, Any]) -> Any:
+    """An ``algorithm`` node of :func:`algorithm_node_schema` ``(schema)`` from its values (unpickling)."""
+    return algorithm_node_schema(schema)(**values)
+
 
 @dataclasses.dataclass
 class Algorithm:
@@ -152,7 +216,8 @@ class Algorithm:
     bonus) and :class:`rlplat.losses.CriticLoss` (the clipped value loss).
 
     **The algorithm node** is checked against the ``config_schema`` of the algorithm's registry entry
-    (default :class:`AlgorithmConfig`); the trainer sets :attr:`config` to it, typed, before the loop.
+    (default :class:`AlgorithmConfig`; a schema that does not extend it is read together with it,
+    :func:`algorithm_node_schema`); the trainer sets :attr:`config` to it, typed, before the loop.
 
     Subclasses override the hooks below to change a step of the loop; the defaults leave it as it is.
     """
@@ -196,7 +261,10 @@ class Algorithm:
 
     def loss_schema(self, which: str) -> Any:
         """The dataclass the ``actor.loss`` / ``critic.loss`` node is checked against (the loss factory's
-        ``config_schema``), or None when the factory declares none."""
+        ``config_schema``), or None when the factory declares none or there is no factory (an algorithm
+        written for plugin API 1.0 set ``critic_loss=None`` when it needed no critic)."""
+        if getattr(self, f"{which}_loss") is None:
+            return None
         return getattr(self.resolve(f"{which}_loss"), "config_schema", None)
 
     def default_nodes(self) -> dict[str, Any]:

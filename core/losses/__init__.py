@@ -1,7 +1,7 @@
 """The public loss kit: what an algorithm plugin composes instead of writing it again.
 
-* **Aggregation** (:mod:`rlplat.losses.aggregation`): ``aggregate_loss`` in the field's four modes
-  (``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean``, ``seq-mean-token-sum-norm``),
+* **Aggregation** (:mod:`rlplat.losses.aggregation`): ``aggregate_loss`` in the field's five modes
+  (``token-mean``, ``token-sum``, ``seq-mean-token-sum``, ``seq-mean-token-mean``, ``seq-mean-token-sum-norm``),
   normalised by the mini-batch's *global* counts so that the sum of the micro-batch losses equals the
   loss of the unsplit mini-batch on every rank count; ``aggregate_with_settings`` reads the counts from a
   loss config; ``global_counts`` computes them; ``masked_mean`` / ``masked_sum`` / ``masked_var`` /

@@ -97,3 +97,18 @@ class ValueLossConfig:
 def check_loss_agg_mode(mode: str, where: str) -> None:
     if mode not in LOSS_AGG_MODES:
         raise ConfigError(f"{where}: unknown loss_agg_mode {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+
+
+def declared_loss_agg_modes(entry: Any, declared_api: str | None) -> tuple[str, ...] | None:
+    """The aggregation modes a registered policy loss says it supports: its registration's
+    ``metadata={"loss_agg_modes": [...]}``, else those of the oldest plugin API version its plugin's
+    declared range ``declared_api`` admits (:func:`rlplat.api_version.loss_agg_modes_of`); None when it
+    declares neither (then nothing is known, and a mode it lacks is its own ``ValueError`` at run time)."""
+    listed = entry.metadata.get("loss_agg_modes")
+    if listed is not None:
+        return tuple(listed)
+    if declared_api is None:
+        return None
+    from rlplat.api_version import loss_agg_modes_of
+
+    return loss_agg_modes_of(declared_api)

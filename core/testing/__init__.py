@@ -13,6 +13,11 @@ A plugin's tests subclass a suite and provide its factory fixture::
         def scorer_cases(self):
             return [ScorerCase("my_task", "42", "42", None, 1.0), ScorerCase("my_task", "7", "42", None, 0.0)]
 
+A suite asks of an implementation what the plugin API version its plugin declares asked
+(``RLPLAT_PLUGIN_API``; API 1.0's requirements when it declares none); its ``plugin_api`` fixture finds the
+declaration and a test class may override it (:mod:`rlplat.testing.api_levels`). A requirement added later
+is skipped, with the reason.
+
 The fixtures of :mod:`rlplat.testing.pytest_plugin` (``register_temporary_plugin``,
 ``isolated_registry``) reach every repository that installs rlplat, through a ``pytest11`` entry point.
 Suites for kinds that need torch import it only when their module is imported.

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlplat.losses.config import LOSS_AGG_MODES
+from rlplat.api_version import loss_agg_modes_of
+from rlplat.losses.config import LOSS_AGG_MODES, declared_loss_agg_modes
+from rlplat.testing.api_levels import implementation_api
 
 
 def example_inputs() -> dict[str, torch.Tensor]:
@@ -19,14 +21,50 @@ def example_inputs() -> dict[str, torch.Tensor]:
 
 class PolicyLossConformance:
     """Fixtures to provide: ``policy_loss`` (the callable) and ``policy_loss_config`` (the actor config
-    node it reads)."""
+    node it reads). Optional: ``registered_name`` (the name it is registered under: its registration's
+    ``metadata={"loss_agg_modes": [...]}`` then says which modes are tested), ``plugin_api`` (the plugin
+    API range it is written for; found from its plugin by default, see :mod:`rlplat.testing.api_levels`).
+
+    Every test that takes an aggregation mode runs for the modes the loss supports: those its registration
+    lists, else those of the plugin API version it declares (the four of API 1.0 when it declares none;
+    ``token-sum`` from API 1.1). A mode it does not support is skipped, with the reason."""
+
+    @pytest.fixture
+    def registered_name(self) -> str | None:
+        return None
+
+    @pytest.fixture
+    def plugin_api(self, policy_loss, registered_name) -> str | None:
+        return implementation_api(policy_loss, "policy_loss", registered_name)
+
+    @pytest.fixture
+    def loss_agg_modes(self, registered_name, plugin_api) -> tuple[str, ...]:
+        if registered_name is not None:
+            from rlplat import registry
+
+            listed = declared_loss_agg_modes(registry.entry("policy_loss", registered_name), plugin_api)
+            if listed is not None:
+                return listed
+        return loss_agg_modes_of(plugin_api)
 
     def run(self, policy_loss, config, mode="token-mean", inputs=None):
         inputs = inputs or example_inputs()
         return policy_loss(**inputs, loss_agg_mode=mode, config=config)
 
+    @staticmethod
+    def skip_unless_supported(mode, loss_agg_modes, plugin_api):
+        if mode not in loss_agg_modes:
+            pytest.skip(f"{mode} is not asked of this loss: it supports {', '.join(loss_agg_modes)} "
+                        f"(its registration's loss_agg_modes, or those of plugin API {plugin_api or '1.0'})")
+
+    def test_supports_only_known_aggregation_modes(self, loss_agg_modes):
+        assert loss_agg_modes, "a policy loss supports at least one aggregation mode"
+        assert set(loss_agg_modes) <= set(LOSS_AGG_MODES), f"unknown modes: {set(loss_agg_modes) - set(LOSS_AGG_MODES)}"
+
     @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-    def test_returns_a_finite_scalar_with_gradient_and_float_metrics(self, policy_loss, policy_loss_config, mode):
+    def test_returns_a_finite_scalar_with_gradient_and_float_metrics(self, policy_loss, policy_loss_config, mode,
+                                                                     loss_agg_modes, plugin_api):
+        self.skip_unless_supported(mode, loss_agg_modes, plugin_api)
         loss, metrics = self.run(policy_loss, policy_loss_config, mode)
         assert isinstance(loss, torch.Tensor) and loss.dim() == 0
         assert torch.isfinite(loss)
@@ -37,7 +75,8 @@ class PolicyLossConformance:
             assert isinstance(value, (int, float)), f"metric {key!r} is {type(value).__name__}, not a float"
 
     @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-    def test_masked_tokens_get_no_gradient(self, policy_loss, policy_loss_config, mode):
+    def test_masked_tokens_get_no_gradient(self, policy_loss, policy_loss_config, mode, loss_agg_modes, plugin_api):
+        self.skip_unless_supported(mode, loss_agg_modes, plugin_api)
         inputs = example_inputs()
         loss, _ = self.run(policy_loss, policy_loss_config, mode, inputs)
         loss.backward()
@@ -60,3 +99,10 @@ class PolicyLossConformance:
     def test_unknown_aggregation_mode_raises_a_value_error_naming_it(self, policy_loss, policy_loss_config):
         with pytest.raises(ValueError, match="token-median"):
             self.run(policy_loss, policy_loss_config, mode="token-median")
+
+    def test_registered_name_resolves_to_the_loss(self, policy_loss, registered_name):
+        if registered_name is None:
+            pytest.skip("the subclass names no registered_name")
+        from rlplat import registry
+
+        assert registry.get("policy_loss", registered_name) is policy_loss

@@ -9,6 +9,7 @@ import torch
 
 from rlplat.contracts.rollout import SamplingParams
 from rlplat.protocol import DataProto
+from rlplat.testing.api_levels import implementation_api, skip_unless_asked
 
 OUTPUT_KEYS = ("prompts", "responses", "response_mask", "rollout_log_probs", "input_ids", "attention_mask", "position_ids")
 
@@ -40,7 +41,8 @@ class RolloutEngineConformance:
     (a few prompts of different lengths as token-id lists), ``pad_token_id`` and ``stop_token_id`` (a
     token that ends a response). Optional: ``eos_token_ids`` (tokens the engine stops at by itself),
     ``named_weights`` (a list of ``(name, tensor)`` covering every weight, for the update/sleep tests;
-    default: none, those tests skip).
+    default: none, those tests skip), ``plugin_api`` (the plugin API range it is written for; found from its
+    plugin by default, see :mod:`rlplat.testing.api_levels`).
 
     ``log_probs_after_filters``: True when ``rollout_log_probs`` come from the distribution after top-k /
     top-p (the contract's wording, and what ``hf`` and ``vllm`` report); an engine that reports them
@@ -51,6 +53,11 @@ class RolloutEngineConformance:
     @pytest.fixture
     def named_weights(self):
         return None
+
+    @pytest.fixture
+    def plugin_api(self, rollout) -> str | None:
+        """The plugin API range the rollout is written for (:mod:`rlplat.testing.api_levels`)."""
+        return implementation_api(rollout)
 
     @pytest.fixture
     def eos_token_ids(self):
@@ -108,12 +115,14 @@ class RolloutEngineConformance:
         assert torch.equal(first.batch["rollout_log_probs"], second.batch["rollout_log_probs"])
         assert not torch.equal(first.batch["responses"], third.batch["responses"])
 
-    def test_copies_of_one_prompt_in_a_seeded_call_draw_samples_of_their_own(self, rollout, prompt_token_lists, pad_token_id):
+    def test_copies_of_one_prompt_in_a_seeded_call_draw_samples_of_their_own(self, rollout, prompt_token_lists, pad_token_id,
+                                                                              plugin_api):
         """Every row of a seeded call draws from a stream of its own: 8 copies of one prompt, 2 samples each,
         are not 8 repeats of the same 2 (a rollout that gave each prompt the call's seed returned exactly that,
         and correlated the samples of different prompts too). More than half of the copies must differ: the
         fixtures' model samples 6 tokens with variety (the seed test needs that already), so independent
         copies collide rarely."""
+        skip_unless_asked(plugin_api, "1.1", "independent samples for copies of one prompt")
         copies = left_padded_prompts([prompt_token_lists[0]] * 8, pad_token_id)
         out = rollout.generate(copies, SamplingParams(n=2, max_new_tokens=6, seed=19))
         rows = [tuple(row) for row in out.batch["responses"].tolist()]
@@ -144,8 +153,9 @@ class RolloutEngineConformance:
         assert tokens.finish_reason in ("stop", "length")
 
     def test_concurrent_generate_tokens_calls_each_honour_their_own_stop_tokens_and_lengths(
-        self, rollout, prompt_token_lists, stop_token_id, eos_token_ids
+        self, rollout, prompt_token_lists, stop_token_id, eos_token_ids, plugin_api
     ):
+        skip_unless_asked(plugin_api, "1.1", "concurrent generate_tokens calls")
         # 12 calls at once: even ones stop at stop_token_id (or EOS) within 8 tokens, odd ones only at
         # EOS within 1..5 tokens; each must end by its own rule, whatever the others in flight
         requests = []
@@ -175,7 +185,8 @@ class RolloutEngineConformance:
                                 if sampling.stop_token_ids]
         assert any(stopped_by_own_token), "no call stopped at stop_token_id: choose a stop_token_id the model samples"
 
-    def test_generate_tokens_refuses_more_than_one_sample(self, rollout, prompt_token_lists):
+    def test_generate_tokens_refuses_more_than_one_sample(self, rollout, prompt_token_lists, plugin_api):
+        skip_unless_asked(plugin_api, "1.1", "refusing n > 1 in generate_tokens")
         with pytest.raises(ValueError, match="n=2"):
             asyncio.run(rollout.generate_tokens(prompt_token_lists[0], SamplingParams(n=2)))
 

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import pytest
 
 from rlplat.contracts.reward import split_score
+from rlplat.testing.api_levels import implementation_api, skip_unless_asked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +47,16 @@ async def _await(awaitable):
 class RewardScorerConformance:
     """Fixtures to provide: ``scorer`` (the callable) and ``scorer_cases`` (a list of :class:`ScorerCase`
     with at least one rewarded and one unrewarded answer). Optional: ``registered_name`` (the name the
-    plugin registers it under, checked against the process-wide registry)."""
+    plugin registers it under, checked against the process-wide registry), ``plugin_api`` (the plugin API
+    range it is written for; found from its plugin by default, see :mod:`rlplat.testing.api_levels`)."""
 
     @pytest.fixture
     def registered_name(self) -> str | None:
         return None
+
+    @pytest.fixture
+    def plugin_api(self, scorer, registered_name) -> str | None:
+        return implementation_api(scorer, "reward_scorer", registered_name)
 
     def test_cases_score_as_expected(self, scorer, scorer_cases):
         for case in scorer_cases:
@@ -83,8 +89,12 @@ class RewardScorerConformance:
             call_scorer(scorer, case)
             assert case == before
 
-    def test_a_pickled_copy_scores_as_the_original(self, scorer, scorer_cases):
+    def test_is_picklable(self, scorer):
+        assert pickle.loads(pickle.dumps(scorer)) is not None
+
+    def test_a_pickled_copy_scores_as_the_original(self, scorer, scorer_cases, plugin_api):
         # reward workers receive the scorer pickled: the copy must be the same function
+        skip_unless_asked(plugin_api, "1.1", "a pickled copy scoring as the original")
         copy = pickle.loads(pickle.dumps(scorer))
         for case in scorer_cases:
             assert split_score(call_scorer(copy, case)) == split_score(call_scorer(scorer, case))

@@ -12,9 +12,15 @@ def loss_config(**knobs):
 
 
 class TestTruncatedIS(PolicyLossConformance):
+    """Runs where the plugin is installed: the suite reads the loss's registration (its aggregation modes)."""
+
     @pytest.fixture
     def policy_loss(self):
         return truncated_is
+
+    @pytest.fixture
+    def registered_name(self):
+        return "example_truncated_is"
 
     @pytest.fixture(params=[{}, {"ratio_cap": 1.0}])
     def policy_loss_config(self, request):

@@ -2,6 +2,9 @@
 
 import rlplat
 
+# The plugin API versions this plugin is written for (rlplat.api_version); rlplat refuses to load it outside them.
+RLPLAT_PLUGIN_API = ">=1.1,<2"
+
 _PACKAGE = "rlplat_algorithms"
 _ALGORITHM_CONFIG = "rlplat.contracts.algorithm:AlgorithmConfig"
 # The schema of ``actor.loss.policy_loss`` (the loss's own knobs), checked when a run's config loads.

@@ -32,8 +32,12 @@ class TestAdvantageEstimators(AdvantageEstimatorConformance):
 
 class TestPolicyLosses(PolicyLossConformance):
     @pytest.fixture(params=sorted(POLICY_LOSSES))
-    def policy_loss(self, request):
-        return registry.get("policy_loss", request.param)
+    def registered_name(self, request):
+        return request.param
+
+    @pytest.fixture
+    def policy_loss(self, registered_name):
+        return registry.get("policy_loss", registered_name)
 
     @pytest.fixture
     def policy_loss_config(self):

@@ -2,6 +2,9 @@
 
 import rlplat
 
+# The plugin API versions this plugin is written for (rlplat.api_version); rlplat refuses to load it outside them.
+RLPLAT_PLUGIN_API = ">=1.1,<2"
+
 
 @rlplat.hookimpl
 def register_rollouts(register):
