@@ -88,25 +88,17 @@ def read_config_node(config: Any, cls: type[T], where: str | None = None, *, str
 
 
 #: Plugin-owned nodes (by dotted key) -> the keys rlplat puts in them for itself: ``loss_mode`` names the
-#: policy loss the node belongs to; the ``algorithm`` node's keys of :class:`rlplat.contracts.algorithm.AlgorithmConfig`
-#: are the loop's (``name``, ``adv_estimator``, the KL settings, ...). "algorithm" maps to None: its keys are
-#: AlgorithmConfig's fields, looked up when first needed.
-CORE_KEYS_OF_PLUGIN_NODES: dict[str, tuple[str, ...] | None] = {
+#: policy loss the node belongs to; the ``algorithm`` node's keys are the loop's (the fields of
+#: :class:`rlplat.contracts.algorithm.AlgorithmConfig`: ``name``, ``adv_estimator``, the KL settings, ...),
+#: entered by that module when it is imported (it sits above this one).
+CORE_KEYS_OF_PLUGIN_NODES: dict[str, tuple[str, ...]] = {
     "actor.loss.policy_loss": ("loss_mode",),
-    "algorithm": None,
 }
 
 
 def core_keys_of(where: str) -> tuple[str, ...]:
     """The keys rlplat sets in the plugin-owned node ``where`` (none for other nodes)."""
-    if where not in CORE_KEYS_OF_PLUGIN_NODES:
-        return ()
-    keys = CORE_KEYS_OF_PLUGIN_NODES[where]
-    if keys is None:
-        from rlplat.contracts.algorithm import AlgorithmConfig
-
-        keys = tuple(field.name for field in dataclasses.fields(AlgorithmConfig))
-    return keys
+    return CORE_KEYS_OF_PLUGIN_NODES.get(where, ())
 
 
 def as_mapping(config: Any, where: str) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 When a feature moves out of core into a plugin distribution (``rlplat.demo`` -> ``rlplat_demo`` in
 ``rlplat-demo``), ``import rlplat.demo.tools`` still works: the import is answered with the new module
 itself (one module object under two names, never a second copy) and a :class:`DeprecationWarning` names the
-new path and the version the old one goes away in. Without the distribution the import fails with an
+new path and the plugin API version the old one goes away in (one minor version after the move). Without the distribution the import fails with an
 error that says what to install. Installed by ``import rlplat`` (a finder at the front of
 ``sys.meta_path``); nothing here imports a plugin until an old name is imported.
 """
@@ -22,7 +22,7 @@ from typing import Any
 @dataclasses.dataclass(frozen=True)
 class Moved:
     """``old`` (a module and its submodules) now lives at ``new`` in the distribution ``distribution``;
-    the old name is removed in rlplat ``removed_in``."""
+    the old name is removed in rlplat plugin API ``removed_in``."""
 
     old: str
     new: str
@@ -36,7 +36,7 @@ MOVED: dict[str, Moved] = {}
 
 
 def add(old: str, new: str, distribution: str, removed_in: str) -> None:
-    """Record that ``old`` moved to ``new`` (in ``distribution``; the old name goes in ``removed_in``)."""
+    """Record that ``old`` moved to ``new`` (in ``distribution``; the old name goes in plugin API ``removed_in``)."""
     MOVED[old] = Moved(old, new, distribution, removed_in)
 
 
@@ -55,7 +55,7 @@ class _AliasLoader(importlib.abc.Loader):
     def create_module(self, spec: Any) -> Any:
         moved = self.moved
         warnings.warn(f"{spec.name} moved to {self.target} (distribution {moved.distribution}); the old name is "
-                      f"removed in rlplat {moved.removed_in}", DeprecationWarning, stacklevel=2)
+                      f"removed in rlplat plugin API {moved.removed_in}", DeprecationWarning, stacklevel=2)
         try:
             return importlib.import_module(self.target)
         except ModuleNotFoundError as error:
@@ -87,14 +87,14 @@ def install() -> None:
         sys.meta_path.insert(0, MovedModuleFinder())
 
 
-# rlplat 0.2 moved these out of core; their old names go in 0.3.
-add("rlplat.demo.scorer", "rlplat.scorers", "rlplat", "0.3")
-add("rlplat.agent", "rlplat_agents", "rlplat-agents", "0.3")
-add("rlplat.agent.sandbox", "rlplat_python_tool.sandbox", "rlplat-python-tool", "0.3")
-add("rlplat.cli.check_template", "rlplat_agents.check_template", "rlplat-agents", "0.3")
-add("rlplat.judge", "rlplat_judge.manager", "rlplat-judge", "0.3")
-add("rlplat.judge_parsers", "rlplat_judge.parsers", "rlplat-judge", "0.3")
-add("rlplat.reward_model", "rlplat_reward_model.config", "rlplat-reward-model", "0.3")
-add("rlplat.workers.reward_model", "rlplat_reward_model.worker", "rlplat-reward-model", "0.3")
-add("rlplat.reward_loop", "rlplat_rewards.reward_loop", "rlplat-rewards", "0.3")
-add("rlplat.plan.measure", "rlplat.testing.memory", "rlplat", "0.3")
+# Plugin API 1.2 moved these out of core (or within it); their old names go in 1.3.
+add("rlplat.demo.scorer", "rlplat.scorers", "rlplat", "1.3")
+add("rlplat.agent", "rlplat_agents", "rlplat-agents", "1.3")
+add("rlplat.agent.sandbox", "rlplat_python_tool.sandbox", "rlplat-python-tool", "1.3")
+add("rlplat.cli.check_template", "rlplat_agents.check_template", "rlplat-agents", "1.3")
+add("rlplat.judge", "rlplat_judge.manager", "rlplat-judge", "1.3")
+add("rlplat.judge_parsers", "rlplat_judge.parsers", "rlplat-judge", "1.3")
+add("rlplat.reward_model", "rlplat_reward_model.config", "rlplat-reward-model", "1.3")
+add("rlplat.workers.reward_model", "rlplat_reward_model.worker", "rlplat-reward-model", "1.3")
+add("rlplat.reward_loop", "rlplat_rewards.reward_loop", "rlplat-rewards", "1.3")
+add("rlplat.plan.measure", "rlplat.testing.memory", "rlplat", "1.3")

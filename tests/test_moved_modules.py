@@ -23,7 +23,7 @@ def test_an_old_name_is_the_new_module_itself_with_a_warning_naming_both():
         "print(old.exact_match('d', ' 7 ', 7))"))
     assert result.returncode == 0, result.stderr
     assert "rlplat.demo.scorer moved to rlplat.scorers" in result.stderr
-    assert "removed in rlplat 0.3" in result.stderr
+    assert "removed in rlplat plugin API 1.3" in result.stderr
 
 
 def test_a_submodule_of_a_moved_package_is_never_loaded_twice(monkeypatch, tmp_path):
@@ -33,7 +33,7 @@ def test_a_submodule_of_a_moved_package_is_never_loaded_twice(monkeypatch, tmp_p
     (package / "leaf.py").write_text("VALUE = object()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(moved.MOVED, "rlplat.old_feature", moved.Moved("rlplat.old_feature", "moved_target_pkg",
-                                                                       "moved-target", "0.3"))
+                                                                       "moved-target", "1.3"))
     with pytest.warns(DeprecationWarning, match="rlplat.old_feature.leaf moved to moved_target_pkg.leaf"):
         old = importlib.import_module("rlplat.old_feature.leaf")
     assert old is importlib.import_module("moved_target_pkg.leaf")
@@ -43,7 +43,7 @@ def test_a_submodule_of_a_moved_package_is_never_loaded_twice(monkeypatch, tmp_p
 
 def test_an_old_name_whose_distribution_is_missing_says_what_to_install(monkeypatch):
     monkeypatch.setitem(moved.MOVED, "rlplat.gone_feature", moved.Moved("rlplat.gone_feature", "no_such_package_here",
-                                                                        "rlplat-gone", "0.3"))
+                                                                        "rlplat-gone", "1.3"))
     with pytest.warns(DeprecationWarning), pytest.raises(ModuleNotFoundError, match="pip install rlplat-gone"):
         importlib.import_module("rlplat.gone_feature")
     sys.modules.pop("rlplat.gone_feature", None)

@@ -10,6 +10,8 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Protocol
 
+from rlplat.config_node import CORE_KEYS_OF_PLUGIN_NODES
+
 if TYPE_CHECKING:
     import numpy as np
     import torch
@@ -127,7 +129,7 @@ class AlgorithmConfig:
     Checked when the run config is (``rlplat.config.validate_config``)."""
 
     # Plugin API 1.0 gave estimators the node as a mapping (``config["gamma"]``, ``config.get("gamma")``);
-    # that reading keeps working, with a DeprecationWarning, until plugin API 1.2.
+    # that reading keeps working, with a DeprecationWarning, until plugin API 1.3.
     def __getitem__(self, key: str) -> Any:
         self._warn_mapping_access(f"config[{key!r}]", key)
         try:
@@ -147,7 +149,11 @@ class AlgorithmConfig:
         from rlplat.deprecation import warn
 
         warn(f"{old} on the algorithm node (a mapping in plugin API 1.0; an {type(self).__name__} since 1.1)",
-             f"config.{key}", "1.2", stacklevel=3)
+             f"config.{key}", "1.3", stacklevel=3)
+
+
+# The algorithm node's keys are the loop's: a plugin's own schema never has to declare them.
+CORE_KEYS_OF_PLUGIN_NODES["algorithm"] = tuple(field.name for field in dataclasses.fields(AlgorithmConfig))
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,7 +169,9 @@ def algorithm_node_schema(schema: type | None) -> type:
         return schema
 
     def __post_init__(self: Any) -> None:
-        AlgorithmConfig.__post_init__(self)
+        base_check = getattr(AlgorithmConfig, "__post_init__", None)
+        if base_check is not None:
+            base_check(self)
         if hasattr(schema, "__post_init__"):
             schema.__post_init__(self)
 

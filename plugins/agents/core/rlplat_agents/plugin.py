@@ -4,6 +4,8 @@ loops, the ``calculator`` tool, the ``hermes`` tool-call parser, the ``retry`` e
 
 from rlplat.hookspecs import hookimpl
 
+RLPLAT_PLUGIN_API = ">=1.2,<2"
+
 AGENT_LOOPS = {
     "single_turn": ("SingleTurnLoop", "rlplat.contracts.agent:AgentLoopConfig",
                     "one model turn after the prompt (the distribution of generate)"),

@@ -3,7 +3,7 @@
 import rlplat
 
 # The plugin API versions this plugin is written for (rlplat.api_version); rlplat refuses to load it outside them.
-RLPLAT_PLUGIN_API = ">=1.1,<2"
+RLPLAT_PLUGIN_API = ">=1.2,<2"
 
 _CONFIG = "rlplat_rewards.config:RewardManagerConfig"
 

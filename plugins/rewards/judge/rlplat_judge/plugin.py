@@ -3,6 +3,8 @@ and the judge parsers (``number``, ``tagged``, ``yes_no``). Only dotted paths: l
 
 from rlplat.hookspecs import hookimpl
 
+RLPLAT_PLUGIN_API = ">=1.2,<2"
+
 JUDGE_PARSERS = {
     "number": ("NumberParser", "NumberParserConfig", "the last (or first) number of the answer, optionally within [min, max]"),
     "tagged": ("TaggedParser", "TaggedParserConfig", "the number inside <score>...</score> (or a configured pattern's group)"),

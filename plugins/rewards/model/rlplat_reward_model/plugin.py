@@ -2,6 +2,8 @@
 
 from rlplat.hookspecs import hookimpl
 
+RLPLAT_PLUGIN_API = ">=1.2,<2"
+
 
 @hookimpl
 def register_config_nodes(register):
