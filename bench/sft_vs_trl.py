@@ -8,7 +8,7 @@ TRL side (its default), the engine's default (packing on) on rlplat's. Contender
 process of this script with ``--threads`` torch threads:
 
 * ``TRL SFTTrainer``: ``trl.SFTTrainer`` with a prompt-completion dataset (``completion_only_loss``);
-* ``rlplat sft local``: :class:`rlplat.sft.trainer.SFTTrainer` with ``cluster.backend=local`` (the fsdp2
+* ``rlplat sft local``: :class:`rlplat_sft.trainer.SFTTrainer` with ``cluster.backend=local`` (the fsdp2
   engine in the driver process), as ``rlplat sft ... cluster.backend=local`` runs;
 * ``rlplat sft padded``: the same with ``actor.engine_config.use_remove_padding=false`` (padded rows, as
   TRL runs them; the demo's examples are 9 to 11 tokens, so packing saves little here).
@@ -89,8 +89,8 @@ def run_rlplat(model_path: str, data: str, warmup: int, steps: int, threads: int
     import torch
 
     torch.set_num_threads(threads)
-    from rlplat.sft.config import load_sft_config
-    from rlplat.sft.trainer import run_sft
+    from rlplat_sft.config import load_sft_config
+    from rlplat_sft.trainer import run_sft
     from rlplat.tracking import read_metrics
 
     config = load_sft_config(None, [

@@ -1,8 +1,10 @@
 """``rlplat export CHECKPOINT --out DIR [--step N] [--adapter] [actor.engine_config.KEY=VALUE ...]``: a run's
 trained model as a Hugging Face folder.
 
-The run is one ``rlplat run`` (RL: its policy, the actor) or ``rlplat sft`` wrote: which one is read
-from the resolved config it wrote (``config.yaml``), whose top-level nodes are that command's. The
+The run is one ``rlplat run`` (RL: its policy, the actor) or another registered command wrote (``rlplat
+sft``, from rlplat-sft): which one is read from the resolved config it wrote (``config.yaml``), whose
+top-level nodes are that command's. A command declares the runs it writes in its registration's metadata
+(:data:`RUN_CONFIG`, :data:`ENGINE_NODE`), so the export knows a plugin's runs without importing it. The
 actor's engine is built in this process as the run built it (on a one-process group), loads the
 checkpoint's ``actor`` folder and writes either the full model with the adapter merged in when the run
 trained LoRA (a ``save_pretrained`` folder with the tokenizer, so ``rlplat run model.path=DIR`` or plain
@@ -91,28 +93,61 @@ def read_run_config(run_dir: Path) -> Any:
         raise fail(f"cannot read {config_path}: {error}")
 
 
-#: run kind -> (the command that writes such runs, its config schema as "module:class").
-RUN_KINDS = {"rl": ("rlplat run", "rlplat.config:RLConfig"), "sft": ("rlplat sft", "rlplat.sft.config:SFTConfig")}
+RUN_CONFIG = "run_config"
+"""Metadata key of a command's registration (kind ``command``): what the resolved config its runs write
+holds, as ``"module:attribute"``: its dataclass, or a function of no arguments returning its defaults (a
+mapping of its top-level nodes: ``rlplat run``'s, with the nodes plugins own); commands without it write
+no exportable runs."""
+ENGINE_NODE = "engine_node"
+"""Metadata key beside :data:`RUN_CONFIG`: ``"module:function"``, called as ``function(config, total_steps)``
+with such a run's config, returning the actor engine's build config (what the engine factory receives)."""
+
+
+def actor_engine_node(config: Any, total_steps: int) -> dict[str, Any]:
+    """``rlplat run``'s :data:`ENGINE_NODE`: the actor's engine node (:func:`rlplat.config.engine_node`)."""
+    from rlplat.config import engine_node
+
+    return engine_node(config, "actor", total_steps)
+
+
+def run_commands() -> dict[str, Any]:
+    """Command name -> registry entry, for every registered command whose runs can be exported (its
+    metadata names :data:`RUN_CONFIG` and :data:`ENGINE_NODE`), ``run`` first."""
+    from rlplat import registry
+
+    entries = [entry for entry in registry.entries("command")
+               if entry.metadata.get(RUN_CONFIG) and entry.metadata.get(ENGINE_NODE)]
+    return {entry.name: entry for entry in sorted(entries, key=lambda entry: (entry.name != "run", entry.name))}
 
 
 def run_kind(config: Any, config_path: Path) -> str:
-    """``rl`` or ``sft``: the command whose resolved config ``config`` is. Each command writes every node
-    of its schema; a config is that command's when all its nodes are the schema's and it has the nodes
-    only that command has (``rlplat sft``'s ``loss``; ``rlplat run``'s ``rollout``, ``algorithm``, ...)."""
+    """The command whose resolved config ``config`` is (a key of :func:`run_commands`). Each command
+    writes every node of its schema; a config is that command's when all its nodes are the schema's and it
+    has a node only that command has (``rlplat sft``'s ``loss``; ``rlplat run``'s ``rollout``,
+    ``algorithm``, ...). With one exportable command, all its nodes and ``model`` and ``actor``."""
     from omegaconf import DictConfig
 
     from rlplat.registry import resolve_dotted_path
 
     nodes = set(config) if isinstance(config, DictConfig) else set()
-    schemas = {kind: {field.name for field in dataclasses.fields(resolve_dotted_path(path))}
-               for kind, (_, path) in RUN_KINDS.items()}
-    for kind, schema in schemas.items():
-        own = set().union(*(schema - other for name, other in schemas.items() if name != kind))
-        if nodes and nodes <= schema and nodes & own and {"model", "actor"} <= nodes:
-            return kind
-    described = "; ".join(f"{command} writes {', '.join(sorted(schemas[kind]))}" for kind, (command, _) in RUN_KINDS.items())
-    raise fail(f"{config_path} is the config of neither an rlplat run nor an rlplat sft run: its top-level nodes are "
-               f"{', '.join(sorted(map(str, nodes))) or 'none'} ({described}); pass the directory of a run either command wrote")
+    schemas = {}
+    for name, entry in run_commands().items():
+        try:
+            found = resolve_dotted_path(entry.metadata[RUN_CONFIG])
+            schemas[name] = ({field.name for field in dataclasses.fields(found)} if dataclasses.is_dataclass(found)
+                             else {str(node) for node in found()})
+        except Exception as error:  # a plugin's metadata naming what does not load: say whose
+            raise fail(f"the command {name!r} from {entry.origin} names its run config {entry.metadata[RUN_CONFIG]!r}, "
+                       f"which does not load: {error}")
+    for name, schema in schemas.items():
+        own = set().union(*(schema - other for other_name, other in schemas.items() if other_name != name))
+        if nodes and nodes <= schema and (nodes & own or len(schemas) == 1) and {"model", "actor"} <= nodes:
+            return name
+    described = "; ".join(f"rlplat {name} writes {', '.join(sorted(schema))}" for name, schema in schemas.items())
+    raise fail(f"{config_path} is not the config of a run any installed command writes "
+               f"({', '.join(f'rlplat {name}' for name in schemas)}; a plugin's command needs that plugin installed): "
+               f"its top-level nodes are {', '.join(sorted(map(str, nodes))) or 'none'} ({described}); pass the "
+               "directory of a run one of them wrote")
 
 
 def check_model(config: Any, config_path: Path, adapter: bool) -> None:
@@ -155,19 +190,12 @@ def apply_engine_overrides(config: Any, overrides: list[str]) -> list[str]:
 
 
 def build_engine(config: Any, kind: str, step: int) -> Any:
-    """The actor's engine as a run of ``kind`` built it, before its checkpoint is loaded."""
-    from rlplat.registry import EngineRegistry
+    """The actor's engine as a run of the command ``kind`` built it, before its checkpoint is loaded."""
+    from rlplat.registry import EngineRegistry, resolve_dotted_path
 
     # the learning-rate schedule's length only matters to training; the checkpoint restores its state
     total_steps = int(config.trainer.total_training_steps or max(step, 1))
-    if kind == "sft":
-        from rlplat.sft.config import sft_engine_node
-
-        node = sft_engine_node(config, total_steps)
-    else:
-        from rlplat.config import engine_node
-
-        node = engine_node(config, "actor", total_steps)
+    node = resolve_dotted_path(run_commands()[kind].metadata[ENGINE_NODE])(config, total_steps)
     engine = EngineRegistry("engine").build(config.actor.engine, node)
     engine.init_model()
     return engine
@@ -247,5 +275,5 @@ def export(
         shutil.rmtree(partial, ignore_errors=True)
     what = "LoRA adapter" if adapter else "model"
     typer.echo(f"rlplat export: wrote the {what} of {checkpoint_dir} (step {saved_step}), trained by "
-               f"{RUN_KINDS[kind][0]}, to {out}", err=True)
+               f"rlplat {kind}, to {out}", err=True)
     typer.echo(str(out))

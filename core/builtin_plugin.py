@@ -19,7 +19,6 @@ DISPATCH_MODES = {
 COMMANDS = {
     "run": ("rlplat.cli.run:run", "Train a policy (no arguments: the built-in demo)."),
     "plan": ("rlplat.cli.plan:plan", "Predict a run's memory per device and phase, and its placement, from config.json alone."),
-    "sft": ("rlplat.cli.sft:sft", "Supervised fine-tuning on the same engines; its export is `rlplat run`'s model.path."),
     "config": ("rlplat.cli.config:app", "Inspect the resolved run config and what its keys mean."),
     "plugins": ("rlplat.cli.plugins:app", "List the installed plugins and what they register."),
     "plot": ("rlplat.cli.plot:plot", "Write a run's metrics as PNG charts."),
@@ -55,7 +54,12 @@ def register_reward_scorers(register):
              description="the tool demo's tasks: the answer after the last tool response or feedback equals the ground truth.")
 
 
+#: What ``rlplat export`` reads of a command's runs (see :mod:`rlplat.cli.export`): its run config's nodes
+#: (core's defaults with every plugin-owned node) and the function that builds the actor engine's node.
+RUN_METADATA = {"run": {"run_config": "rlplat.config:base_config", "engine_node": "rlplat.cli.export:actor_engine_node"}}
+
+
 @hookimpl
 def register_commands(register):
     for name, (target, description) in COMMANDS.items():
-        register(name, target, description=description)
+        register(name, target, description=description, metadata=RUN_METADATA.get(name))

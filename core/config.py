@@ -363,17 +363,12 @@ def algorithm_spec(name: str) -> Any:
         raise ConfigError(f"algorithm.name: {error}") from None
 
 
-def load_config(
-    config_file: str | Path | None = None,
-    overrides: Sequence[str] = (),
-    *,
-    algo: str | None = None,
-    engine: str | None = None,
-    rollout: str | None = None,
-    validate: bool = True,
-) -> DictConfig:
-    """The resolved, validated config (see the module docstring for the order of sources)."""
-    config = base_config()
+def read_sources(config_file: str | Path | None, overrides: Sequence[str],
+                 example: str = "actor.optim.lr=1e-6") -> tuple[DictConfig | None, DictConfig]:
+    """The ``--config`` file's node (None without a file) and the dotted overrides' node, read as every
+    command that takes a run's arguments reads them (``rlplat run``, ``rlplat sft``); :class:`ConfigError`
+    for a missing file, a file that is not YAML or an override that is not ``key=value`` (``example`` shows
+    one)."""
     file_node = None
     if config_file is not None:
         path = Path(config_file)
@@ -386,7 +381,22 @@ def load_config(
     try:
         override_node = OmegaConf.from_dotlist(list(overrides))
     except Exception as error:
-        raise ConfigError(f"overrides: {error}; write them as key=value, e.g. actor.optim.lr=1e-6.") from None
+        raise ConfigError(f"overrides: {error}; write them as key=value, e.g. {example}.") from None
+    return file_node, override_node
+
+
+def load_config(
+    config_file: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    algo: str | None = None,
+    engine: str | None = None,
+    rollout: str | None = None,
+    validate: bool = True,
+) -> DictConfig:
+    """The resolved, validated config (see the module docstring for the order of sources)."""
+    config = base_config()
+    file_node, override_node = read_sources(config_file, overrides)
     from rlplat.deprecation import rename_config_keys  # renamed keys are read under their new names, with a warning
 
     file_node = rename_config_keys(file_node, f"--config {config_file}")

@@ -142,7 +142,10 @@ def register_commands(register):
 
     The factory returns a ``typer.Typer`` (mounted as ``rlplat NAME ...``) or a plain function (mounted
     as the single command ``rlplat NAME``). Keep the module that holds it light: the CLI resolves
-    command factories at start-up.
+    command factories at start-up. A command that writes run directories ``rlplat export`` can read says
+    so in its metadata: ``{"run_config": "module:attribute", "engine_node": "module:function"}`` (the
+    dataclass of the resolved config the run writes, or a function of no arguments returning its defaults;
+    and ``function(config, total_steps)`` returning the actor engine's build config).
     """
 
 

@@ -98,3 +98,5 @@ add("rlplat.reward_model", "rlplat_reward_model.config", "rlplat-reward-model", 
 add("rlplat.workers.reward_model", "rlplat_reward_model.worker", "rlplat-reward-model", "1.3")
 add("rlplat.reward_loop", "rlplat_rewards.reward_loop", "rlplat-rewards", "1.3")
 add("rlplat.plan.measure", "rlplat.testing.memory", "rlplat", "1.3")
+add("rlplat.sft", "rlplat_sft", "rlplat-sft", "1.3")
+add("rlplat.cli.sft", "rlplat_sft.command", "rlplat-sft", "1.3")

@@ -136,19 +136,6 @@ def test_the_local_backend_refuses_more_than_one_process(paths, extra, asked):
         load_config(overrides=paths + ["cluster.backend=local", *extra])
 
 
-def test_rlplat_sft_refuses_the_same_cluster_settings(tmp_path):
-    from rlplat.sft.config import load_sft_config
-
-    model = tmp_path / "model"
-    model.mkdir()
-    train = write_parquet([{"prompt": "1+1=", "response": "2"}], tmp_path / "train.parquet")
-    with pytest.raises(ConfigError, match="cluster.backend=local runs one worker process"):
-        load_sft_config(None, [f"model.path={model}", f"data.train_files=[{train}]", "cluster.backend=local",
-                               "cluster.devices_per_node=2"])
-    with pytest.raises(ConfigError, match="cluster.use_gpu must be auto, true or false"):
-        load_sft_config(None, [f"model.path={model}", f"data.train_files=[{train}]", "cluster.use_gpu=cuda"])
-
-
 # -- the run directory --------------------------------------------------------------------------------------
 
 def trainer_node(directory, resume="disable", overwrite=False):

@@ -3,7 +3,7 @@
 :class:`NLLLoss` is a :class:`rlplat.contracts.engine.LossFunction`, so any engine's ``train_batch``
 trains it unchanged. The engine's ``log_probs`` [b, R] are the log-probabilities of the ``responses``
 tokens; ``response_mask`` [b, R] marks the tokens that carry loss (an SFT batch sets it to the assistant
-tokens, :mod:`rlplat.sft.data`). The loss is aggregated by ``loss_agg_mode`` with the mini-batch's
+tokens, :mod:`rlplat_sft.data`). The loss is aggregated by ``loss_agg_mode`` with the mini-batch's
 global counts from ``meta_info`` (:func:`rlplat.losses.aggregate_loss`), so the micro-batch losses sum
 to the loss of the unsplit mini-batch on any number of ranks. ``token-mean`` (the default) is the mean
 NLL per target token, what Hugging Face's ``labels`` loss and TRL's ``SFTTrainer`` compute.

@@ -1,5 +1,5 @@
-"""``rlplat sft``: the NLL loss, the config checked before a worker starts, a run's metrics and export, and
-exact resume after a kill."""
+"""``rlplat sft``: the config checked before a worker starts, a run's metrics and export, and exact resume
+after a kill (the NLL loss it trains with is core's: tests/test_losses_nll.py)."""
 
 from __future__ import annotations
 
@@ -10,32 +10,7 @@ import torch
 
 from rlplat.config_node import ConfigError
 from rlplat.data import write_parquet
-from rlplat.protocol import DataProto
 from rlplat.testing.tiny_models import save_tiny_model
-
-
-# -- the loss -------------------------------------------------------------------------------------------
-
-def test_nll_loss_is_the_mean_over_the_mini_batch_tokens_however_it_is_split():
-    from rlplat.losses import NLLLoss
-
-    log_probs = torch.tensor([[-1.0, -2.0, -4.0], [-0.5, -8.0, -3.0]])
-    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
-    loss_fn = NLLLoss()
-    whole, metrics = loss_fn({"log_probs": log_probs}, DataProto.from_dict({"response_mask": mask}))
-    assert whole.item() == pytest.approx((1 + 2 + 0.5 + 3) / 4)
-    assert (metrics["sft/nll_sum"], metrics["sft/tokens"]) == (6.5, 4.0)
-    counts = {"global_token_count": 4, "global_sequence_count": 2}
-    parts = [loss_fn({"log_probs": log_probs[row:row + 1]}, DataProto.from_dict({"response_mask": mask[row:row + 1]}, meta_info=counts))[0]
-             for row in range(2)]
-    assert sum(parts).item() == pytest.approx(whole.item())
-
-
-def test_nll_loss_refuses_an_unknown_aggregation_mode():
-    from rlplat.losses import NLLLoss
-
-    with pytest.raises(ValueError, match="unknown loss_agg_mode 'token-avg'"):
-        NLLLoss("token-avg")
 
 
 # -- a tiny run ----------------------------------------------------------------------------------------------
@@ -68,7 +43,7 @@ def arguments(task, run_dir, *extra):
     ("data.truncation=left", "data.truncation='left' is not one of"),
 ])
 def test_a_config_error_names_the_key_before_any_worker_starts(task, tmp_path, override, says):
-    from rlplat.sft.config import load_sft_config
+    from rlplat_sft.config import load_sft_config
 
     overrides = arguments(task, tmp_path / "run", override)
     if override.startswith("cluster."):
@@ -85,7 +60,7 @@ def test_the_trainer_keys_both_commands_share_have_one_definition():
 
     from rlplat.config import TrainerConfig
     from rlplat.config_node import field_docs
-    from rlplat.sft.config import SFTTrainerConfig
+    from rlplat_sft.config import SFTTrainerConfig
     from rlplat.trainer_config import SharedTrainerConfig
 
     def described(schema):
@@ -115,9 +90,9 @@ def test_a_run_logs_train_and_validation_loss_and_exports_a_model_rlplat_run_tak
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlplat.config import load_config
-    from rlplat.sft.config import load_sft_config
-    from rlplat.sft.data import validation_batches
-    from rlplat.sft.trainer import SFTTrainer
+    from rlplat_sft.config import load_sft_config
+    from rlplat_sft.data import validation_batches
+    from rlplat_sft.trainer import SFTTrainer
     from rlplat.tracking import read_metrics
 
     trainer = SFTTrainer(load_sft_config(None, arguments(task, tmp_path / "run")))
@@ -163,8 +138,8 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(task, 
 
     from safetensors.torch import load_file
 
-    from rlplat.sft.config import load_sft_config
-    from rlplat.sft.trainer import run_sft
+    from rlplat_sft.config import load_sft_config
+    from rlplat_sft.trainer import run_sft
     from rlplat.tracking import read_metrics
 
     settings = ("trainer.total_training_steps=8", "trainer.save_freq=2", "trainer.test_freq=4")
@@ -174,7 +149,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(task, 
 
     run_sft(load_sft_config(None, arguments(task, tmp_path / "straight", *settings)))
     killed = tmp_path / "killed"
-    script = ("from rlplat.sft.config import load_sft_config\nfrom rlplat.sft.trainer import run_sft\n"
+    script = ("from rlplat_sft.config import load_sft_config\nfrom rlplat_sft.trainer import run_sft\n"
               f"run_sft(load_sft_config(None, {arguments(task, killed, *settings)!r}))\n")
     process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120

@@ -1,6 +1,6 @@
 """The config of ``rlplat sft``: typed OmegaConf structured configs, validated before any worker starts.
 
-Its own nodes are ``data`` (:class:`rlplat.sft.data.SFTDataConfig`: the conversations and how they are
+Its own nodes are ``data`` (:class:`rlplat_sft.data.SFTDataConfig`: the conversations and how they are
 batched) and ``loss`` (:class:`SFTLossConfig`). The others carry the keys of ``rlplat run`` under the same
 names and meanings, so a setting moves between the two commands unchanged: ``model`` (the run's
 :class:`~rlplat.config.ModelConfig`), ``actor`` (the engine, ``actor.optim``, micro-batches, token-budget
@@ -25,13 +25,13 @@ from typing import Any, Dict, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from rlplat.config import (ClusterConfig, ModelConfig, OptimConfig, PluginNode, check_cluster, entry_schema, merge_checked,
-                           resolve_use_gpu)
+                           read_sources, resolve_use_gpu)
 from rlplat.config_components import ENGINE_BUILD_SOURCES, optimizer_build
 from rlplat.config_node import ConfigError, did_you_mean, read_config_node
 from rlplat.lora import LoraConfig, read_lora
 from rlplat.losses.config import LOSS_AGG_MODES
-from rlplat.sft.data import SFTDataConfig
 from rlplat.trainer_config import SharedTrainerConfig
+from rlplat_sft.data import SFTDataConfig
 
 __all__ = ["SFTConfig", "SFTLossConfig", "load_sft_config", "validate_sft_config", "sft_engine_node",
            "optimizer_steps", "training_steps"]
@@ -107,22 +107,12 @@ def load_sft_config(config_file: str | Path | None = None, overrides: Sequence[s
                     validate: bool = True) -> DictConfig:
     """The resolved, validated config of ``rlplat sft``: defaults, then the YAML file, then ``--engine``,
     then the dotted overrides; :class:`ConfigError` for the first problem."""
+    file_node, override_node = read_sources(config_file, overrides, example="actor.optim.lr=1e-5")
     config = OmegaConf.structured(SFTConfig)
-    if config_file is not None:
-        path = Path(config_file)
-        if not path.is_file():
-            raise ConfigError(f"--config: {path} does not exist or is not a file.")
-        try:
-            file_node = OmegaConf.load(path)
-        except Exception as error:
-            raise ConfigError(f"--config {path}: not valid YAML ({str(error).splitlines()[0]}).") from None
+    if file_node is not None:
         config = merge_checked(config, file_node, f"--config {config_file}")
     if engine:
         config = merge_checked(config, {"actor": {"engine": engine}}, "command line")
-    try:
-        override_node = OmegaConf.from_dotlist(list(overrides))
-    except Exception as error:
-        raise ConfigError(f"overrides: {error}; write them as key=value, e.g. actor.optim.lr=1e-5.") from None
     config = merge_checked(config, override_node, "overrides")
     resolve_use_gpu(config)
     if validate:

@@ -30,7 +30,7 @@ class SFTWorkerConfig:
     engine: str = "fsdp2"
     """Registered training engine."""
     engine_config: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    """The engine's build config (:func:`rlplat.sft.config.sft_engine_node`)."""
+    """The engine's build config (:func:`rlplat_sft.config.sft_engine_node`)."""
     loss_agg_mode: str = "token-mean"
     """Aggregation of the NLL loss (:class:`rlplat.losses.NLLLoss`)."""
 

@@ -1,4 +1,4 @@
-"""rlplat.sft.data: which tokens carry loss, the batch layout, and malformed rows named before training."""
+"""rlplat_sft.data: which tokens carry loss, the batch layout, and malformed rows named before training."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlplat.data import DataError, write_parquet
-from rlplat.sft.data import ExampleEncoder, SFTDataConfig, SFTDataset, collate_examples
+from rlplat_sft.data import ExampleEncoder, SFTDataConfig, SFTDataset, collate_examples
 from rlplat.testing.chat_tokenizers import chat_tokenizer
 from rlplat.testing.tiny_models import arithmetic_tokenizer
 

@@ -19,12 +19,12 @@ def sft(
     directory holds the resolved config, metrics (JSONL, TensorBoard) and checkpoints."""
     from rlplat.config import check_before_start
     from rlplat.config_node import ConfigError
-    from rlplat.sft.config import load_sft_config
+    from rlplat_sft.config import load_sft_config
 
     try:
         resolved = load_sft_config(config, list(overrides or []), engine=engine)
         check_before_start(resolved)
-        from rlplat.sft.trainer import SFTTrainer
+        from rlplat_sft.trainer import SFTTrainer
 
         trainer = SFTTrainer(resolved)  # reads and checks every data row before a worker starts
     except ConfigError as error:

@@ -55,7 +55,7 @@ from rlplat.config_node import read_config_node
 from rlplat.data import DataError, StatefulLoader, as_file_list, check_file, pad_token_id_of
 from rlplat.protocol import DataProto
 
-logger = logging.getLogger("rlplat.sft.data")
+logger = logging.getLogger("rlplat_sft.data")
 
 TRUNCATIONS = ("error", "filter", "right")
 ROLES = ("system", "user", "assistant", "tool", "ipython")

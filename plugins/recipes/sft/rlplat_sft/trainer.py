@@ -4,7 +4,7 @@ load batch -> train step (the engine's ``train_batch`` with the NLL loss, on the
 validation loss and perplexity every ``trainer.test_freq`` steps -> log -> checkpoint; at the end, the
 model as a Hugging Face folder (``trainer.export_dir``) that ``rlplat run model.path=...`` takes.
 
-The workers are one :class:`~rlplat.sft.worker.SFTWorker` group on the run's cluster (Ray, or this one
+The workers are one :class:`~rlplat_sft.worker.SFTWorker` group on the run's cluster (Ray, or this one
 process with ``cluster.backend=local``), built from the same pieces as ``rlplat run``'s actor. The data
 is read and checked in the driver before any worker starts. A run is exact across a kill: a checkpoint
 holds the engine's state (model, optimizer, LR schedule) and the data position, and a resumed run
@@ -27,11 +27,12 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from rlplat.checkpoint import CheckpointManager, capture_rng_state, graceful_interrupt, restore_rng_state
-from rlplat.sft.config import sft_engine_node, training_steps, validate_sft_config
-from rlplat.sft.data import build_sft_data, validation_batches
 from rlplat.config import check_machine
+from rlplat.contracts.role import Role, RoleConfig, RunContext
 from rlplat.tracking import Tracker
 from rlplat.trainer_config import RUN_CONFIG_FILE, first_logged_step, prepare_run_directory
+from rlplat_sft.config import sft_engine_node, training_steps, validate_sft_config
+from rlplat_sft.data import build_sft_data, validation_batches
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -44,8 +45,29 @@ def first_value(value: Any) -> Any:
     return value[0] if isinstance(value, list) else value
 
 
+class SFTRole(Role):
+    """The SFT workers as the one role of a placement: always enabled, colocated, an :class:`SFTWorker`
+    built with the run's engine and loss. Not registered: ``rlplat run`` never builds it."""
+
+    movable = False
+
+    def enabled(self, run: RunContext) -> bool:
+        return True
+
+    def settings(self, run: RunContext, name: str) -> RoleConfig:
+        return RoleConfig()
+
+    def worker(self, run: RunContext) -> Any:
+        from rlplat.controller.host import WorkerSpec
+        from rlplat_sft.worker import SFTWorker
+
+        config = run.config
+        return WorkerSpec(SFTWorker, {"engine": config.actor.engine, "engine_config": sft_engine_node(config, run.total_steps),
+                                      "loss_agg_mode": config.loss.loss_agg_mode})
+
+
 class SFTTrainer:
-    """Runs ``config`` (from :func:`rlplat.sft.config.load_sft_config`) to the end: ``SFTTrainer(config).fit()``."""
+    """Runs ``config`` (from :func:`rlplat_sft.config.load_sft_config`) to the end: ``SFTTrainer(config).fit()``."""
 
     def __init__(self, config: DictConfig, *, evaluate: Evaluate | None = None):
         from transformers import AutoTokenizer
@@ -61,7 +83,7 @@ class SFTTrainer:
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", config.trainer.keep_last)
         self.evaluate = evaluate
         self.group: Any = None
-        self.pools: list[Any] = []
+        self.placement: Any = None
         self.step = 0
         self.metrics: dict[str, float] = {}
         """The current step's metrics (what ``evaluate`` may read)."""
@@ -69,38 +91,21 @@ class SFTTrainer:
     # -- workers ---------------------------------------------------------------------------------------
 
     def build_workers(self) -> None:
-        from rlplat.controller.host import WorkerSpec
-        from rlplat.sft.worker import SFTWorker
+        """One :class:`~rlplat_sft.worker.SFTWorker` group on the run's cluster, placed by core's
+        :func:`rlplat.placement.place` as ``rlplat run``'s actor is (one role, colocated)."""
+        from rlplat.contracts.role import RunContext
+        from rlplat.placement import place
 
-        config, cluster = self.config, self.config.cluster
-        spec = WorkerSpec(SFTWorker, {"engine": config.actor.engine, "engine_config": sft_engine_node(config, self.total_steps),
-                                      "loss_agg_mode": config.loss.loss_agg_mode})
-        if cluster.backend == "local":
-            from rlplat.controller.local_backend import LocalWorkerGroup
-
-            if cluster.threads_per_process:
-                from rlplat.controller.host import set_threads
-
-                set_threads(cluster.threads_per_process)
-            self.group = LocalWorkerGroup(spec, role="actor", use_gpu=cluster.use_gpu)
-        else:
-            from rlplat.controller.ray_backend import RayWorkerGroup, ResourcePool, start_ray
-
-            start_ray(cluster.address, py_modules=cluster.py_modules, runtime_env=cluster.runtime_env,
-                      ship_driver_modules=cluster.ship_driver_modules)
-            pool = ResourcePool([cluster.devices_per_node] * cluster.nnodes, use_gpu=cluster.use_gpu,
-                                cpus_per_process=cluster.cpus_per_process, threads_per_process=cluster.threads_per_process)
-            self.pools.append(pool)
-            self.group = RayWorkerGroup(pool, spec, role="actor")
+        run = RunContext(self.config, algorithm=None, total_steps=self.total_steps)
+        self.placement = place({"actor": SFTRole()}, run)
+        self.group = self.placement.groups["actor"]
         self.group.init_model()
 
     def shutdown(self) -> None:
-        if self.group is not None:
-            self.group.shutdown()
-            self.group = None
-        for pool in self.pools:
-            pool.release()
-        self.pools = []
+        if self.placement is not None:
+            self.placement.shutdown()
+            self.placement = None
+        self.group = None
 
     # -- the loop ----------------------------------------------------------------------------------------
 
@@ -218,4 +223,4 @@ def run_sft(config: DictConfig, *, evaluate: Evaluate | None = None) -> tuple[di
     return metrics, trainer.export_dir
 
 
-__all__ = ["SFTTrainer", "run_sft", "first_value"]
+__all__ = ["SFTTrainer", "SFTRole", "run_sft", "first_value"]
