@@ -51,7 +51,7 @@ demo-tools: setup
 	$(VENV)/bin/rlplat plot runs/demo-tools
 	$(VENV)/bin/rlplat run --demo retry trainer.resume=disable trainer.overwrite=true
 	$(VENV)/bin/rlplat run --demo retry-single trainer.resume=disable trainer.overwrite=true
-	$(VENV)/bin/python -m rlplat.demo.compare runs/demo-tools runs/demo-retry runs/demo-retry-single
+	$(VENV)/bin/python -m rlplat_demo.compare runs/demo-tools runs/demo-retry runs/demo-retry-single
 
 # --durations: the slowest tests, printed at the end, to keep the suite well under 20 minutes on 2 cores.
 # Then the vllm rollout's tests on a real vLLM engine, in the vLLM-on-CPU environment (make test-vllm-cpu).

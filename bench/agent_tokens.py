@@ -1,7 +1,7 @@
 """Token-in-token-out throughput of the hf rollout: 256 concurrent ``generate_tokens`` calls against one
 batched ``generate`` of the same 256 prompts, in one process.
 
-The model is the demo's (``rlplat.demo.model_dir()``, weights loaded, ``HFRollout`` with ``model_path``);
+The model is the demo's (``rlplat_demo.model_dir()``, weights loaded, ``HFRollout`` with ``model_path``);
 the prompts are the first 256 of the demo's training data, encoded as rlplat's data loader does (message
 contents concatenated, BOS added: 7 tokens each). Sampling on every side: one sample per prompt,
 temperature 1, no top-k / top-p, up to ``--max-new-tokens`` (16) new tokens, a response ending at the
@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import Contender, describe_environment, parse_arguments, print_table, race  # noqa: E402
 
-from rlplat import demo  # noqa: E402
+import rlplat_demo as demo  # noqa: E402
 from rlplat.contracts.rollout import SamplingParams, TokenOutput  # noqa: E402
 from rlplat.testing.rollouts import left_padded_prompts  # noqa: E402
 

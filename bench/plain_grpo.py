@@ -1,8 +1,8 @@
 """A plain single-process PyTorch GRPO loop on the built-in demo: the hand-written baseline.
 
 No rlplat trainer, no Ray, no FSDP: transformers' model, a token loop with the KV cache, and AdamW. Only
-the demo's asset paths (``rlplat.demo``) and its reward (``rlplat.scorers.exact_match``) come from rlplat.
-The recipe is the demo's (``rlplat.demo.overrides()``): per step 32 prompts (a seeded order per epoch,
+the demo's asset paths (``rlplat_demo``) and its reward (``rlplat.scorers.exact_match``) come from rlplat.
+The recipe is the demo's (``rlplat_demo.overrides()``): per step 32 prompts (a seeded order per epoch,
 ``numpy.random.default_rng((seed, epoch)).permutation``, the short tail dropped, as rlplat's loader) x 8
 samples, up to 4 new tokens (stop at EOS), temperature 1, no top-k / top-p; reward 1/0 exact match;
 advantage ``(score - group mean) / (unbiased group std + 1e-6)``; PPO clipped surrogate (clip 0.2, one
@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlplat import demo
+import rlplat_demo as demo
 from rlplat.scorers import exact_match
 
 

@@ -41,7 +41,7 @@ TARGET = 1.0
 def prepare(folder: Path) -> tuple[str, str]:
     """The randomly initialised demo-sized model and the training rows, written once for every contender."""
     from rlplat.data import write_parquet
-    from rlplat.demo.build import split_pairs, supervised_rows
+    from rlplat_demo.build import split_pairs, supervised_rows
     from rlplat.testing.tiny_models import save_tiny_model
 
     train_pairs, _ = split_pairs(0)

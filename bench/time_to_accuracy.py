@@ -1,12 +1,12 @@
 """Time to accuracy on the built-in demo: rlplat's demo run vs the plain PyTorch loop (``bench/plain_grpo.py``).
 
-Both start from the shipped model (``rlplat.demo.model_dir()``) with the demo's recipe (32 prompts x 8
+Both start from the shipped model (``rlplat_demo.model_dir()``) with the demo's recipe (32 prompts x 8
 samples, 4 new tokens, the demo's learning rate, ...), the same seed (``trainer.seed`` and ``data.seed`` for rlplat; the
 plain loop's data order is rlplat's loader's, ``default_rng((seed, epoch))``), and greedy validation on the
 whole ``val.parquet`` before the first step and every ``--val-every`` steps. Each runs in a fresh child
 process of this script, one at a time:
 
-* ``rlplat``: ``rlplat run`` (the demo preset, ``rlplat.demo.overrides()``: 2 FSDP2 worker processes on a
+* ``rlplat``: ``rlplat run`` (the demo preset, ``rlplat_demo.overrides()``: 2 FSDP2 worker processes on a
   private Ray cluster) with ``trainer.test_freq=<val-every>``, ``trainer.val_before_train=true``,
   ``trainer.logger=[jsonl,console]``, ``trainer.total_training_steps=100000`` (a cap never reached),
   ``trainer.save_freq=0`` (the plain loop writes no checkpoints; ``--override trainer.save_freq=50`` puts
@@ -149,7 +149,7 @@ def run_plain(args: argparse.Namespace, seed: int) -> dict:
 def demo_lr() -> float:
     """The demo preset's peak learning rate (rlplat's cosine over the uncapped run is constant to 1e-3
     within the steps that matter; the plain loop runs it constant)."""
-    from rlplat.demo import overrides
+    from rlplat_demo import overrides
 
     return float(next(item.split("=", 1)[1] for item in overrides() if item.startswith("actor.optim.lr=")))
 

@@ -1,6 +1,6 @@
 """rlplat GRPO vs TRL's ``GRPOTrainer``: seconds per training step on the built-in demo, on CPU.
 
-Same model (``rlplat.demo.model_dir()``), training prompts (``rlplat.demo.train_file()``), 32 prompts x 8
+Same model (``rlplat_demo.model_dir()``), training prompts (``rlplat_demo.train_file()``), 32 prompts x 8
 samples per step, 4 new tokens, AdamW lr 1e-4 (constant, no weight decay, grad clip 1.0), temperature 1,
 top_k 0, top_p 1, token-mean loss (TRL's ``dapo``), no KL, reward 1/0 exact match, float32, no gradient
 checkpointing. Contenders, each in a fresh child process of this script:
@@ -53,7 +53,7 @@ def run_trl(warmup: int, steps: int, threads: int, output_dir: str) -> dict:
     import trl
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-    from rlplat import demo
+    import rlplat_demo as demo
     from rlplat.scorers import exact_match
 
     rows = pq.read_table(demo.train_file()).to_pylist()
@@ -124,7 +124,7 @@ def run_rlplat(backend: str, warmup: int, steps: int, threads: int, output_dir: 
 
     torch.set_num_threads(threads)
     os.environ["RAY_ADDRESS"] = "local"  # a private Ray cluster, never one recorded by someone else
-    from rlplat.demo import overrides as demo_overrides
+    from rlplat_demo import overrides as demo_overrides
     from rlplat.config import load_config
     from rlplat.tracking import read_metrics
     from rlplat.trainer import Trainer

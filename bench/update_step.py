@@ -7,7 +7,7 @@ per-row advantages drawn from a seeded normal. The update, both sides: the PPO c
 0.2) with old log-probs = the detached current ones, token-mean over the batch, no KL, gradient norm
 clipped at 1.0, AdamW lr 1e-4 (betas 0.9/0.999, eps 1e-8, no weight decay), float32.
 
-- ``engine``: ``FSDP2Engine`` on ``rlplat.demo.model_dir()`` (one rank, gloo) configured as a demo run
+- ``engine``: ``FSDP2Engine`` on ``rlplat_demo.model_dir()`` (one rank, gloo) configured as a demo run
   configures the actor (``core/config.py`` ``engine_node`` with the demo's overrides: one mini-batch, one
   micro-batch of 256 rows, packing on), ``train_batch`` with the grpo algorithm's ``ActorLoss``
   (token-mean, no KL) wrapped in ``OldLogProbsFromForward``, as ``update_actor`` runs it;
@@ -61,7 +61,7 @@ def demo_batch(seed: int = 0):
     """(input_ids, attention_mask, responses, response_mask, per-row advantages) of one demo step."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlplat import demo
+    import rlplat_demo as demo
 
     tokenizer = AutoTokenizer.from_pretrained(demo.model_dir())
     model = AutoModelForCausalLM.from_pretrained(demo.model_dir(), dtype=torch.float32)
@@ -78,7 +78,7 @@ def engine_config(options: list[str]) -> dict:
     """The actor's engine node of a demo run (``core/config.py`` ``engine_node``), then ``options``."""
     import ast
 
-    from rlplat import demo
+    import rlplat_demo as demo
 
     node = {
         "model_path": str(demo.model_dir()), "seed": 0, "lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999],
@@ -136,7 +136,7 @@ class PlainUpdate:
     def __init__(self, batch):
         from transformers import AutoModelForCausalLM
 
-        from rlplat import demo
+        import rlplat_demo as demo
 
         self.batch = batch
         self.model = AutoModelForCausalLM.from_pretrained(demo.model_dir(), dtype=torch.float32)

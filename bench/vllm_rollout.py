@@ -65,7 +65,7 @@ def demo_cases(sampling) -> list[dict]:
     import torch
     from transformers import AutoTokenizer
 
-    from rlplat import demo
+    import rlplat_demo as demo
     from rlplat.testing import left_padded_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(demo.model_dir())
@@ -161,7 +161,7 @@ def write_models(root: Path) -> dict[str, tuple]:
     from safetensors.torch import load_file
     from transformers.utils import logging
 
-    from rlplat import demo
+    import rlplat_demo as demo
     from rlplat.testing.tiny_models import tiny_causal_lm
 
     logging.disable_progress_bar()

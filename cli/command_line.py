@@ -1,6 +1,7 @@
 """What ``rlplat run``, ``rlplat config show`` and ``rlplat config explain`` share: the run's arguments,
-read the same way (verl's keys translated with a note each, the built-in demo's preset when no model or
-config is given, validation), and a config error printed in one paragraph with exit code 2."""
+read the same way (verl's keys translated with a note each; a preset when ``--demo NAME`` is given, or the
+default preset when no model or config is; validation), and a config error printed in one paragraph with
+exit code 2."""
 
 from __future__ import annotations
 
@@ -13,14 +14,43 @@ ALGO = typer.Option(None, "--algo", help="Algorithm (kind 'algorithm').")
 ENGINE = typer.Option(None, "--engine", help="Training engine (kind 'engine').")
 ROLLOUT = typer.Option(None, "--rollout", help="Rollout engine (kind 'rollout').")
 CONFIG = typer.Option(None, "--config", help="YAML file merged over the defaults.")
-DEMO = typer.Option(None, "--demo", help="A built-in demo's preset: arith (the default without model.path or "
-                    "--config), tools (GRPO learns to call a calculator), retry (up to 3 attempts with feedback), "
-                    "retry-single (the same task, one attempt).")
+DEMO = typer.Option(None, "--demo", help="A registered preset (kind 'preset', see rlplat plugins list), put before "
+                    "your overrides; without model.path or --config the default preset runs (rlplat-demo's arith).")
 
 
 def fail(message: str) -> typer.Exit:
     typer.echo(f"rlplat: config error: {message}", err=True)
     return typer.Exit(2)
+
+
+def with_preset(name: Optional[str], arguments: List[str], algo: Optional[str],
+                demo_note: str) -> tuple[List[str], Optional[str]]:
+    """``(arguments, algo)`` with preset ``name`` (None: the default preset) put first; ``typer.Exit(2)``
+    when there is no such preset or it cannot be read."""
+    from rlplat import presets
+    from rlplat.config_node import ConfigError
+    from rlplat.registry import RegistryError
+
+    try:
+        chosen = name or presets.default_name()
+        if chosen is None:
+            raise fail("no model.path or --config given, and no installed plugin registers a default preset: pass "
+                       "model.path=/path/to/hf_model (or --config FILE), or "
+                       f"{presets.INSTALL_HINT} for the built-in demo")
+        settings = presets.overrides(chosen)
+        algo = algo or presets.algorithm(chosen)
+        description = presets.entry(chosen).description
+    except ConfigError as error:
+        raise fail(str(error)) from None
+    except (ImportError, FileNotFoundError, RegistryError) as error:
+        typer.echo(f"rlplat: the preset {chosen!r} is not available: {error}", err=True)
+        raise typer.Exit(2) from None
+    if name is None:
+        typer.echo(f"rlplat: no model.path or --config given: {demo_note} ({algo or 'the default algorithm'}, "
+                   f"preset {chosen})", err=True)
+    else:
+        typer.echo(f"rlplat: the {chosen} preset{f' ({algo})' if algo else ''}: {description}", err=True)
+    return settings + arguments, algo
 
 
 def resolved_config(config: Optional[str], overrides: Optional[List[str]], *, algo: Optional[str], engine: Optional[str],
@@ -39,20 +69,7 @@ def resolved_config(config: Optional[str], overrides: Optional[List[str]], *, al
         typer.echo(f"rlplat: {note}", err=True)
     if demo is not None or (config is None and not any(argument.startswith(("model.path=", "data.train_files="))
                                                        for argument in arguments)):
-        from rlplat.demo import PRESETS, preset
-
-        if demo is not None and demo not in PRESETS:
-            raise fail(f"--demo: unknown demo {demo!r}; the demos are {', '.join(PRESETS)}")
-        try:
-            arguments = preset(demo or "arith") + arguments
-        except (ImportError, FileNotFoundError) as error:
-            typer.echo(f"rlplat: the built-in demo is not available: {error}", err=True)
-            raise typer.Exit(2) from None
-        algo = algo or "grpo"
-        if demo is None:
-            typer.echo(f"rlplat: no model.path or --config given: {demo_note} ({algo}, arithmetic)", err=True)
-        else:
-            typer.echo(f"rlplat: the {demo} demo ({algo}): {PRESETS[demo]}", err=True)
+        arguments, algo = with_preset(demo, arguments, algo, demo_note)
     try:
         return load_config(config, arguments, algo=algo, engine=engine, rollout=rollout, validate=validate)
     except ConfigError as error:

@@ -9,8 +9,9 @@ import typer
 from rlplat.cli.command_line import ALGO, CONFIG, DEMO, ENGINE, OVERRIDES, ROLLOUT, fail, resolved_config
 
 DEMO_HELP = (
-    "Without model.path or --config it trains the built-in demo: GRPO with the fsdp2 engine on 2 CPU "
-    "processes and the hf rollout, on a tiny arithmetic model shipped with rlplat (other overrides apply on top)."
+    "Without model.path or --config it trains the default preset: with rlplat-demo installed, the built-in demo "
+    "(GRPO with the fsdp2 engine on 2 CPU processes and the hf rollout, on a tiny arithmetic model shipped with "
+    "rlplat-demo; other overrides apply on top)."
 )
 
 
@@ -85,9 +86,11 @@ def check_memory(resolved) -> None:
 
 
 def help_text() -> str:
+    from rlplat import presets
+
     return (
         f"Train a policy. {DEMO_HELP}\n\nInstalled algorithms: {installed('algorithm')}. "
-        f"Engines: {installed('engine')}. Rollouts: {installed('rollout')}."
+        f"Engines: {installed('engine')}. Rollouts: {installed('rollout')}. Presets (--demo): {presets.describe()}."
     )
 
 

@@ -17,7 +17,7 @@ DISPATCH_MODES = {
 }
 
 COMMANDS = {
-    "run": ("rlplat.cli.run:run", "Train a policy (no arguments: the built-in demo)."),
+    "run": ("rlplat.cli.run:run", "Train a policy (no arguments: the default preset, rlplat-demo's demo)."),
     "plan": ("rlplat.cli.plan:plan", "Predict a run's memory per device and phase, and its placement, from config.json alone."),
     "config": ("rlplat.cli.config:app", "Inspect the resolved run config and what its keys mean."),
     "plugins": ("rlplat.cli.plugins:app", "List the installed plugins and what they register."),
@@ -50,8 +50,6 @@ def register_roles(register):
 def register_reward_scorers(register):
     register("exact_match", "rlplat.scorers:exact_match",
              description="1 when the response equals the ground truth (whitespace stripped), else 0; the default.")
-    register("tool_demo", "rlplat.demo.tools:score", metadata={"data_sources": ["arith_tools", "arith_chat"]},
-             description="the tool demo's tasks: the answer after the last tool response or feedback equals the ground truth.")
 
 
 #: What ``rlplat export`` reads of a command's runs (see :mod:`rlplat.cli.export`): its run config's nodes

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from rlplat import DataProto, LocalWorkerGroup, RayWorkerGroup, ResourcePool, WorkerSpec, demo, registry, start_ray
+import rlplat_demo
+from rlplat import DataProto, LocalWorkerGroup, RayWorkerGroup, ResourcePool, WorkerSpec, registry, start_ray
 from rlplat.data import RLDataset, StatefulLoader, ValidationLoader
 from rlplat.scorers import exact_match
 from rlplat.workers.actor_rollout_ref import ActorRolloutRefWorker, log_prob_mismatch
@@ -26,10 +27,10 @@ def build_actor(backend: str, processes: int):
     config = {
         "roles": ["actor", "rollout"],
         "engine": "fsdp2",
-        "engine_config": {"model_path": str(demo.model_dir()), "lr": 1e-4, "weight_decay": 0.0, "seed": 0,
+        "engine_config": {"model_path": str(rlplat_demo.model_dir()), "lr": 1e-4, "weight_decay": 0.0, "seed": 0,
                           "ppo_mini_batch_size": 64, "micro_batch_size_per_gpu": 64},
         "rollout": "hf",
-        "rollout_config": {"model_path": str(demo.model_dir()), "load_weights": False},
+        "rollout_config": {"model_path": str(rlplat_demo.model_dir()), "load_weights": False},
         "algorithm": "grpo",
         "actor": {"loss_agg_mode": "token-mean", "use_kl_loss": False},
         "sampling": {"n": 8, "max_new_tokens": 4, "temperature": 1.0, "top_k": 0, "top_p": 1.0},
@@ -51,9 +52,9 @@ def accuracy(actor, loader: ValidationLoader, reward) -> float:
 
 
 def main(steps: int, backend: str, processes: int = 2) -> dict[str, list[float]]:
-    tokenizer = AutoTokenizer.from_pretrained(demo.model_dir())
-    train = StatefulLoader(RLDataset([str(demo.train_file())], tokenizer, max_prompt_length=16), batch_size=8, seed=0)
-    validation = ValidationLoader(RLDataset([str(demo.val_file())], tokenizer, max_prompt_length=16))
+    tokenizer = AutoTokenizer.from_pretrained(rlplat_demo.model_dir())
+    train = StatefulLoader(RLDataset([str(rlplat_demo.train_file())], tokenizer, max_prompt_length=16), batch_size=8, seed=0)
+    validation = ValidationLoader(RLDataset([str(rlplat_demo.val_file())], tokenizer, max_prompt_length=16))
     reward = registry.get("reward_manager", "naive")(exact_match, tokenizer, {})
     estimator = registry.get("advantage_estimator", "grpo")
     actor, pool = build_actor(backend, processes)

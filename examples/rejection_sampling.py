@@ -29,7 +29,8 @@ from transformers import AutoTokenizer
 
 import rejection_sampling_loss
 from rejection_sampling_loss import AcceptedResponsesLoss
-from rlplat import DataProto, LocalWorkerGroup, RayWorkerGroup, ResourcePool, WorkerSpec, demo, registry, start_ray
+import rlplat_demo
+from rlplat import DataProto, LocalWorkerGroup, RayWorkerGroup, ResourcePool, WorkerSpec, registry, start_ray
 from rlplat.data import RLDataset, StatefulLoader, ValidationLoader
 from rlplat.scorers import exact_match
 from rlplat.workers.actor_rollout_ref import ActorRolloutRefWorker
@@ -39,10 +40,10 @@ def build_actor(backend: str, processes: int, samples: int, lr: float, mini_batc
     config = {
         "roles": ["actor", "rollout"],
         "engine": "fsdp2",
-        "engine_config": {"model_path": str(demo.model_dir()), "lr": lr, "weight_decay": 0.0, "seed": 0,
+        "engine_config": {"model_path": str(rlplat_demo.model_dir()), "lr": lr, "weight_decay": 0.0, "seed": 0,
                           "ppo_mini_batch_size": mini_batch_rows, "micro_batch_size_per_gpu": 32},
         "rollout": "hf",
-        "rollout_config": {"model_path": str(demo.model_dir()), "load_weights": False},
+        "rollout_config": {"model_path": str(rlplat_demo.model_dir()), "load_weights": False},
         "sampling": {"n": samples, "max_new_tokens": 4, "temperature": 1.0, "top_k": 0, "top_p": 1.0},
     }
     spec = WorkerSpec(ActorRolloutRefWorker, config)
@@ -70,9 +71,9 @@ def negative_log_likelihood(actor, batch: DataProto) -> float:
 
 def main(steps: int, backend: str = "ray", processes: int = 2, prompts: int = 32, samples: int = 8,
          lr: float = 3e-5, mini_batch_rows: int = 32) -> dict[str, list]:
-    tokenizer = AutoTokenizer.from_pretrained(demo.model_dir())
-    train = StatefulLoader(RLDataset([str(demo.train_file())], tokenizer, max_prompt_length=16), batch_size=prompts, seed=0)
-    validation = ValidationLoader(RLDataset([str(demo.val_file())], tokenizer, max_prompt_length=16))
+    tokenizer = AutoTokenizer.from_pretrained(rlplat_demo.model_dir())
+    train = StatefulLoader(RLDataset([str(rlplat_demo.train_file())], tokenizer, max_prompt_length=16), batch_size=prompts, seed=0)
+    validation = ValidationLoader(RLDataset([str(rlplat_demo.val_file())], tokenizer, max_prompt_length=16))
     reward = registry.get("reward_manager", "naive")(exact_match, tokenizer, {})
     loss = AcceptedResponsesLoss()
     actor, pool = build_actor(backend, processes, samples, lr, mini_batch_rows)

@@ -72,8 +72,10 @@ CHECK_NAMES = tuple(check.name for check in CHECKS)
 
 def checkout_packages() -> list[Path]:
     """What is installed from this checkout: rlplat first (its plugins need it), then every built-in
-    plugin (``plugins/<kind>/<name>/pyproject.toml``, as ``make setup`` finds them)."""
-    return [REPO] + sorted(path.parent for path in REPO.glob("plugins/*/*/pyproject.toml"))
+    plugin (``plugins/<name>/pyproject.toml`` and ``plugins/<kind>/<name>/pyproject.toml``, as ``make
+    setup`` finds them)."""
+    found = [*REPO.glob("plugins/*/pyproject.toml"), *REPO.glob("plugins/*/*/pyproject.toml")]
+    return [REPO] + sorted(path.parent for path in found)
 
 
 # -- report lines ------------------------------------------------------------------------------------------

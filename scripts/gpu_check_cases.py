@@ -342,7 +342,7 @@ def check_logprob_parity(context: Context) -> list[dict]:
     that the two paths compute the same thing."""
     import torch
 
-    from rlplat import demo
+    import rlplat_demo as demo
     from rlplat.contracts.rollout import SamplingParams
     from rlplat_rollout_hf.rollout import HFRollout
 

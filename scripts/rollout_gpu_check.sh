@@ -29,8 +29,8 @@ mkdir -p "$OUT_DIR"
 MODEL="$OUT_DIR/tiny-qwen2"
 "$VENV/bin/python" -c "from rlplat.testing.tiny_models import save_tiny_model; save_tiny_model('$MODEL', seed=0)"
 read -r TRAIN VAL < <("$VENV/bin/python" -c "
-from rlplat import demo
-print(demo.train_file(), demo.val_file())")
+import rlplat_demo
+print(rlplat_demo.train_file(), rlplat_demo.val_file())")
 
 "$VENV/bin/rlplat" run --algo grpo --engine fsdp2 --rollout "$BACKEND" \
     model.path="$MODEL" "data.train_files=[$TRAIN]" "data.val_files=[$VAL]" \

@@ -65,7 +65,7 @@ def test_a_short_run_prints_its_directory_and_writes_config_metrics_and_checkpoi
 
 
 def test_the_demo_settings_validate_and_the_users_overrides_win():
-    from rlplat.demo import overrides as demo_overrides
+    from rlplat_demo import overrides as demo_overrides
     from rlplat.config import load_config
 
     config = load_config(overrides=demo_overrides() + ["trainer.total_training_steps=3"], algo="grpo")
@@ -77,7 +77,7 @@ def test_the_demo_settings_validate_and_the_users_overrides_win():
 def test_the_demo_on_two_ray_workers_trains_with_the_on_policy_update_and_copied_weights(tmp_path):
     """The demo's recipe in the layout it had before it moved to one process: 2 fsdp2 workers on Ray."""
     from rlplat.config import load_config
-    from rlplat.demo import overrides as demo_overrides
+    from rlplat_demo import overrides as demo_overrides
     from rlplat.tracking import read_metrics
     from rlplat.trainer import Trainer
 

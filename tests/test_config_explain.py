@@ -9,7 +9,7 @@ from rlplat import hookimpl
 from rlplat.config import load_config
 from rlplat.config_explain import explain, render
 from rlplat.contracts.algorithm import Algorithm
-from rlplat.demo import overrides as demo_overrides
+from rlplat_demo import overrides as demo_overrides
 
 
 @pytest.fixture(scope="module")

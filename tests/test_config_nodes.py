@@ -9,7 +9,7 @@ import time
 import pytest
 
 from rlplat.config import ConfigError, load_config
-from rlplat.demo import overrides as demo_overrides
+from rlplat_demo import overrides as demo_overrides
 
 # (override, what the one-line error must say)
 MISSPELLED = [

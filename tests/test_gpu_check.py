@@ -167,6 +167,7 @@ def test_the_checkout_packages_are_rlplat_then_every_built_in_plugin():
     packages = gpu_check.checkout_packages()
     assert packages[0] == ROOT
     assert ROOT / "plugins/engines/fsdp2" in packages and ROOT / "plugins/rollout/hf" in packages
+    assert ROOT / "plugins/demo" in packages and ROOT / "plugins/recipes/sft" in packages
     assert all((path / "pyproject.toml").exists() for path in packages)
 
 

@@ -217,7 +217,7 @@ def test_a_fresh_run_logs_from_step_0_and_a_resumed_one_after_its_checkpoint():
 
 @pytest.mark.slow
 def test_a_fresh_run_keeps_none_of_an_earlier_runs_metrics(tmp_path):
-    from rlplat.demo import overrides as demo_overrides
+    from rlplat_demo import overrides as demo_overrides
     from rlplat.tracking import read_metrics
     from rlplat.trainer import Trainer
 

@@ -29,7 +29,9 @@ def test_console_script_and_pytest_plugin_are_declared():
 
 
 def test_every_plugin_folder_is_a_distribution_with_readme_tests_and_an_rlplat_entry_point():
-    for pyproject in sorted((ROOT / "plugins").glob("*/*/pyproject.toml")):
+    found = [*(ROOT / "plugins").glob("*/pyproject.toml"), *(ROOT / "plugins").glob("*/*/pyproject.toml")]
+    assert ROOT / "plugins" / "demo" / "pyproject.toml" in found  # a plugin of no kind sits one level up
+    for pyproject in sorted(found):
         folder = pyproject.parent
         project = tomllib.loads(pyproject.read_text())["project"]
         assert (folder / "README.md").exists(), folder

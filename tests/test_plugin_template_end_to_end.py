@@ -99,7 +99,7 @@ def test_the_templates_algorithm_trains_the_demo_with_its_own_estimator_and_loss
         pythonpath=template_site, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "training the built-in demo (example_median_reinforce, arithmetic)" in result.stderr
+    assert "training the built-in demo (example_median_reinforce, preset arith)" in result.stderr
 
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert (config["algorithm"]["name"], config["algorithm"]["adv_estimator"]) == (

@@ -178,7 +178,7 @@ def test_disable_autoload_loads_no_entry_point(write_dist):
     module = unique("off")
     write_dist("off-dist", "1.0", {"off": module}, scorer_plugin(module))
     registry = Registry(environ={"RLPLAT_DISABLE_PLUGIN_AUTOLOAD": "1"})
-    assert registry.names("reward_scorer") == ["exact_match", "tool_demo"]  # rlplat's own: the default and the tool demo's
+    assert registry.names("reward_scorer") == ["exact_match"]  # rlplat's own: the default
     assert {record.name for record in registry.plugins() if record.status != "disabled"} == {"rlplat"}
     assert module not in sys.modules
 

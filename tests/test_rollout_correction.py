@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlplat.config import ConfigError, load_config
-from rlplat.demo import preset
+from rlplat_demo import preset
 from rlplat.losses import ActorLoss
 from rlplat.losses.rollout_correction import (PRESETS, RolloutCorrectionConfig, importance_weights, offpolicy_metrics,
                                               read_rollout_correction, rejection_mask)
@@ -244,7 +244,7 @@ def test_lengths_and_the_sync_check_read_the_mask_as_sampled_not_as_rejection_le
 
 
 def test_filtering_dapo_groups_by_a_rule_column_needs_the_rule_in_training(tmp_path):
-    from rlplat.demo import reward_model_dir
+    from rlplat_demo import reward_model_dir
 
     with pytest.raises(ConfigError, match="filter_groups.metric='acc'.*rule_weight=0"):
         load_config(overrides=[*preset("arith"), f"reward.model.path={reward_model_dir()}", "reward.model.rule_weight=0",

@@ -203,7 +203,8 @@ import unshipped_losses
 import ray
 import torch
 
-from rlplat import DataProto, RayWorkerGroup, ResourcePool, WorkerError, WorkerSpec, demo, start_ray
+import rlplat_demo as demo
+from rlplat import DataProto, RayWorkerGroup, ResourcePool, WorkerError, WorkerSpec, start_ray
 from rlplat.workers.actor_rollout_ref import ActorRolloutRefWorker
 {main_loss}
 

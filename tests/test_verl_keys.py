@@ -398,7 +398,7 @@ REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=
 def verl_grpo_command_line(reward) -> list[str]:
     """examples/grpo_trainer/run_qwen2-7b.sh of verl, on the demo's model and data, the hf rollout and 2 CPU
     processes: 40 keys."""
-    from rlplat import demo
+    import rlplat_demo as demo
 
     return [
         "algorithm.adv_estimator=grpo", f"data.train_files={demo.train_file()}", f"data.val_files={demo.val_file()}",
@@ -422,7 +422,7 @@ def verl_grpo_command_line(reward) -> list[str]:
 
 @pytest.mark.slow
 def test_config_show_takes_a_verl_grpo_command_line_on_the_demo(cli_in_process, tmp_path):
-    from rlplat import demo
+    import rlplat_demo as demo
 
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
@@ -612,8 +612,8 @@ SHOWN = {
 @pytest.mark.slow
 @pytest.mark.parametrize("group", list(FORMERLY_REFUSED))
 def test_config_show_prints_the_translation_of_keys_it_once_refused(cli_in_process, group):
-    from rlplat import demo
-    from rlplat.demo import tools as tool_demo
+    import rlplat_demo as demo
+    from rlplat_demo import tools as tool_demo
 
     values = {"model": str(demo.model_dir()), "tools": str(tool_demo.tools_config_file())}
     arguments = [argument.format(**values) for argument in FORMERLY_REFUSED[group]]

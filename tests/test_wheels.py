@@ -30,9 +30,9 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-# The distributions the fresh venv gets (with the rlplat distributions they require). When the demo has a
-# distribution of its own, add "rlplat-demo" here.
-INSTALLED = ["rlplat", "rlplat-engine-fsdp2", "rlplat-rollout-hf", "rlplat-algorithms", "rlplat-rewards"]
+# The distributions the fresh venv gets (with the rlplat distributions they require): the demo's preset runs on
+# the engine, rollout, algorithm and rule-reward plugins.
+INSTALLED = ["rlplat", "rlplat-engine-fsdp2", "rlplat-rollout-hf", "rlplat-algorithms", "rlplat-rewards", "rlplat-demo"]
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = ROOT / "scripts" / "build_wheels.py"
@@ -217,7 +217,7 @@ def test_two_demo_steps_train_from_the_installed_wheels(fresh_venv):
          "trainer.val_before_train=false", f"trainer.output_dir={run_dir}", "trainer.resume=disable"],
         capture_output=True, text=True, timeout=600, env=venv_environment(venv), cwd=work)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "training the built-in demo (grpo, arithmetic)" in result.stderr
+    assert "training the built-in demo (grpo, preset arith)" in result.stderr
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [step["step"] for step in steps] == [1, 2]
     # The demo's tiny model is the one the wheel installed.

@@ -1,10 +1,10 @@
 """Conformance suite for worker roles (kind ``role``, contract :class:`rlplat.contracts.role.Role`).
 
 A plugin subclasses :class:`RoleConformance` and provides the ``role`` fixture (what its registered
-factory returns); ``run_context`` defaults to the built-in demo's resolved config with GRPO and may be
-overridden. The suite checks what the trainer relies on without starting any process: the answers of
-:meth:`Role.enabled` and :meth:`Role.worker`, a worker class whose driver-callable methods are registered,
-and a placement the role's node accepts.
+factory returns); ``run_context`` defaults to the default preset's resolved config with GRPO (the built-in
+demo's, from rlplat-demo) and may be overridden. The suite checks what the trainer relies on without
+starting any process: the answers of :meth:`Role.enabled` and :meth:`Role.worker`, a worker class whose
+driver-callable methods are registered, and a placement the role's node accepts.
 """
 
 from __future__ import annotations
@@ -19,11 +19,14 @@ class RoleConformance:
 
     @pytest.fixture
     def run_context(self) -> RunContext:
-        from rlplat import registry
+        from rlplat import presets, registry
         from rlplat.config import load_config
-        from rlplat.demo import overrides
 
-        config = load_config(None, overrides(), algo="grpo")
+        default = presets.default_name()
+        if default is None:
+            pytest.fail(f"RoleConformance.run_context reads the default preset's config, and no plugin registers one: "
+                        f"override the run_context fixture, or {presets.INSTALL_HINT}")
+        config = load_config(None, presets.overrides(default), algo="grpo")
         return RunContext(config, registry.get("algorithm", "grpo")(), total_steps=1)
 
     def test_is_a_role(self, role):

@@ -466,7 +466,7 @@ def chat_model(tmp_path_factory):
 
 
 def test_agent_config_is_checked_at_load(tmp_path, chat_model):
-    from rlplat import demo
+    import rlplat_demo as demo
     from rlplat.config import load_config
     from rlplat.data import write_parquet
 

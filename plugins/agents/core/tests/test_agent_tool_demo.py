@@ -12,7 +12,7 @@ from rlplat_agents.manager import AgentLoopManager, EngineClient, agent_metrics
 from rlplat_agents.tools import read_tools_file
 from rlplat.contracts.rollout import SamplingParams
 from rlplat.data import RLDataset, collate
-from rlplat.demo import tools as tool_demo
+from rlplat_demo import tools as tool_demo
 from rlplat.protocol import DataProto
 
 PROMPTS, SAMPLES, RESPONSE_LENGTH = 8, 8, 40

@@ -89,7 +89,7 @@ def verl_multiturn_command_line(model: Path, train: Path, test: Path, tools_file
 
 @pytest.mark.slow
 def test_verls_gsm8k_multiturn_command_line_trains_two_steps_through_the_users_verl_tool(cli_run, verl_files, tmp_path):
-    from rlplat.demo import tools as tool_demo
+    from rlplat_demo import tools as tool_demo
 
     train, test, tools_file, log = verl_files
     run = tmp_path / "run"
@@ -128,7 +128,7 @@ def run_loops(config, data) -> set[str]:
 def loaded(tmp_path, rows: list[dict], *overrides: str):
     from rlplat.config import load_config
     from rlplat.data import write_parquet
-    from rlplat.demo import tools as tool_demo
+    from rlplat_demo import tools as tool_demo
 
     train = write_parquet(rows, tmp_path / "train.parquet")
     config = load_config(None, [f"model.path={tool_demo.model_dir()}", f"data.train_files=[{train}]", "cluster.backend=local",
@@ -180,7 +180,7 @@ def test_a_plugin_loop_that_does_not_say_whether_it_offers_tools_is_trusted(regi
 def test_verls_command_line_with_rows_naming_no_loop_is_refused_at_load_in_one_line(cli_in_process, verl_files, tmp_path):
     # verl's gsm8k_multiturn_w_tool.py rows carry no agent_name: the tools file would never be offered
     from rlplat.data import write_parquet
-    from rlplat.demo import tools as tool_demo
+    from rlplat_demo import tools as tool_demo
 
     _, _, tools_file, log = verl_files
     train = write_parquet(gsm8k_rows("train", agent_name=None), tmp_path / "train_no_loop.parquet")

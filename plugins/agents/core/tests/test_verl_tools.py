@@ -243,7 +243,7 @@ def test_an_mcp_tool_is_refused_and_a_failing_constructor_is_named(tmp_path):
 
 
 def test_a_refused_class_ends_the_command_with_exit_2_and_one_line(tmp_path, cli_in_process):
-    from rlplat.demo import tools as tool_demo
+    from rlplat_demo import tools as tool_demo
 
     path = tools_file(tmp_path, class_name="verl_style_tools.NotQuiteATool")
     result = cli_in_process("config", "show", f"model.path={tool_demo.model_dir()}", "agent.loop=tool",

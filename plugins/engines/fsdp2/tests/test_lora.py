@@ -113,7 +113,7 @@ def test_the_metrics_report_trainable_parameters_and_optimizer_state_with_and_wi
 
 
 def test_optimizer_state_on_the_demo_model_is_under_5_percent_of_full_fine_tuning(batch_of):
-    from rlplat.demo import model_dir
+    from rlplat_demo import model_dir
 
     config = {"model_path": str(model_dir()), "dtype": "float32", "micro_batch_size_per_gpu": 8}
     with_lora = built(config, lora=lora(rank=4)).train_batch(batch_of(4), policy_gradient)
@@ -264,7 +264,7 @@ def directory_bytes(path) -> int:
 
 
 def test_an_adapter_checkpoint_of_the_demo_model_is_under_10_percent_of_a_full_one(batch_of, tmp_path):
-    from rlplat.demo import model_dir
+    from rlplat_demo import model_dir
 
     config = {"model_path": str(model_dir()), "dtype": "float32", "micro_batch_size_per_gpu": 8}
     for name, overrides in (("adapter", {"lora": lora(rank=4)}), ("full", {})):

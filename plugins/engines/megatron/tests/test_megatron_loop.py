@@ -12,7 +12,7 @@ import math
 import pytest
 
 from rlplat import load_config
-from rlplat.demo import overrides
+from rlplat_demo import overrides
 from rlplat.testing import fit_run
 
 pytestmark = pytest.mark.slow

@@ -376,7 +376,7 @@ def test_memory_bodies_carry_sglangs_tags(server, named_weights):
 
 
 def test_a_run_with_this_rollout_and_no_gpus_is_refused_at_config_validation():
-    from rlplat.demo import overrides as demo_overrides
+    from rlplat_demo import overrides as demo_overrides
     from rlplat.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"rollout 'sglang' runs on GPUs only: set cluster.use_gpu=true"):

@@ -612,7 +612,7 @@ def test_the_ipc_weight_path_needs_a_cuda_device(make_hybrid):
 
 
 def test_a_run_with_this_rollout_and_no_gpus_is_accepted_with_the_cpu_build_only():
-    from rlplat.demo import overrides as demo_overrides
+    from rlplat_demo import overrides as demo_overrides
     from rlplat.config import ConfigError, load_config
 
     if known("cpu_build"):

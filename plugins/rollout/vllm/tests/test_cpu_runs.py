@@ -68,7 +68,7 @@ def test_the_demos_grpo_learns_through_vllm_with_the_sync_probe_on_every_step(tm
     """``rlplat run --algo grpo --engine fsdp2 --rollout vllm`` on the built-in demo: greedy validation
     accuracy rises by at least 0.15 within 300 steps (the demo's settings, its cosine schedule over those 300
     steps), and every step's weight sync passes the probe at 1e-5."""
-    from rlplat.demo import overrides
+    from rlplat_demo import overrides
 
     config = load_config(overrides=[*overrides(), *VLLM, *QUIET, f"trainer.output_dir={tmp_path / 'demo'}",
                                     "trainer.total_training_steps=300", "trainer.test_freq=50"], algo="grpo", engine="fsdp2")
@@ -83,7 +83,7 @@ def test_the_demos_grpo_learns_through_vllm_with_the_sync_probe_on_every_step(tm
 def test_the_tool_demo_calls_its_calculator_more_often_through_vllm(tmp_path):
     """The tool demo (GRPO through the tool agent loop, token in and token out through ``generate_tokens``):
     the tool-call rate of its rollouts rises over its 20 steps, as it does with the hf rollout."""
-    from rlplat.demo import preset
+    from rlplat_demo import preset
 
     config = load_config(overrides=[*preset("tools"), *VLLM, *QUIET, f"trainer.output_dir={tmp_path / 'tools'}"], algo="grpo")
     records = fit_run(config)

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlplat.data import load_datasets
-from rlplat.demo import tools
+from rlplat_demo import tools, tools_build
 from rlplat.testing import RewardScorerConformance, ScorerCase
 
 TOOLS = [tools.TOOL_SCHEMA]
@@ -161,6 +161,10 @@ class TestToolScorerConformance(RewardScorerConformance):
         return tools.score
 
     @pytest.fixture
+    def registered_name(self):
+        return "tool_demo"
+
+    @pytest.fixture
     def scorer_cases(self):
         return [ScorerCase("arith_tools", f"{CALL}\n\n<tool_response>\n1776\n</tool_response>\n\n1776", "1776", None, 1.0),
                 ScorerCase("arith_tools", "1700", "1776", {"split": "val", "index": 0}, 0.0),
@@ -214,9 +218,9 @@ def test_tools_yaml_is_the_calculator_schema():
 def test_the_shipped_model_starts_where_the_build_measured_it(model, tokenizer, build_info):
     # Teacher-forced figures are exact for greedy decoding: the shipped weights are the measured ones.
     pairs = tools.split_pairs(build_info["seed"])
-    val = {kind: tools.encode_conversations(tokenizer, kind, pairs["multiply" if kind.startswith("multiply") else "add"][1])
+    val = {kind: tools_build.encode_conversations(tokenizer, kind, pairs["multiply" if kind.startswith("multiply") else "add"][1])
            for kind in ("multiply_direct", "multiply_tool", "add_direct")}
-    probe = tools.probe(model, tokenizer, val)
+    probe = tools_build.probe(model, tokenizer, val)
     for key in ("multiply/greedy_accuracy", "multiply/greedy_tool_rate", "add/greedy_accuracy"):
         assert probe[key] == pytest.approx(build_info["probe"][key], abs=1e-6), key  # counts out of 200
     for key in ("multiply/sampled_tool_rate", "multiply/sampled_call_exact", "multiply/sampled_copy_exact"):
@@ -235,9 +239,9 @@ def test_generation_through_the_tool_loop_agrees_with_the_teacher_forced_probe(m
     pairs = tools.split_pairs(0)
     subset = {"multiply": (pairs["multiply"][0], pairs["multiply"][1][:40]), "add": (pairs["add"][0], pairs["add"][1][:40])}
     figures = tools.measure(model=model, tokenizer=tokenizer, pairs=subset, samples=1)
-    val = {kind: tools.encode_conversations(tokenizer, kind, subset["multiply" if kind.startswith("multiply") else "add"][1])
+    val = {kind: tools_build.encode_conversations(tokenizer, kind, subset["multiply" if kind.startswith("multiply") else "add"][1])
            for kind in ("multiply_direct", "multiply_tool", "add_direct")}
-    probe = tools.probe(model, tokenizer, val)
+    probe = tools_build.probe(model, tokenizer, val)
     assert figures["multiply/greedy_accuracy"] == pytest.approx(probe["multiply/greedy_accuracy"])
     assert figures["multiply/greedy_tool_call_rate"] == pytest.approx(probe["multiply/greedy_tool_rate"])
     assert figures["add/greedy_accuracy"] == pytest.approx(probe["add/greedy_accuracy"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-import rlplat.demo as demo
+import rlplat_demo as demo
 from rlplat.data import RLDataset
 from rlplat.scorers import exact_match
 from rlplat.testing import RewardScorerConformance, ScorerCase
@@ -37,7 +37,7 @@ def test_assets_total_under_10_mb():
 
 def test_missing_assets_say_how_to_build_them(monkeypatch, tmp_path):
     monkeypatch.setattr(demo, "__file__", str(tmp_path / "__init__.py"))
-    with pytest.raises(demo.DemoAssetsMissing, match="python -m rlplat.demo.build"):
+    with pytest.raises(demo.DemoAssetsMissing, match="python -m rlplat_demo.build"):
         demo.model_dir()
 
 

@@ -1,4 +1,4 @@
-"""What ``make demo-tools`` reports: ``python -m rlplat.demo.compare TOOLS_RUN RETRY_RUN SINGLE_RUN``.
+"""What ``make demo-tools`` reports: ``python -m rlplat_demo.compare TOOLS_RUN RETRY_RUN SINGLE_RUN``.
 
 Reads each run's ``metrics.jsonl`` and prints, for the tool demo, greedy validation accuracy and the
 tool-call rate at the first and the last validation with the training time between them; for the env
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lines = report(*argv)
     except (FileNotFoundError, ValueError) as error:
-        print(f"rlplat.demo.compare: {error}", file=sys.stderr)
+        print(f"rlplat_demo.compare: {error}", file=sys.stderr)
         return 2
     print("\n".join(lines))
     return 0

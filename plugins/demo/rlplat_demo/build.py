@@ -1,8 +1,8 @@
-"""Build the demo's assets: ``python -m rlplat.demo.build [--only all|arith|reward-model|tools] [--out DIR] [--seed 0] [--threshold 0.35]``.
+"""Build the demo's assets: ``python -m rlplat_demo.build [--only all|arith|reward-model|tools] [--out DIR] [--seed 0] [--threshold 0.35]``.
 
 ``--only arith`` builds the arithmetic demo (below) into ``DIR``; ``--only reward-model`` trains the
-arithmetic demo's reward model (:mod:`rlplat.demo.reward_model`) from the policy in ``DIR/model`` into
-``DIR/reward_model``; ``--only tools`` builds the tool demo (:mod:`rlplat.demo.tools`) into ``DIR/tools``;
+arithmetic demo's reward model (:mod:`rlplat_demo.reward_model`) from the policy in ``DIR/model`` into
+``DIR/reward_model``; ``--only tools`` builds the tool demo (:mod:`rlplat_demo.tools_build`) into ``DIR/tools``;
 ``all``, the default, builds the three.
 
 1. The task: every ``a+b=`` with ``a, b`` in 10..99 (8100 pairs), shuffled under the seed; the first 200
@@ -11,7 +11,7 @@ arithmetic demo's reward model (:mod:`rlplat.demo.reward_model`) from the policy
    message, ``reward_model.ground_truth`` the decimal sum).
 2. The model: the arithmetic tokenizer and the 0.53M-parameter Qwen2 of :mod:`rlplat.testing.tiny_models`,
    initialised under the seed.
-3. The warm start: ``rlplat sft``'s library path (:class:`rlplat.sft.trainer.SFTTrainer`, the fsdp2 engine
+3. The warm start: ``rlplat sft``'s library path (:class:`rlplat_sft.trainer.SFTTrainer`, the fsdp2 engine
    in process) on the training pairs as ``prompt`` / ``response`` rows (AdamW, lr 1e-3, batch 128, no
    gradient clipping, loss on the answer and EOS only), with greedy accuracy on the whole validation split
    measured every ``--eval-every`` steps;
@@ -66,7 +66,7 @@ def task_rows(pairs: Sequence[tuple[int, int]], split: str) -> list[dict[str, An
 
 def supervised_rows(pairs: Sequence[tuple[int, int]]) -> list[dict[str, str]]:
     """``rlplat sft`` rows (``prompt`` / ``response``), one per pair: with the arithmetic tokenizer (no chat
-    template) the prompt is ``BOS a+b=`` and the loss is on the sum and its EOS (:mod:`rlplat.sft.data`)."""
+    template) the prompt is ``BOS a+b=`` and the loss is on the sum and its EOS (:mod:`rlplat_sft.data`)."""
     return [{"prompt": f"{a}+{b}=", "response": str(a + b)} for a, b in pairs]
 
 
@@ -94,15 +94,15 @@ def greedy_accuracy(model, tokenizer, pairs: Sequence[tuple[int, int]], batch_si
 def warm_start(model, tokenizer, train_pairs, val_pairs, *, seed: int, threshold: float, eval_every: int,
                max_steps: int, batch_size: int = 128, lr: float = 1e-3, log=print) -> list[dict[str, float]]:
     """Supervised steps until greedy validation accuracy reaches ``threshold``, through ``rlplat sft``'s
-    library path (:class:`rlplat.sft.trainer.SFTTrainer` on the fsdp2 engine, in this process): ``model``
+    library path (:class:`rlplat_sft.trainer.SFTTrainer` on the fsdp2 engine, in this process): ``model``
     and ``tokenizer`` are saved to a temporary folder, trained there, and the result is loaded back into
     ``model``. Returns the evaluations (``step``, ``val_accuracy``, ``loss``: the step's training loss).
     Raises RuntimeError when ``max_steps`` pass without reaching the threshold."""
     import tempfile
 
     from rlplat.data import write_parquet
-    from rlplat.sft.config import load_sft_config
-    from rlplat.sft.trainer import SFTTrainer
+    from rlplat_sft.config import load_sft_config
+    from rlplat_sft.trainer import SFTTrainer
 
     history = [{"step": 0, "val_accuracy": greedy_accuracy(model, tokenizer, val_pairs), "loss": None}]
     with tempfile.TemporaryDirectory(prefix="rlplat-warm-start-") as work:
@@ -172,13 +172,13 @@ def build(out: Path, *, seed: int = 0, threshold: float = 0.35, eval_every: int 
     tokenizer.save_pretrained(out / "model")
 
     info = {
-        "command": f"python -m rlplat.demo.build --seed {seed} --threshold {threshold} --eval-every {eval_every}",
+        "command": f"python -m rlplat_demo.build --seed {seed} --threshold {threshold} --eval-every {eval_every}",
         "seed": seed,
         "task": "a+b= with a, b in 10..99; answer: the decimal sum, then EOS",
         "train_prompts": len(train_pairs),
         "val_prompts": len(val_pairs),
         "parameters": sum(parameter.numel() for parameter in model.parameters()),
-        "warm_start": {"trainer": "rlplat sft (rlplat.sft.trainer.SFTTrainer, fsdp2 engine, in process)",
+        "warm_start": {"trainer": "rlplat sft (rlplat_sft.trainer.SFTTrainer, fsdp2 engine, in process)",
                        "optimizer": "AdamW", "lr": 1e-3, "batch_size": 128, "loss": "answer tokens and EOS",
                        "threshold": threshold, "steps": history[-1]["step"]},
         "val_accuracy": history[-1]["val_accuracy"],
@@ -192,7 +192,7 @@ def build(out: Path, *, seed: int = 0, threshold: float = 0.35, eval_every: int 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlplat.demo.build", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m rlplat_demo.build", description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=("all", "arith", "reward-model", "tools"), default="all",
                         help="which demo's assets to build: the arithmetic demo's, its reward model (into OUT/reward_model, "
                              "from OUT/model), the tool demo's (into OUT/tools), or all three")
@@ -211,16 +211,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {args.out}: {info['warm_start']['steps']} supervised steps, validation accuracy "
               f"{info['val_accuracy']:.3f}, {total / 1e6:.2f} MB, {info['build_seconds']} s")
     if args.only in ("all", "reward-model"):
-        from rlplat.demo import reward_model
+        from rlplat_demo import reward_model
 
         train_pairs, val_pairs = split_pairs(args.seed)
         info = reward_model.build(args.out / "reward_model", args.out / "model", train_pairs, val_pairs, seed=args.seed)
         print(f"wrote {args.out / 'reward_model'}: {info['steps']} steps; on validation prompts the correct answer ranks "
               f"above the policy's wrong ones in {info['val']['pairwise_accuracy']:.3f} of pairs; {info['build_seconds']} s")
     if args.only in ("all", "tools"):
-        from rlplat.demo import tools
+        from rlplat_demo import tools_build
 
-        info = tools.build(args.out / "tools", seed=args.seed)
+        info = tools_build.build(args.out / "tools", seed=args.seed)
         total = sum(info["bytes"].values())
         state = info["start_state"]
         print(f"wrote {args.out / 'tools'}: {info['warm_start']['steps']} supervised steps; multiplication: greedy "

@@ -1,6 +1,8 @@
-"""The built-in demo: a tiny arithmetic model and its task data, shipped inside the package.
+"""The built-in demo (distribution rlplat-demo): a tiny arithmetic model and its task data, shipped inside
+the package, and the presets ``rlplat run --demo NAME`` trains (registered as kind ``preset`` by
+:mod:`rlplat_demo.plugin`, with the tool demo's scorer ``tool_demo``).
 
-The assets under ``assets/`` are produced by ``python -m rlplat.demo.build`` (see :mod:`rlplat.demo.build`):
+The assets under ``assets/`` are produced by ``python -m rlplat_demo.build`` (see :mod:`rlplat_demo.build`):
 
 * ``assets/model/``: a 0.53M-parameter Qwen2 causal LM and its 16-token arithmetic tokenizer, warm-started
   by supervised steps until greedy validation accuracy passes a threshold, so that RL has signal;
@@ -8,18 +10,19 @@ The assets under ``assets/`` are produced by ``python -m rlplat.demo.build`` (se
   in the schema of :mod:`rlplat.data` (``data_source="arith"``), the validation pairs disjoint from training;
 * ``assets/build_info.json``: how they were built (seed, steps, validation accuracy, sizes);
 * ``assets/reward_model/``: a reward model for the same task, trained from the warm-started policy on correct
-  vs incorrect answers (:mod:`rlplat.demo.reward_model`), for ``rlplat run --demo reward-model``.
+  vs incorrect answers (:mod:`rlplat_demo.reward_model`), for ``rlplat run --demo reward-model``.
 
 The demo's reward is the default scorer, ``exact_match`` (:func:`rlplat.scorers.exact_match`).
-:func:`overrides` is the demo's preset: what ``rlplat run`` and ``rlplat config show`` use when no model
-or config is given. Importing this package imports nothing heavy.
+:func:`overrides` is the demo's preset ``arith``, the default one: what ``rlplat run`` and ``rlplat config
+show`` use when no model or config is given; :func:`preset` gives any of :data:`PRESETS`. Importing this
+package imports nothing heavy.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-BUILD_COMMAND = "python -m rlplat.demo.build"
+BUILD_COMMAND = "python -m rlplat_demo.build"
 
 
 class DemoAssetsMissing(FileNotFoundError):
@@ -38,7 +41,7 @@ def model_dir() -> Path:
 
 def reward_model_dir() -> Path:
     """The demo reward model's ``save_pretrained`` folder (a one-label Qwen2 sequence classifier and the
-    arithmetic tokenizer), trained by ``python -m rlplat.demo.build --only reward-model``."""
+    arithmetic tokenizer), trained by ``python -m rlplat_demo.build --only reward-model``."""
     return _existing(assets_dir() / "reward_model" / "config.json", "the demo reward model").parent
 
 
@@ -70,6 +73,9 @@ def overrides() -> list[str]:
     ]
 
 
+DEFAULT_PRESET = "arith"
+"""The preset a command runs without ``model.path`` or ``--config``."""
+
 PRESETS = {
     "arith": "GRPO on a+b= with the 0.53M-parameter arithmetic model (the default)",
     "reward-model": "the arithmetic demo rewarded by the demo's reward model alone (exact match only measures validation)",
@@ -90,7 +96,7 @@ def preset(name: str) -> list[str]:
                               "trainer.output_dir=runs/demo-reward-model"]
     if name not in PRESETS:
         raise ValueError(f"unknown demo {name!r}; the demos are {', '.join(PRESETS)}")
-    from rlplat.demo import tools
+    from rlplat_demo import tools
 
     common = [
         f"model.path={tools.model_dir()}", "cluster.backend=local", "algorithm.name=grpo",
@@ -119,7 +125,7 @@ def preset(name: str) -> list[str]:
 def _existing(path: Path, what: str) -> Path:
     if not path.exists():
         raise DemoAssetsMissing(
-            f"{what} is missing: {path} does not exist. The demo assets ship with rlplat; in a source checkout "
-            f"regenerate them with `{BUILD_COMMAND}`, or reinstall rlplat"
+            f"{what} is missing: {path} does not exist. The demo assets ship with rlplat-demo; in a source checkout "
+            f"regenerate them with `{BUILD_COMMAND}`, or reinstall rlplat-demo"
         )
     return path

@@ -9,14 +9,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import rlplat.demo as demo
+import rlplat_demo as demo
 from rlplat.config import load_config
-from rlplat.demo import build
-from rlplat.demo.reward_model import answer_ids, prompt_ids, score_sequences
+from rlplat_demo import build
+from rlplat_demo.reward_model import answer_ids, prompt_ids, score_sequences
 from rlplat.tracking import read_metrics
 from rlplat.trainer import Trainer
 
-REPOSITORY = Path(__file__).resolve().parents[1]
+REPOSITORY = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

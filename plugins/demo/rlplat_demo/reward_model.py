@@ -1,6 +1,6 @@
 """The demo's reward model: a scalar scorer of ``a+b=`` answers, trained on correct vs incorrect ones.
 
-``python -m rlplat.demo.build --only reward-model`` (and the default ``--only all``) writes it to
+``python -m rlplat_demo.build --only reward-model`` (and the default ``--only all``) writes it to
 ``assets/reward_model/`` next to the arithmetic demo's policy, which it needs:
 
 1. Initialisation: the warm-started policy (``assets/model``), trained further by the same supervised
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from rlplat.demo.build import warm_start
+from rlplat_demo.build import warm_start
 
 BATCH_PROMPTS = 64
 NEGATIVES = 4
@@ -235,7 +235,7 @@ def build(out: Path, policy_dir: Path, train_pairs: Sequence[tuple[int, int]], v
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     info = {
-        "command": f"python -m rlplat.demo.build --only reward-model --seed {seed}",
+        "command": f"python -m rlplat_demo.build --only reward-model --seed {seed}",
         "seed": seed,
         "initialised_from": (f"the warm-started arithmetic policy (model/), further supervised to greedy validation accuracy "
                              f"{trunk_history[-1]['val_accuracy']:.3f} ({trunk_history[-1]['step']} steps); score head drawn under the seed"),
