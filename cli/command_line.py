@@ -1,7 +1,7 @@
 """What ``rlplat run``, ``rlplat config show`` and ``rlplat config explain`` share: the run's arguments,
-read the same way (verl's keys translated with a note each; a preset when ``--demo NAME`` is given, or the
-default preset when no model or config is; validation), and a config error printed in one paragraph with
-exit code 2."""
+read the same way (every registered config translator applied, with a note per translated key; a preset
+when ``--demo NAME`` is given, or the default preset when no model or config is; validation), and a
+config error printed in one paragraph with exit code 2."""
 
 from __future__ import annotations
 
@@ -21,6 +21,26 @@ DEMO = typer.Option(None, "--demo", help="A registered preset (kind 'preset', se
 def fail(message: str) -> typer.Exit:
     typer.echo(f"rlplat: config error: {message}", err=True)
     return typer.Exit(2)
+
+
+def translated(config: Optional[str], arguments: List[str], *, algo: Optional[str],
+               rollout: Optional[str]) -> tuple[Optional[str], List[str]]:
+    """``(config, arguments)`` after every registered config translator (kind ``config_translator``, in name
+    order, each on the previous one's output), their notes printed; ``typer.Exit(2)`` on a refusal."""
+    from rlplat import registry
+    from rlplat.config_node import ConfigError
+    from rlplat.registry import RegistryError
+
+    for entry in registry.entries("config_translator"):
+        try:
+            config, arguments, notes = entry.load()(config, arguments, algo=algo, rollout=rollout)
+        except ConfigError as error:
+            raise fail(str(error)) from None
+        except RegistryError as error:
+            raise fail(f"the config translator {entry.name!r} cannot run: {error}") from None
+        for note in notes:
+            typer.echo(f"rlplat: {note}", err=True)
+    return config, list(arguments)
 
 
 def with_preset(name: Optional[str], arguments: List[str], algo: Optional[str],
@@ -59,14 +79,8 @@ def resolved_config(config: Optional[str], overrides: Optional[List[str]], *, al
     """The run config these arguments describe (see the module docstring); raises ``typer.Exit(2)`` on a
     config error."""
     from rlplat.config import ConfigError, load_config
-    from rlplat.verl_keys import translate_command_line
 
-    try:  # verl's keys (actor_rollout_ref.actor.optim.lr=...) become rlplat's, one note each
-        config, arguments, notes = translate_command_line(config, list(overrides or []), algo=algo, rollout=rollout)
-    except ConfigError as error:
-        raise fail(str(error)) from None
-    for note in notes:
-        typer.echo(f"rlplat: {note}", err=True)
+    config, arguments = translated(config, list(overrides or []), algo=algo, rollout=rollout)
     if demo is not None or (config is None and not any(argument.startswith(("model.path=", "data.train_files="))
                                                        for argument in arguments)):
         arguments, algo = with_preset(demo, arguments, algo, demo_note)

@@ -4,7 +4,7 @@ Three parts: ``batch`` (a ``tensordict.TensorDict`` with one batch dimension), `
 (str -> numpy array of the same length, usually ``dtype=object``) and ``meta_info`` (a dict that is
 not split). Method and function names follow verl's ``verl.protocol`` and keep its meaning, so code
 ports over; verl 0.9.1's own DataProto tests run against this module (``make test-verl-compat``,
-docs/verl-dataproto.md). Where rlplat behaves differently it says so here:
+plugins/compat/verl/docs/verl-dataproto.md). Where rlplat behaves differently it says so here:
 
 - Operations return new objects that share tensor storage; none modifies its receiver. The
   exceptions, each verl's meaning: :meth:`DataProto.pop` (like ``dict.pop``) removes what it returns;

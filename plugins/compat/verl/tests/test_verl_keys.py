@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rlplat import verl_keys
 from rlplat.config import ConfigError, RLConfig, load_config
-from rlplat.verl_keys import RULES, Target, format_value, parse_value, translate_command_line, translate_mapping, translate_overrides
+from rlplat_verl import rules, table
+from rlplat_verl.rules import Target, format_value, parse_value
+from rlplat_verl.table import RULES
+from rlplat_verl.translate import translate_command_line, translate_mapping, translate_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "coming-from-verl.md"
@@ -86,7 +88,16 @@ def resolves(target: Target) -> bool:
         return declares(loss_schema(parts[0]), parts[2:])
     if parts[0] == "algorithm":
         return parts == ["algorithm", "name"] or declares(schema_of("algorithm", "dapo"), parts[1:])
+    for node in plugin_nodes():  # a node a plugin owns (agent, reward.model): its schema
+        if parts[:len(node.split("."))] == node.split("."):
+            return declares(schema_of("config_node", node), parts[len(node.split(".")):])
     return declares(RLConfig, parts)
+
+
+def plugin_nodes() -> list[str]:
+    from rlplat import registry
+
+    return registry.names("config_node")
 
 
 TARGETS = sorted({target for rule in RULES for target in rule.targets}, key=str)
@@ -94,7 +105,7 @@ TARGETS = sorted({target for rule in RULES for target in rule.targets}, key=str)
 
 @pytest.mark.parametrize("target", TARGETS, ids=str)
 def test_every_target_of_the_table_is_a_key_rlplat_or_a_built_in_plugin_declares(target):
-    assert resolves(target), f"{target} (a target of rlplat.verl_keys.RULES) is not in rlplat's config schema"
+    assert resolves(target), f"{target} (a target of rlplat_verl.table.RULES) is not in rlplat's config schema"
 
 
 def test_no_target_is_a_key_the_config_loader_fills_itself():
@@ -109,29 +120,31 @@ def test_no_target_is_a_key_the_config_loader_fills_itself():
 
 
 def test_rlplat_keys_among_the_rules_keep_their_meaning_and_the_defaults_the_module_reads_are_rlplats():
-    base = OmegaConf.structured(RLConfig)
+    from rlplat.config import base_config
+
+    base = base_config()  # core's nodes and the plugins' (agent, reward.model)
     for rule in RULES:
         key = rule.key.removesuffix(".*")
         if OmegaConf.select(base, key, default="absent") != "absent":
             assert not rule.verl_only, f"{rule.key} is rlplat's key too: its rule must leave rlplat's values unchanged"
-    for key, value in verl_keys.RLPLAT_DEFAULTS.items():
+    for key, value in rules.RLPLAT_DEFAULTS.items():
         assert OmegaConf.select(base, key) == value, key
 
 
 def test_the_algorithms_the_module_selects_are_registered_and_only_ppo_has_a_critic():
     from rlplat import registry
 
-    assert set(verl_keys.ESTIMATOR_ALGORITHMS.values()) | {"dapo"} <= set(registry.names("algorithm"))
-    assert set(verl_keys.ESTIMATOR_ALGORITHMS) <= set(registry.names("advantage_estimator"))
+    assert set(rules.ESTIMATOR_ALGORITHMS.values()) | {"dapo"} <= set(registry.names("algorithm"))
+    assert set(rules.ESTIMATOR_ALGORITHMS) <= set(registry.names("advantage_estimator"))
     with_critic = {name for name in registry.names("algorithm") if registry.get("algorithm", name)().needs_critic}
-    assert with_critic == set(verl_keys.CRITIC_ALGORITHMS)
+    assert with_critic == set(rules.CRITIC_ALGORITHMS)
 
 
 def test_the_doc_holds_the_table_of_the_module_word_for_word():
     text = DOC.read_text()
-    table = text.split(verl_keys.TABLE_START, 1)[1].split(verl_keys.TABLE_END, 1)[0].strip("\n") + "\n"
-    assert table == verl_keys.markdown_table(), (
-        "docs/coming-from-verl.md is out of date: replace its table with `python -m rlplat.verl_keys`")
+    written = text.split(table.TABLE_START, 1)[1].split(table.TABLE_END, 1)[0].strip("\n") + "\n"
+    assert written == table.markdown_table(), (
+        "docs/coming-from-verl.md is out of date: replace its table with `python -m rlplat_verl.table`")
     assert "verl-dataproto.md" in text
     for rule in RULES:
         assert f"`{rule.key}`" in text
