@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -107,3 +109,57 @@ def no_ray_left_by_the_module():
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
+
+
+class PluginInstaller:
+    """Installs a plugin folder as a user's plugin is installed, but into a folder of its own
+    (``pip install --no-deps --target``) that only the subprocesses given it on PYTHONPATH see; nothing is
+    installed into this venv."""
+
+    @staticmethod
+    def pip(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=300)
+
+    @staticmethod
+    def processes_with_in_environment(marker: str) -> list[int]:
+        """Ids of this user's processes whose environment mentions ``marker`` (empty where /proc is absent)."""
+        found = []
+        for entry in Path("/proc").glob("[0-9]*"):
+            try:
+                if marker.encode() in (entry / "environ").read_bytes() and int(entry.name) != os.getpid():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+        return found
+
+    def install(self, plugin: Path, folder: Path, distribution: str, package: str) -> Path:
+        """``plugin`` copied to ``folder/source`` and installed into ``folder/site`` (returned); the copy's
+        package is removed afterwards, so whatever imports it imports the installed one. Its tests stay in
+        ``folder/source/tests``."""
+        assert self.pip("show", distribution).returncode != 0, (
+            f"{distribution} is installed in this venv; `pip uninstall {distribution}` first")
+        source, site = folder / "source", folder / "site"
+        shutil.copytree(plugin, source, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+        result = self.pip("install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(site), str(source))
+        assert result.returncode == 0, result.stderr
+        shutil.rmtree(source / package)
+        return site
+
+    def stop_processes_of(self, site: Path) -> None:
+        """Stop the processes a failed run left behind (every process it started has ``site`` in its PYTHONPATH)."""
+        for pid in self.processes_with_in_environment(str(site)):
+            os.kill(pid, signal.SIGKILL)
+
+    def run_own_tests(self, site: Path) -> subprocess.CompletedProcess:
+        """The installed plugin's own tests (``site/../source/tests``) in a pytest subprocess that sees it."""
+        tests = site.parent / "source" / "tests"
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(tests)],
+            capture_output=True, text=True, timeout=300, cwd=site, env=subprocess_environment(site, None),
+        )
+
+
+@pytest.fixture(scope="session")
+def plugin_installer() -> PluginInstaller:
+    """Installs a plugin folder into a folder of its own (:class:`PluginInstaller`)."""
+    return PluginInstaller()
