@@ -83,7 +83,7 @@ def write_plugin(site: Path) -> None:
 
 
 def run(name: str, extra: list[str], args: argparse.Namespace, site: Path, root: Path) -> list[dict]:
-    from rlplat.tracking import read_metrics
+    from rlplat.trainer.tracking import read_metrics
 
     output = root / name
     rlplat = Path(sys.executable).with_name("rlplat")

@@ -91,7 +91,7 @@ def run_rlplat(model_path: str, data: str, warmup: int, steps: int, threads: int
     torch.set_num_threads(threads)
     from rlplat_sft.config import load_sft_config
     from rlplat_sft.trainer import run_sft
-    from rlplat.tracking import read_metrics
+    from rlplat.trainer.tracking import read_metrics
 
     config = load_sft_config(None, [
         f"model.path={model_path}", f"data.train_files=[{data}]", f"data.train_batch_size={BATCH}",

@@ -12,7 +12,7 @@ process of this script, one at a time:
   ``trainer.save_freq=0`` (the plain loop writes no checkpoints; ``--override trainer.save_freq=50`` puts
   the demo's back) and a private output folder; each ``--override KEY=VALUE`` comes after these and wins
   (``--override cluster.backend=local``, ...). This script reads its ``metrics.jsonl``
-  (``rlplat.tracking.read_metrics``) once a second and stops it (SIGINT twice: no checkpoint) once a
+  (``rlplat.trainer.tracking.read_metrics``) once a second and stops it (SIGINT twice: no checkpoint) once a
   validation reaches the target or the time budget is spent.
 * ``plain``: ``plain_grpo.run`` with ``--threads`` torch threads, stopping at the target or the budget.
 
@@ -69,7 +69,7 @@ def accuracy_of(record: dict) -> float | None:
 def rlplat_curve(output_dir: str) -> tuple[list[tuple[float, int, float]], list[float], float | None]:
     """Validation curve [(seconds since the first validation, step, accuracy)], step times so far, and
     the first validation's unix time."""
-    from rlplat.tracking import read_metrics
+    from rlplat.trainer.tracking import read_metrics
 
     if not (Path(output_dir) / "metrics.jsonl").exists():
         return [], [], None

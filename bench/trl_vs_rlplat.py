@@ -126,7 +126,7 @@ def run_rlplat(backend: str, warmup: int, steps: int, threads: int, output_dir: 
     os.environ["RAY_ADDRESS"] = "local"  # a private Ray cluster, never one recorded by someone else
     from rlplat_demo import overrides as demo_overrides
     from rlplat.config import load_config
-    from rlplat.tracking import read_metrics
+    from rlplat.trainer.tracking import read_metrics
     from rlplat.trainer import Trainer
 
     overrides = demo_overrides() + [

@@ -192,7 +192,7 @@ def launch_child(arguments: list[str], log: Path, timeout: float) -> dict:
 
 
 def run_grpo(rollout: str, args: argparse.Namespace, root: Path) -> dict:
-    from rlplat.tracking import read_metrics
+    from rlplat.trainer.tracking import read_metrics
 
     output = root / f"grpo-{rollout}"
     rlplat = Path(sys.executable).with_name("rlplat")

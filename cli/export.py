@@ -42,7 +42,7 @@ def find_checkpoint(path: Path, step: Optional[int] = None) -> tuple[Path, Path]
     """``(checkpoint directory, run directory)`` from a checkpoint (``<run>/checkpoints/global_step_N``),
     a run's ``checkpoints`` folder or a run directory (their newest complete checkpoint, or the one of
     ``step``)."""
-    from rlplat.checkpoint import CHECKPOINT_NAME, COMPLETE_MARKER, CheckpointManager, checkpoint_name, checkpoint_problem
+    from rlplat.trainer.checkpoint import CHECKPOINT_NAME, COMPLETE_MARKER, CheckpointManager, checkpoint_name, checkpoint_problem
 
     if not path.exists():
         raise fail(f"{path} does not exist; pass a checkpoint (RUN/checkpoints/global_step_N) or a run directory")
@@ -235,7 +235,7 @@ def export(
     check_model(config, run_dir / CONFIG_FILE, adapter)
     changed = apply_engine_overrides(config, list(engine_overrides or []))
 
-    from rlplat.checkpoint import CheckpointManager
+    from rlplat.trainer.checkpoint import CheckpointManager
     from rlplat.config_node import ConfigError
     from rlplat.controller.host import WorkerHost, free_port
 

@@ -139,7 +139,7 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 def plot(run_dir: Path = typer.Argument(..., help="A run's output directory (it holds metrics.jsonl).")) -> None:
     """Write PNG charts of a run's metrics (reward, validation accuracy, response length, KL, entropy,
     stage timing; for an ``rlplat sft`` run: loss, validation perplexity, stage timing) to RUN_DIR/plots/ and print their paths; charts without data are skipped with a note."""
-    from rlplat.tracking import METRICS_FILE, read_metrics
+    from rlplat.trainer.tracking import METRICS_FILE, read_metrics
 
     if not run_dir.exists():
         raise fail(f"{run_dir} does not exist; pass a run's output directory (trainer.output_dir)")

@@ -505,7 +505,7 @@ def check_pytest_gpu(context: Context) -> list[dict]:
 def check_demo(context: Context) -> list[dict]:
     """``rlplat run --demo arith`` on the GPU (the in-process backend, as the demo runs) for a fixed
     number of steps; validation accuracy at the last evaluation must exceed the first by DEMO_RISE."""
-    from rlplat.tracking import read_metrics
+    from rlplat.trainer.tracking import read_metrics
 
     steps = context.size(150, 2)
     output_dir = context.work / "demo-run"

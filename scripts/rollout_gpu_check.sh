@@ -44,7 +44,7 @@ print(rlplat_demo.train_file(), rlplat_demo.val_file())")
 "$VENV/bin/python" - "$OUT_DIR/grpo" <<'PY'
 import sys
 
-from rlplat.tracking import read_metrics
+from rlplat.trainer.tracking import read_metrics
 
 steps = [row for row in read_metrics(sys.argv[1]) if "critic/score/mean" in row]
 keys = ("step", "critic/score/mean", "actor/pg_loss", "rollout/log_prob_diff_max", "timing_s/generate", "timing_s/sync_weights", "timing_s/step")

@@ -69,7 +69,7 @@ def engine_weights(trainer) -> dict[str, torch.Tensor]:
 
 
 def test_overlap_is_the_part_of_a_generation_covered_by_updates():
-    from rlplat.pipeline import merge_windows, overlap_seconds, pop_window
+    from rlplat.trainer.pipeline import merge_windows, overlap_seconds, pop_window
 
     updates = [(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]
     assert merge_windows(updates) == [(0.0, 2.0), (3.0, 4.0)]
@@ -202,7 +202,7 @@ def test_a_run_killed_ten_times_trains_every_prompt_of_each_epoch_once(assets, t
     arguments = overrides(assets, run, *settings)
     # Each try is a process forked from a server that imported rlplat, torch and transformers once, so the
     # ten tries do not pay ten interpreter starts; the server and every try are stopped when the block ends.
-    preload = ["torch", "transformers", "rlplat.config", "rlplat.trainer", "rlplat.testing.runs"]
+    preload = ["torch", "transformers", "rlplat.config", "rlplat.trainer.loop", "rlplat.testing.runs"]
     with ForkServer(preload, log=tmp_path / "tries.log") as server:
         kills = kill_and_restart(server, arguments, run, random.Random(17))
     assert kills >= 5, "the run finished too quickly to be killed often"

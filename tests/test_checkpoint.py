@@ -1,4 +1,4 @@
-"""rlplat.checkpoint: atomic saves, keep-last pruning, resume resolution, RNG streams, Ctrl-C."""
+"""rlplat.trainer.checkpoint: atomic saves, keep-last pruning, resume resolution, RNG streams, Ctrl-C."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlplat.checkpoint import (
+from rlplat.trainer.checkpoint import (
     CheckpointError,
     CheckpointManager,
     capture_rng_state,
@@ -177,7 +177,7 @@ def test_ctrl_c_during_write_propagates_unwrapped_and_removes_the_partial_direct
 def test_a_process_killed_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path):
     result = run_in_subprocess("""
         import os, sys
-        from rlplat.checkpoint import CheckpointManager
+        from rlplat.trainer.checkpoint import CheckpointManager
 
         manager = CheckpointManager(sys.argv[1])
         manager.save(1, None, {"note": "first"})
@@ -203,7 +203,7 @@ def test_a_process_killed_while_replacing_a_step_leaves_that_step_loadable(tmp_p
     # Killed after the old global_step_1 moved aside and before the new one moved in: the worst moment.
     result = run_in_subprocess("""
         import os, sys
-        from rlplat.checkpoint import CheckpointManager
+        from rlplat.trainer.checkpoint import CheckpointManager
 
         manager = CheckpointManager(sys.argv[1], keep_last=1)
         manager.save(1, None, {"note": "first"})
@@ -403,7 +403,7 @@ def test_graceful_interrupt_outside_the_main_thread_is_a_no_op():
 def test_importing_rlplat_checkpoint_imports_no_torch(python_run):
     result = python_run("""
         import sys
-        import rlplat.checkpoint
+        import rlplat.trainer.checkpoint
         print("torch" in sys.modules)
     """)
 

@@ -1,6 +1,6 @@
 """A config error and a memory plan that does not fit are refused by a fresh ``rlplat`` process within
 5 s, importing no torch, tensordict, transformers or Ray: the config schema is torch-free
-(:mod:`rlplat.data_config`, :data:`rlplat.config_components.BUILTIN_LOSS_SCHEMAS`) and the built-in
+(:mod:`rlplat.data_config`, :data:`rlplat.config.components.BUILTIN_LOSS_SCHEMAS`) and the built-in
 engines and rollouts name their torch-free estimate in their registration (``metadata["estimate_memory"]``)."""
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_rlplat_plan_imports_no_torch(llama_dir):
 
 
 def test_core_losses_schemas_named_by_path_are_the_loss_classes_own():
-    from rlplat.config_components import BUILTIN_LOSS_SCHEMAS, loss_schema
+    from rlplat.config.components import BUILTIN_LOSS_SCHEMAS, loss_schema
     from rlplat.contracts.algorithm import Algorithm
     from rlplat.registry import resolve_dotted_path
 
@@ -186,13 +186,13 @@ def test_a_registration_that_names_its_estimate_is_planned_without_importing_the
 
 def test_the_moved_names_stay_importable_where_they_were():
     import rlplat.config
-    import rlplat.config_components
+    import rlplat.config.components
     import rlplat.data
     import rlplat.data_config
 
     for name in ("DataConfig", "DataError", "TRUNCATIONS", "as_file_list", "read_data_config"):
         assert getattr(rlplat.data, name) is getattr(rlplat.data_config, name)
     assert rlplat.config.DataConfig is rlplat.data_config.DataConfig
-    for name in rlplat.config_components.__all__:
-        assert getattr(rlplat.config, name) is getattr(rlplat.config_components, name)
+    for name in rlplat.config.components.__all__:
+        assert getattr(rlplat.config, name) is getattr(rlplat.config.components, name)
     assert set(rlplat.config.__all__) <= set(dir(rlplat.config))

@@ -78,7 +78,7 @@ def test_the_demo_on_two_ray_workers_trains_with_the_on_policy_update_and_copied
     """The demo's recipe in the layout it had before it moved to one process: 2 fsdp2 workers on Ray."""
     from rlplat.config import load_config
     from rlplat_demo import overrides as demo_overrides
-    from rlplat.tracking import read_metrics
+    from rlplat.trainer.tracking import read_metrics
     from rlplat.trainer import Trainer
 
     run_dir = tmp_path / "ray"

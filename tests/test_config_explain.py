@@ -7,7 +7,7 @@ import pytest
 
 from rlplat import hookimpl
 from rlplat.config import load_config
-from rlplat.config_explain import explain, render
+from rlplat.config.explain import explain, render
 from rlplat.contracts.algorithm import Algorithm
 from rlplat_demo import overrides as demo_overrides
 

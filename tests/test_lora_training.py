@@ -8,7 +8,7 @@ import pytest
 
 from rlplat.config import load_config
 from rlplat.data import write_parquet
-from rlplat.sync_probe import SyncProbeError
+from rlplat.trainer.sync_probe import SyncProbeError
 from rlplat.testing.runs import fit_run
 from rlplat.testing.tiny_models import save_tiny_model
 from rlplat.trainer import Trainer

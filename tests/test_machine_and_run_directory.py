@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from rlplat import cuda_devices
 from rlplat.config import ConfigError, check_machine, load_config
 from rlplat.data import write_parquet
-from rlplat.trainer_config import check_run_directory, first_logged_step, prepare_run_directory
+from rlplat.config.trainer import check_run_directory, first_logged_step, prepare_run_directory
 
 
 @pytest.fixture
@@ -218,7 +218,7 @@ def test_a_fresh_run_logs_from_step_0_and_a_resumed_one_after_its_checkpoint():
 @pytest.mark.slow
 def test_a_fresh_run_keeps_none_of_an_earlier_runs_metrics(tmp_path):
     from rlplat_demo import overrides as demo_overrides
-    from rlplat.tracking import read_metrics
+    from rlplat.trainer.tracking import read_metrics
     from rlplat.trainer import Trainer
 
     directory = tmp_path / "run"

@@ -55,7 +55,7 @@ def test_the_single_turn_demo_trains_without_importing_an_optional_feature(tmp_p
     steps = [json.loads(line)["step"] for line in (output / "metrics.jsonl").read_text().splitlines()]
     assert max(steps) == 2
     imported = imported_modules(result)
-    assert {"rlplat.trainer", "rlplat_engine_fsdp2", "rlplat_rollout_hf", "rlplat_algorithms"} <= imported  # it sees the run
+    assert {"rlplat.trainer.loop", "rlplat_engine_fsdp2", "rlplat_rollout_hf", "rlplat_algorithms"} <= imported  # it sees the run
     leaked = sorted(name for name in imported if any(name == prefix or name.startswith(prefix + ".") for prefix in OPTIONAL))
     assert leaked == []
 

@@ -14,7 +14,7 @@ from rlplat.controller.decorator import Dispatch
 from rlplat.controller.host import WorkerSpec
 from rlplat.data import write_parquet
 from rlplat.testing.tiny_models import save_tiny_model
-from rlplat.tracking import read_metrics
+from rlplat.trainer.tracking import read_metrics
 from rlplat.trainer import Trainer
 
 

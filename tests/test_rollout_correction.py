@@ -15,7 +15,7 @@ from rlplat.losses import ActorLoss
 from rlplat.losses.rollout_correction import (PRESETS, RolloutCorrectionConfig, importance_weights, offpolicy_metrics,
                                               read_rollout_correction, rejection_mask)
 from rlplat.protocol import DataProto
-from rlplat.tracking import read_metrics
+from rlplat.trainer.tracking import read_metrics
 from rlplat.trainer import Trainer
 
 LN = math.log

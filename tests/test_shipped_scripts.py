@@ -125,8 +125,8 @@ def test_every_shell_script_parses(path):
 
 
 def test_the_embedded_python_of_a_shell_script_is_found():
-    script = 'x=$(python -c "from rlplat import demo\nprint(demo.train_file())")\n"$VENV/bin/python" - <<\'PY\'\nimport rlplat.tracking\nPY\n'
-    assert [imports_in(block) for block in embedded_python(script)] == [[(1, 0, "rlplat.tracking", [])],
+    script = 'x=$(python -c "from rlplat import demo\nprint(demo.train_file())")\n"$VENV/bin/python" - <<\'PY\'\nimport rlplat.trainer.tracking\nPY\n'
+    assert [imports_in(block) for block in embedded_python(script)] == [[(1, 0, "rlplat.trainer.tracking", [])],
                                                                         [(1, 0, "rlplat", ["demo"])]]
 
 

@@ -10,7 +10,7 @@ import pytest
 from rlplat.config import ConfigError, load_config
 from rlplat.data import write_parquet
 from rlplat.testing.tiny_models import save_tiny_model
-from rlplat.tracking import read_metrics
+from rlplat.trainer.tracking import read_metrics
 from rlplat.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # training runs: left out of `make test-fast`

@@ -8,10 +8,10 @@ import pytest
 from rlplat.config import load_config
 from rlplat.config_node import ConfigError
 from rlplat.data import write_parquet
-from rlplat.sync_probe import SyncProbeError
+from rlplat.trainer.sync_probe import SyncProbeError
 from rlplat.testing.runs import fit_run
 from rlplat.testing.tiny_models import save_tiny_model
-from rlplat.tracking import read_metrics
+from rlplat.trainer.tracking import read_metrics
 from rlplat.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # whole runs: left out of `make test-fast`

@@ -1,4 +1,4 @@
-"""rlplat.tracking: metrics.jsonl, the console progress, TensorBoard and wandb backends."""
+"""rlplat.trainer.tracking: metrics.jsonl, the console progress, TensorBoard and wandb backends."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from rlplat.tracking import BACKENDS, BackendPackageMissing, Tracker, format_duration, read_metrics, wandb_mode
+from rlplat.trainer.tracking import BACKENDS, BackendPackageMissing, Tracker, format_duration, read_metrics, wandb_mode
 
 
 def jsonl_lines(run_dir) -> list[str]:
@@ -303,7 +303,7 @@ def test_wandb_offline_run_writes_its_files_under_the_run_dir(tmp_path, monkeypa
 def test_importing_tracking_imports_no_backend_package(python_run):
     result = python_run("""
         import sys
-        import rlplat.tracking
+        import rlplat.trainer.tracking
         print(sorted(m for m in ("torch", "tensorboard", "wandb", "rich") if m in sys.modules))
     """)
     assert result.returncode == 0, result.stderr

@@ -11,7 +11,7 @@ from rlplat.config import load_config
 from rlplat.data import write_parquet
 from rlplat.testing.runs import fit_run
 from rlplat.testing.tiny_models import save_tiny_model
-from rlplat.tracking import read_metrics
+from rlplat.trainer.tracking import read_metrics
 
 pytestmark = pytest.mark.slow  # starts processes or clusters: left out of `make test-fast`
 

@@ -413,7 +413,7 @@ def planned_role_entries() -> list:
 
 def unplanned_roles(config: Any, algorithm: Any, steps: int) -> list[str]:
     """Enabled roles (kind ``role``) the plan has no components for (a judge, a plugin's role), by name.
-    Only those roles are built and asked (as :func:`rlplat.placement.enabled_roles` asks them): the
+    Only those roles are built and asked (as :func:`rlplat.trainer.placement.enabled_roles` asks them): the
     modules of the planned ones hold their workers, which import torch."""
     from rlplat import registry
     from rlplat.contracts.role import RunContext

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 
 class ForkServer:
-    """``with ForkServer(["torch", "rlplat.trainer"], log=path) as server: pid = server.start("pkg.mod:function", arg)``.
+    """``with ForkServer(["torch", "rlplat.trainer.loop"], log=path) as server: pid = server.start("pkg.mod:function", arg)``.
 
     ``start`` forks a child that calls ``function(*args)`` (JSON-able arguments) and exits 0 when it
     returns, 1 when it raises (the traceback goes to ``log``). ``poll(pid)`` is its exit code or

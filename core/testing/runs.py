@@ -8,8 +8,8 @@ from typing import Any, Callable
 def fit_run(config: Any, *, trainer_class: type | None = None, inspect: Callable[[Any], None] | None = None) -> list[dict]:
     """Train ``config`` to the end with :class:`rlplat.trainer.Trainer` (or a subclass, ``trainer_class``),
     call ``inspect(trainer)`` while its workers still run, stop them in every case, and return the run's
-    metric records (:func:`rlplat.tracking.read_metrics`)."""
-    from rlplat.tracking import read_metrics
+    metric records (:func:`rlplat.trainer.tracking.read_metrics`)."""
+    from rlplat.trainer.tracking import read_metrics
     from rlplat.trainer import Trainer
 
     trainer = (trainer_class or Trainer)(config)

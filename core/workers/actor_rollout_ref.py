@@ -10,7 +10,7 @@ and knows which of them its rollout holds (``rollout_version``: set when a sync 
 weights in; always the actor's when the rollout reads the engine's parameters in place). Every
 generated row carries that version on each response token (``policy_version``), and
 ``meta_info["metrics"]`` the wall-clock window the generation ran in (``async/generation_start`` and
-``async/generation_end``), which the driver's asynchronous modes read (:mod:`rlplat.pipeline`).
+``async/generation_end``), which the driver's asynchronous modes read (:mod:`rlplat.trainer.pipeline`).
 """
 
 from __future__ import annotations

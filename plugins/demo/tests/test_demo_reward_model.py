@@ -13,7 +13,7 @@ import rlplat_demo as demo
 from rlplat.config import load_config
 from rlplat_demo import build
 from rlplat_demo.reward_model import answer_ids, prompt_ids, score_sequences
-from rlplat.tracking import read_metrics
+from rlplat.trainer.tracking import read_metrics
 from rlplat.trainer import Trainer
 
 REPOSITORY = Path(__file__).resolve().parents[3]

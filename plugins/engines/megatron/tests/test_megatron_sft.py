@@ -25,7 +25,7 @@ def pairs(start: int, count: int) -> list[dict]:
 def sft_run(root, run: str, *extra: str) -> list[dict]:
     from rlplat_sft.config import load_sft_config
     from rlplat_sft.trainer import run_sft
-    from rlplat.tracking import read_metrics
+    from rlplat.trainer.tracking import read_metrics
 
     run_sft(load_sft_config(None, [
         f"model.path={root / 'model'}", f"data.train_files=[{root / 'train.parquet'}]",

@@ -26,11 +26,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlplat.config import (ClusterConfig, ModelConfig, OptimConfig, PluginNode, check_cluster, entry_schema, merge_checked,
                            read_sources, resolve_use_gpu)
-from rlplat.config_components import ENGINE_BUILD_SOURCES, optimizer_build
+from rlplat.config.components import ENGINE_BUILD_SOURCES, optimizer_build
 from rlplat.config_node import ConfigError, did_you_mean, read_config_node
 from rlplat.lora import LoraConfig, read_lora
 from rlplat.losses.config import LOSS_AGG_MODES
-from rlplat.trainer_config import SharedTrainerConfig
+from rlplat.config.trainer import SharedTrainerConfig
 from rlplat_sft.data import SFTDataConfig
 
 __all__ = ["SFTConfig", "SFTLossConfig", "load_sft_config", "validate_sft_config", "sft_engine_node",
@@ -80,7 +80,7 @@ class SFTActorConfig:
 @dataclasses.dataclass
 class SFTTrainerConfig(SharedTrainerConfig):
     """The run: its length, validation, checkpoints and metrics (the keys of ``rlplat run``'s ``trainer``
-    node that mean the same here come from :class:`~rlplat.trainer_config.SharedTrainerConfig`)."""
+    node that mean the same here come from :class:`~rlplat.config.trainer.SharedTrainerConfig`)."""
 
     test_freq: int = 0
     """Validation loss and perplexity every this many steps (0: at the end only, when a validation set is given)."""
@@ -170,7 +170,7 @@ def validate_sft_config(config: DictConfig) -> None:
     """Raise :class:`ConfigError` for the first problem that needs no worker and no data read."""
     from rlplat import registry
     from rlplat.contracts.engine import EngineBuildConfig
-    from rlplat.tracking import BACKENDS
+    from rlplat.trainer.tracking import BACKENDS
 
     schema, owner = entry_schema("engine", config.actor.engine, "actor.engine")
     if config.model.path is None:

@@ -26,11 +26,11 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlplat.checkpoint import CheckpointManager, capture_rng_state, graceful_interrupt, restore_rng_state
+from rlplat.trainer.checkpoint import CheckpointManager, capture_rng_state, graceful_interrupt, restore_rng_state
 from rlplat.config import check_machine
 from rlplat.contracts.role import Role, RoleConfig, RunContext
-from rlplat.tracking import Tracker
-from rlplat.trainer_config import RUN_CONFIG_FILE, first_logged_step, prepare_run_directory
+from rlplat.trainer.tracking import Tracker
+from rlplat.config.trainer import RUN_CONFIG_FILE, first_logged_step, prepare_run_directory
 from rlplat_sft.config import sft_engine_node, training_steps, validate_sft_config
 from rlplat_sft.data import build_sft_data, validation_batches
 
@@ -92,9 +92,9 @@ class SFTTrainer:
 
     def build_workers(self) -> None:
         """One :class:`~rlplat_sft.worker.SFTWorker` group on the run's cluster, placed by core's
-        :func:`rlplat.placement.place` as ``rlplat run``'s actor is (one role, colocated)."""
+        :func:`rlplat.trainer.placement.place` as ``rlplat run``'s actor is (one role, colocated)."""
         from rlplat.contracts.role import RunContext
-        from rlplat.placement import place
+        from rlplat.trainer.placement import place
 
         run = RunContext(self.config, algorithm=None, total_steps=self.total_steps)
         self.placement = place({"actor": SFTRole()}, run)

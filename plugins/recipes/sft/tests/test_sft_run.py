@@ -61,7 +61,7 @@ def test_the_trainer_keys_both_commands_share_have_one_definition():
     from rlplat.config import TrainerConfig
     from rlplat.config_node import field_docs
     from rlplat_sft.config import SFTTrainerConfig
-    from rlplat.trainer_config import SharedTrainerConfig
+    from rlplat.config.trainer import SharedTrainerConfig
 
     def described(schema):
         """Field name -> (type, default value, documentation)."""
@@ -93,7 +93,7 @@ def test_a_run_logs_train_and_validation_loss_and_exports_a_model_rlplat_run_tak
     from rlplat_sft.config import load_sft_config
     from rlplat_sft.data import validation_batches
     from rlplat_sft.trainer import SFTTrainer
-    from rlplat.tracking import read_metrics
+    from rlplat.trainer.tracking import read_metrics
 
     trainer = SFTTrainer(load_sft_config(None, arguments(task, tmp_path / "run")))
     try:
@@ -140,7 +140,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(task, 
 
     from rlplat_sft.config import load_sft_config
     from rlplat_sft.trainer import run_sft
-    from rlplat.tracking import read_metrics
+    from rlplat.trainer.tracking import read_metrics
 
     settings = ("trainer.total_training_steps=8", "trainer.save_freq=2", "trainer.test_freq=4")
 

@@ -24,7 +24,7 @@ from rlplat.protocol import DataProto
 from rlplat.testing import JudgeParserCase, JudgeParserConformance, RewardManagerConformance, RoleConformance
 from rlplat.testing.chat_tokenizers import CHATML_TOOLS, save_chat_tokenizer
 from rlplat.testing.tiny_models import arithmetic_tokenizer, save_tiny_model, tiny_causal_lm
-from rlplat.tracking import read_metrics
+from rlplat.trainer.tracking import read_metrics
 from rlplat.workers.actor_rollout_ref import ActorRolloutRefWorker
 
 TEMPLATE = "{question}{response}="

@@ -17,7 +17,7 @@ from rlplat_reward_model.config import RewardModelConfig, combine
 from rlplat.testing import RoleConformance
 from rlplat.testing.chat_tokenizers import CHATML_TOOLS, chat_tokenizer
 from rlplat.testing.tiny_models import arithmetic_tokenizer, save_tiny_model, tiny_qwen2_config
-from rlplat.tracking import read_metrics
+from rlplat.trainer.tracking import read_metrics
 from rlplat.trainer import Trainer
 from rlplat_reward_model.worker import RewardModelWorker
 

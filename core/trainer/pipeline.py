@@ -298,7 +298,7 @@ class TrainedPromptsLog:
     staleness of their samples."""
 
     def __init__(self, run_dir: Path, start_step: int):
-        from rlplat.tracking import _drop_stale_lines
+        from rlplat.trainer.tracking import _drop_stale_lines
 
         self.path = run_dir / TRAINED_PROMPTS_FILE
         if self.path.exists():

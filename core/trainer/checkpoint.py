@@ -52,7 +52,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
-logger = logging.getLogger("rlplat.checkpoint")
+logger = logging.getLogger("rlplat.trainer.checkpoint")
 
 FORMAT = 1
 STATE_FILE = "trainer_state.json"

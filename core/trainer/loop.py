@@ -4,9 +4,9 @@ load batch -> generate (n per prompt) -> algorithm.after_generate -> reward -> a
 -> old log-probs (unless the update is strictly on-policy: then its first forward gives them)
 -> reference log-probs (when a KL term reads them) -> values -> KL in the reward -> advantages -> update critic
 -> update actor -> sync weights to the rollout -> validate / checkpoint / log. In the asynchronous modes
-(``trainer.mode``) the generations of the next steps run ahead (:mod:`rlplat.pipeline`).
+(``trainer.mode``) the generations of the next steps run ahead (:mod:`rlplat.trainer.pipeline`).
 
-The heavy work runs in worker groups, one per role (kind ``role``, :mod:`rlplat.placement`); roles take
+The heavy work runs in worker groups, one per role (kind ``role``, :mod:`rlplat.trainer.placement`); roles take
 part in each step through :meth:`Role.on_stage`. The driver holds the data loader, the reward manager
 and the advantage estimator. A run is exact across a kill: sampling seeds derive from
 ``(trainer.seed, step)``, and a checkpoint holds the engines' state, the data position, the driver's RNG
@@ -25,21 +25,21 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlplat.checkpoint import CheckpointManager, capture_rng_state, graceful_interrupt, restore_rng_state
+from rlplat.trainer.checkpoint import CheckpointManager, capture_rng_state, graceful_interrupt, restore_rng_state
 from rlplat.config import (algorithm_schema, check_machine, old_log_prob_pass_reasons, rollout_driver, sampling_node,
                            total_training_steps, validate_config)
 from rlplat.config_node import read_config_node
 from rlplat.contracts.role import RunContext
 from rlplat.contracts.rollout import SamplingParams
 from rlplat.data import build_loaders
-from rlplat.placement import Placement, enabled_roles, place
+from rlplat.trainer.placement import Placement, enabled_roles, place
 from rlplat.losses import rollout_correction
-from rlplat.pipeline import AsyncSettings, RolloutPipeline, TrainedPromptsLog, pop_window, row_versions
+from rlplat.trainer.pipeline import AsyncSettings, RolloutPipeline, TrainedPromptsLog, pop_window, row_versions
 from rlplat.protocol import DataProto
 from rlplat.reward_kit import last_tokens
-from rlplat.sync_probe import SyncProbe, SyncProbeConfig
-from rlplat.tracking import Tracker
-from rlplat.trainer_config import RUN_CONFIG_FILE, first_logged_step, prepare_run_directory
+from rlplat.trainer.sync_probe import SyncProbe, SyncProbeConfig
+from rlplat.trainer.tracking import Tracker
+from rlplat.config.trainer import RUN_CONFIG_FILE, first_logged_step, prepare_run_directory
 from rlplat.workers.actor_rollout_ref import log_prob_mismatch
 
 
@@ -149,7 +149,7 @@ class Trainer:
         return sampling_node(self.config)
 
     def build_workers(self) -> None:
-        """One worker group per enabled role (:mod:`rlplat.placement`), each started by its role."""
+        """One worker group per enabled role (:mod:`rlplat.trainer.placement`), each started by its role."""
         self.placement = place(enabled_roles(self.context), self.context)
         groups = self.placement.groups
         self.actor, self.critic = groups["actor"], groups.get("critic")

@@ -9,7 +9,7 @@ YAML file, then the dotted ``key=value`` overrides.
 Core's nodes are typed here. The nodes plugins own (``actor.engine_config``, ``critic.engine_config``,
 ``rollout.config``, ``reward.config``, ``actor.loss`` and its ``policy_loss``, ``critic.loss``,
 ``algorithm``, ``roles.<name>``) are checked by :func:`validate_config` in one loop
-(:func:`plugin_nodes`, in :mod:`rlplat.config_components` with the nodes each component receives)
+(:func:`plugin_nodes`, in :mod:`rlplat.config.components` with the nodes each component receives)
 against the schema each plugin declares, with the same reader the plugin uses in
 its worker (:func:`rlplat.config_node.read_config_node`). A misspelled or mistyped key anywhere, an
 unknown plugin, invalid sampling settings, a missing reward function, batch sizes that do not divide, an
@@ -28,14 +28,14 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from rlplat.config_node import ConfigError, did_you_mean, read_config_node, resolve_schema
 # the nodes each component receives and the plugin-owned nodes: their own module, the names stay importable here
-from rlplat.config_components import (BUILTIN_LOSS_SCHEMAS, ENGINE_BUILD_SOURCES, ROLLOUT_BUILD_SOURCES,  # noqa: F401
+from rlplat.config.components import (BUILTIN_LOSS_SCHEMAS, ENGINE_BUILD_SOURCES, ROLLOUT_BUILD_SOURCES,  # noqa: F401
                                       SAMPLING_SOURCES, PluginNode, engine_node, entry_schema, loss_schema, owned_nodes,
                                       optimizer_build, plugin_nodes, rollout_node, sampling_node, total_training_steps, uses_critic)
 from rlplat.data_config import DataConfig
 from rlplat.lora import LoraConfig, check_lora
-from rlplat.pipeline import check_trainer_mode
-from rlplat.sync_probe import SyncProbeConfig
-from rlplat.trainer_config import SharedTrainerConfig, check_run_directory
+from rlplat.trainer.pipeline import check_trainer_mode
+from rlplat.trainer.sync_probe import SyncProbeConfig
+from rlplat.config.trainer import SharedTrainerConfig, check_run_directory
 
 __all__ = ["ConfigError", "RLConfig", "load_config", "validate_config", "plugin_nodes", "engine_node",
            "rollout_node", "sampling_node", "to_yaml"]
@@ -142,7 +142,7 @@ class RolloutConfig:
     config: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """The rollout's own keys, checked against the schema the rollout registers."""
     sync_probe: SyncProbeConfig = dataclasses.field(default_factory=SyncProbeConfig)
-    """After weight syncs, check that the rollout serves the trainer's weights (:mod:`rlplat.sync_probe`)."""
+    """After weight syncs, check that the rollout serves the trainer's weights (:mod:`rlplat.trainer.sync_probe`)."""
     driver: Optional[str] = None
     """Rollout driver (kind ``rollout_driver``) turning prompts into trajectories, e.g. ``agent_loops``
     (rlplat-agents). None: the driver whose trigger the run sets (``agent.loop``, or an ``agent_name``
@@ -191,7 +191,7 @@ class TrainerConfig(SharedTrainerConfig):
     """``sync`` (generate, then train on it), ``colocate_async`` (the rollout in the actor's processes
     generates the next batches ahead, while the driver scores and prepares this one) or
     ``separate_async`` (the rollout in a pool of its own generates while the actor trains; weights move
-    through the object store). See :mod:`rlplat.pipeline`."""
+    through the object store). See :mod:`rlplat.trainer.pipeline`."""
     max_staleness: int = 1
     """Asynchronous modes: the most policy versions (updates) a trained sample may lag behind the weights
     it trains."""
@@ -294,7 +294,7 @@ def check_machine(config: DictConfig) -> None:
 
 def check_before_start(config: DictConfig) -> None:
     """What a command that trains checks after validation, before Ray or any worker starts: this machine
-    (:func:`check_machine`) and the run directory (:func:`rlplat.trainer_config.check_run_directory`)."""
+    (:func:`check_machine`) and the run directory (:func:`rlplat.config.trainer.check_run_directory`)."""
     check_machine(config)
     check_run_directory(config.trainer)
 
@@ -554,7 +554,7 @@ def validate_config(config: DictConfig) -> None:
     check_code_shipping(config.cluster)
     check_batch_sizes(config, ["actor"] + (["critic"] if uses_critic(config, algorithm) else []))
     check_old_log_prob_mode(config, algorithm)
-    from rlplat.tracking import BACKENDS
+    from rlplat.trainer.tracking import BACKENDS
 
     for name in config.trainer.logger:
         if name not in BACKENDS:
