@@ -47,3 +47,12 @@ def test_an_old_name_whose_distribution_is_missing_says_what_to_install(monkeypa
     with pytest.warns(DeprecationWarning), pytest.raises(ModuleNotFoundError, match="pip install rlplat-gone"):
         importlib.import_module("rlplat.gone_feature")
     sys.modules.pop("rlplat.gone_feature", None)
+
+
+@pytest.mark.parametrize("old", sorted(name for name, entry in moved.MOVED.items()
+                                       if entry.new.startswith("rlplat.") and entry.distribution == "rlplat"))
+def test_every_module_moved_within_core_imports_under_its_old_name(old):
+    new = moved.MOVED[old].new
+    result = fresh_import(old, f"import importlib\nassert importlib.import_module({old!r}) is importlib.import_module({new!r})")
+    assert result.returncode == 0, result.stderr
+    assert f"{old} moved to {new}" in result.stderr

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlplat.contracts.rollout import TokenOutput
-from rlplat.rollout_batch import assemble_rollout, finish_reason, prompt_token_lists, tied_weight_aliases, with_tied_aliases
+from rlplat.kits.rollout_batch import assemble_rollout, finish_reason, prompt_token_lists, tied_weight_aliases, with_tied_aliases
 from rlplat.testing import left_padded_prompts
 
 
@@ -59,7 +59,7 @@ def test_the_batcher_gathers_concurrent_requests_and_returns_each_its_own_result
     import asyncio
     import threading
 
-    from rlplat.rollout_batch import RequestBatcher
+    from rlplat.kits.rollout_batch import RequestBatcher
 
     batches, release = [], threading.Event()
 
@@ -84,7 +84,7 @@ def test_the_batcher_gathers_concurrent_requests_and_returns_each_its_own_result
 def test_a_failing_batch_raises_in_every_caller():
     import asyncio
 
-    from rlplat.rollout_batch import RequestBatcher
+    from rlplat.kits.rollout_batch import RequestBatcher
 
     def run_batch(items):
         raise ValueError("engine died")
@@ -101,7 +101,7 @@ def test_a_failing_batch_raises_in_every_caller():
 def test_pad_and_eos_come_from_config_and_generation_config(tmp_path):
     import json
 
-    from rlplat.rollout_batch import pad_and_eos_token_ids
+    from rlplat.kits.rollout_batch import pad_and_eos_token_ids
     from rlplat.testing.tiny_models import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "model", seed=0)

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from rlplat.rollout_server import ServerError, ServerProcess, cli_flags, free_port, python_module_argv, request_json
+from rlplat.kits.rollout_server import ServerError, ServerProcess, cli_flags, free_port, python_module_argv, request_json
 
 SERVER = textwrap.dedent('''
     import json, sys, time
@@ -102,7 +102,7 @@ def test_cli_flags_can_write_list_items_as_separate_arguments():
 
 
 def test_server_settings_start_a_server_module_or_attach_to_a_url(tmp_path):
-    from rlplat.rollout_server import ServerSettings
+    from rlplat.kits.rollout_server import ServerSettings
 
     (tmp_path / "fake_rollout_server.py").write_text(SERVER)
     settings = ServerSettings(server_startup_timeout_s=30)
@@ -118,7 +118,7 @@ def test_server_settings_start_a_server_module_or_attach_to_a_url(tmp_path):
 
 
 def test_server_settings_problems_are_sentences():
-    from rlplat.rollout_server import ServerSettings
+    from rlplat.kits.rollout_server import ServerSettings
 
     assert ServerSettings().server_problems("hybrid", "/m") == []
     assert ServerSettings().server_problems("hybrid", None) == ["model_path is required (a local Hugging Face directory)"]

@@ -31,7 +31,7 @@ class AdvantageEstimator(Protocol):
     ``rlplat.read_config_node(config, AlgorithmConfig, "algorithm", strict=False)``). ``extra`` carries
     the inputs the algorithm's :meth:`Algorithm.estimator_inputs` returns (e.g. ``reward_baselines`` for
     ReMax). Returns ``(advantages, returns)``, both [B, R] float32 and 0 where ``response_mask`` is 0.
-    Inputs are not modified. :mod:`rlplat.advantages` has the shape checks, the grouping by ``uid`` and
+    Inputs are not modified. :mod:`rlplat.kits.advantages` has the shape checks, the grouping by ``uid`` and
     the broadcasting every estimator needs. The registered object *is* the function.
     """
 

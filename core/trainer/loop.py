@@ -36,7 +36,7 @@ from rlplat.trainer.placement import Placement, enabled_roles, place
 from rlplat.losses import rollout_correction
 from rlplat.trainer.pipeline import AsyncSettings, RolloutPipeline, TrainedPromptsLog, pop_window, row_versions
 from rlplat.protocol import DataProto
-from rlplat.reward_kit import last_tokens
+from rlplat.kits.reward import last_tokens
 from rlplat.trainer.sync_probe import SyncProbe, SyncProbeConfig
 from rlplat.trainer.tracking import Tracker
 from rlplat.config.trainer import RUN_CONFIG_FILE, first_logged_step, prepare_run_directory

@@ -1,7 +1,7 @@
 """The advantage estimator ``example_group_median``: a response's score minus its group's median score.
 
 It follows :class:`rlplat.contracts.algorithm.AdvantageEstimator`, built with the public estimator kit
-(:mod:`rlplat.advantages`). The median is a baseline that one
+(:mod:`rlplat.kits.advantages`). The median is a baseline that one
 outlier cannot move: a single lucky 1.0 among seven 0.0 scores leaves it at 0.0, so that response keeps
 the whole credit, where GRPO's mean baseline would hand every other response a small negative advantage.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rlplat.advantages import check_shapes, group_rows, outcome_advantages
+from rlplat.kits.advantages import check_shapes, group_rows, outcome_advantages
 
 
 def group_median(token_level_rewards, response_mask, index, values=None, config=None, **extra):

@@ -30,7 +30,7 @@ import torch
 from rlplat_agents.config import VERL_LOOP_NAMES, AgentConfig
 from rlplat.contracts.agent import AgentContext, AgentLoop, TokenClient, Trajectory
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
-from rlplat.aio import run_async  # noqa: F401 (the manager's callers import it from here too)
+from rlplat.kits.aio import run_async  # noqa: F401 (the manager's callers import it from here too)
 from rlplat.protocol import DataProto
 
 METRIC_PREFIX = "agent/"
@@ -137,7 +137,7 @@ class AgentLoopManager:
 
     def generate(self, prompts: DataProto, sampling: SamplingParams, response_length: int) -> DataProto:
         """``len(prompts) * sampling.n`` conversations (the samples of a prompt adjacent), as a batch."""
-        from rlplat.rollout_batch import prompt_token_lists
+        from rlplat.kits.rollout_batch import prompt_token_lists
 
         repeated = prompts.repeat(sampling.n, interleave=True) if sampling.n > 1 else prompts
         prompt_lists = prompt_token_lists(repeated, "agent")

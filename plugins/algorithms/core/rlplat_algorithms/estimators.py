@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlplat.advantages import check_shapes, group_rows, outcome_advantages
+from rlplat.kits.advantages import check_shapes, group_rows, outcome_advantages
 from rlplat.config_node import read_config_node
 from rlplat.contracts.algorithm import AlgorithmConfig
 from rlplat.losses.aggregation import masked_whiten

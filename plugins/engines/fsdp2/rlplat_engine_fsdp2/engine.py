@@ -44,7 +44,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rlplat.contracts.engine import LossFunction, TrainingEngine
-from rlplat.engine_kit import WarmupSchedule, fixed_size_partition, token_budget_partition, tokenizer_folder, weight_buckets
+from rlplat.kits.engine import WarmupSchedule, fixed_size_partition, token_budget_partition, tokenizer_folder, weight_buckets
 from rlplat.lora import LoraConfig, read_lora
 from rlplat.protocol import DataProto
 from rlplat_engine_fsdp2 import checkpoint, lora, modeling

@@ -16,7 +16,7 @@ from rlplat.losses import aggregate_loss
 from rlplat_engine_fsdp2.config import FSDP2EngineConfig, read_engine_config
 from rlplat_engine_fsdp2 import modeling
 from rlplat_engine_fsdp2.engine import FSDP2Engine, full_tensor
-from rlplat.engine_kit import WarmupSchedule, balanced_partition, fixed_size_partition, token_budget_partition
+from rlplat.kits.engine import WarmupSchedule, balanced_partition, fixed_size_partition, token_budget_partition
 from rlplat_engine_fsdp2.modeling import response_entropy, response_log_probs
 
 

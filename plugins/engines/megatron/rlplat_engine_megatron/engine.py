@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from rlplat.contracts.engine import DataParallelInfo, LossFunction, TrainingEngine
-from rlplat.engine_kit import WarmupSchedule, fixed_size_partition, token_budget_partition, tokenizer_folder, weight_buckets
+from rlplat.kits.engine import WarmupSchedule, fixed_size_partition, token_budget_partition, tokenizer_folder, weight_buckets
 from rlplat.protocol import DataProto
 from rlplat_engine_megatron import bridge as hf_bridge
 from rlplat_engine_megatron import cpu, vocab_parallel

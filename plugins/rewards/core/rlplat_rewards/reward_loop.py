@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from rlplat.config_node import read_config_node
 from rlplat.contracts.reward import RewardManager, split_score
-from rlplat.reward_kit import last_tokens
+from rlplat.kits.reward import last_tokens
 
 if TYPE_CHECKING:
     import numpy as np
@@ -506,7 +506,7 @@ class AsyncRewardManager(RewardManager):
         self.scorer, self.tokenizer, self.settings = scorer, tokenizer, self.loop.settings
 
     def __call__(self, batch: "DataProto") -> "DataProto":
-        from rlplat.aio import run_async
+        from rlplat.kits.aio import run_async
 
         samples = decode_samples(batch, self.tokenizer)
         scoring = run_async(self.loop.score_all(samples))

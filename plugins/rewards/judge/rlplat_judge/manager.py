@@ -41,7 +41,7 @@ from rlplat.config_node import ConfigError, read_config_node, resolve_schema
 from rlplat.contracts.reward import JudgeParser, RewardManager, split_score
 from rlplat.contracts.role import Role, RunContext
 from rlplat.registry import did_you_mean
-from rlplat.reward_kit import last_tokens
+from rlplat.kits.reward import last_tokens
 
 if TYPE_CHECKING:
     from rlplat.controller.host import WorkerSpec

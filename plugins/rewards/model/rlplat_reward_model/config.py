@@ -173,7 +173,7 @@ def combine(rule_scores: Any, model_scores: Any, response_mask: Any, settings: R
     token), joined per ``settings.combine``. Returns them and the ``reward/model/*`` metrics."""
     import torch
 
-    from rlplat.reward_kit import last_tokens
+    from rlplat.kits.reward import last_tokens
 
     model_scores = model_scores.to(torch.float32)
     last = torch.tensor(last_tokens(response_mask), dtype=torch.long)

@@ -26,7 +26,7 @@ from rlplat.controller.decorator import Dispatch, register
 from rlplat.controller.host import WorkerSpec
 from rlplat.controller.worker import Worker
 from rlplat.protocol import DataProto
-from rlplat.reward_kit import last_tokens
+from rlplat.kits.reward import last_tokens
 
 
 @dataclasses.dataclass

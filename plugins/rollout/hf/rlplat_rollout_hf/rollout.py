@@ -11,7 +11,7 @@ import torch
 
 from rlplat.contracts.rollout import RolloutEngine, SamplingParams, TokenOutput
 from rlplat.protocol import DataProto
-from rlplat.rollout_batch import check_single_request
+from rlplat.kits.rollout_batch import check_single_request
 from rlplat.config_node import read_config_node
 from rlplat_rollout_hf.adapters import AdapterError, read_adapter
 from rlplat_rollout_hf.batching import TokenBatcher, TokenRequest

@@ -13,8 +13,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from rlplat.rollout_batch import RequestBatcher
-from rlplat.rollout_server import ServerError, request_json
+from rlplat.kits.rollout_batch import RequestBatcher
+from rlplat.kits.rollout_server import ServerError, request_json
 from rlplat_rollout_sglang.config import SGLangRolloutConfig
 from rlplat_rollout_sglang.translate import generate_request, server_args_kwargs, server_argv
 

@@ -23,7 +23,7 @@ import torch
 from rlplat.config_node import read_config_node
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
 from rlplat.protocol import DataProto
-from rlplat.rollout_batch import BackendRolloutEngine, assemble_rollout, check_single_request, pad_and_eos_token_ids, prompt_token_lists, transfer_copy
+from rlplat.kits.rollout_batch import BackendRolloutEngine, assemble_rollout, check_single_request, pad_and_eos_token_ids, prompt_token_lists, transfer_copy
 from rlplat_rollout_sglang.backends import InProcessBackend, ServerBackend
 from rlplat_rollout_sglang.config import SGLangRolloutConfig
 from rlplat_rollout_sglang.translate import (

@@ -10,8 +10,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
 from rlplat.lora import json_value, without_adapter_name  # noqa: F401 (json_value: used by the rollout)
-from rlplat.rollout_batch import finish_reason
-from rlplat.rollout_server import cli_flags
+from rlplat.kits.rollout_batch import finish_reason
+from rlplat.kits.rollout_server import cli_flags
 from rlplat_rollout_sglang.config import SGLangRolloutConfig
 
 # sglang/srt/sampling/sampling_params.py: TOP_K_ALL = 1 << 30, "whole vocabulary" (SGLang's top_k off;

@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Mapping, Sequence
 
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
-from rlplat.rollout_batch import RequestBatcher
-from rlplat.rollout_server import request_json
+from rlplat.kits.rollout_batch import RequestBatcher
+from rlplat.kits.rollout_server import request_json
 from rlplat_rollout_vllm.config import VLLMRolloutConfig
 from rlplat_rollout_vllm.translate import (
     completion_payload,

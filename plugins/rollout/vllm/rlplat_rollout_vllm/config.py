@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from rlplat.rollout_server import ServerSettings
+from rlplat.kits.rollout_server import ServerSettings
 
 MODES = ("hybrid", "server")
 SLEEP_LEVELS = (1, 2)

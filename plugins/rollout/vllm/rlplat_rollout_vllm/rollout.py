@@ -30,7 +30,7 @@ import torch
 from rlplat.config_node import read_config_node
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
 from rlplat.protocol import DataProto
-from rlplat.rollout_batch import (
+from rlplat.kits.rollout_batch import (
     BackendRolloutEngine,
     assemble_rollout,
     check_single_request,

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
 from rlplat.lora import json_value, without_adapter_name  # noqa: F401 (json_value: used by the rollout)
-from rlplat.rollout_batch import finish_reason
+from rlplat.kits.rollout_batch import finish_reason
 from rlplat_rollout_vllm.config import VLLMRolloutConfig
 
 # logprobs=0 asks vLLM for the log-prob of the sampled token only; "processed_logprobs" takes it after

@@ -1,4 +1,4 @@
-"""Pieces every training engine needs, written once (``rlplat.engine_kit``; no torch at import):
+"""Pieces every training engine needs, written once (``rlplat.kits.engine``; no torch at import):
 
 * :class:`WarmupSchedule`: the learning-rate multiplier (linear warm-up, then constant or cosine decay:
   verl's formulas);
