@@ -13,6 +13,7 @@ Names are resolved lazily, so ``from rlplat.contracts import TrainingEngine`` im
 * :mod:`~rlplat.contracts.agent`: ``AgentLoop``, ``AgentLoopConfig``, ``AgentContext``, ``Trajectory``,
   ``TrajectoryBuilder``, ``TokenClient``, ``Tool``, ``ToolConfig``, ``ToolResult``, ``ToolCall``,
   ``ToolCallParser``, ``ParsedTurn``, ``Environment``, ``EnvStep``
+* :mod:`~rlplat.contracts.health`: ``RunHealthError`` and its named faults, ``HealthEvent``
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ _LAZY_NAMES: dict[str, str] = {
     **dict.fromkeys(("AgentLoop", "AgentLoopConfig", "AgentContext", "Trajectory", "TrajectoryBuilder", "TokenClient",
                      "Tool", "ToolConfig", "ToolResult", "ToolCall", "ToolCallParser", "ParsedTurn", "Environment",
                      "EnvStep"), "rlplat.contracts.agent"),
+    **dict.fromkeys(("RunHealthError", "HealthEvent", "WeightSyncSkippedError", "WeightCorruptedError",
+                     "StaleReplicaError", "PolicyVersionError", "ScorerHungError", "TemplateDriftError",
+                     "NonFiniteError", "CollapseWarning"), "rlplat.contracts.health"),
 }
 
 __all__ = sorted(_LAZY_NAMES)
