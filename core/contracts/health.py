@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-HEALTH_EVENTS = "health_events"
-"""The ``meta_info`` key under which a batch carries :class:`HealthEvent` dicts to the driver."""
+# The meta_info key under which a batch carries HealthEvent dicts to the driver (DataProto.concat joins them).
+from rlplat.protocol.values import HEALTH_EVENTS_KEY as HEALTH_EVENTS
 
 
 class RunHealthError(RuntimeError):

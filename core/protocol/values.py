@@ -13,6 +13,7 @@ import torch
 from tensordict import TensorDict
 
 METRICS_KEY = "metrics"
+HEALTH_EVENTS_KEY = "health_events"
 
 
 class DataProtoError(ValueError, AssertionError):
@@ -35,7 +36,8 @@ def as_object_array(values: Any) -> np.ndarray:
 def merge_meta_info(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The rule :meth:`DataProto.concat` uses for ``meta_info``.
 
-    ``meta_info["metrics"]`` is gathered. Each part's value is a dict of name -> value (or list of
+    ``meta_info["metrics"]`` is gathered, and ``meta_info["health_events"]`` (lists of a run's health
+    events, :mod:`rlplat.contracts.health`) are joined in part order. Each ``metrics`` part's value is a dict of name -> value (or list of
     values), a list of such dicts (what verl's agent loop and workers produce), or None. The result
     maps each name to the list of all the values in part order, lists flattened:
     ``[{"loss": 0.5}]`` and ``{"loss": [0.6, 0.7]}`` give ``{"loss": [0.5, 0.6, 0.7]}``. Every other
@@ -59,13 +61,15 @@ def merge_meta_info(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                         )
                     for name, metric in metrics.items():
                         gathered.setdefault(name, []).extend(metric if isinstance(metric, list) else [metric])
+            elif key == HEALTH_EVENTS_KEY:
+                merged[key] = [*merged.get(key, ()), *(value or ())]
             elif key not in merged:
                 merged[key] = value
             elif not values_equal(merged[key], value):
                 raise DataProtoError(
                     f"cannot concat DataProto: Conflicting values for meta_info key {key!r} "
                     f"({merged[key]!r:.60} vs {value!r:.60} in part {position}); only meta_info['metrics'] "
-                    "is gathered, every other key must be equal in all parts"
+                    "and ['health_events'] are gathered, every other key must be equal in all parts"
                 )
     if has_metrics:
         merged[METRICS_KEY] = gathered
