@@ -137,6 +137,7 @@ def main() -> None:
             "sync": summary(run("sync", ["trainer.mode=sync"], args, site, root)),
             "separate_async": summary(run("separate_async", [
                 "trainer.mode=separate_async", f"trainer.max_staleness={args.staleness}", "cluster.threads_per_process=1",
+                "algorithm.rollout_correction.allow_uncorrected=true",  # as the README's figure was measured
                 f"roles.rollout.devices_per_node={args.replicas}", "cluster.cpus_per_process=0.5",
                 f"trainer.rollout_dispatch={'replica' if args.replicas > 1 else 'split'}"],
                 args, site, root)),

@@ -39,7 +39,9 @@ def overrides(assets, output_dir, *extra) -> list[str]:
         f"model.path={assets['model']}", f"data.train_files=[{assets['train']}]", "data.train_batch_size=2",
         "actor.ppo_mini_batch_size=2", "rollout.n=2", "rollout.response_length=3", "actor.optim.lr=1e-3",
         "actor.micro_batch_size_per_gpu=4", "reward.scorer=exact_match", "cluster.backend=local", "cluster.threads_per_process=1",
-        f"trainer.output_dir={output_dir}", "trainer.logger=[jsonl]", "trainer.val_before_train=false", *extra,
+        f"trainer.output_dir={output_dir}", "trainer.logger=[jsonl]", "trainer.val_before_train=false",
+        "algorithm.rollout_correction.allow_uncorrected=true",  # these tests are about staleness itself
+        *extra,
     ]
 
 

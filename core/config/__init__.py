@@ -34,6 +34,7 @@ from rlplat.config.components import (BUILTIN_LOSS_SCHEMAS, ENGINE_BUILD_SOURCES
 from rlplat.data_config import DataConfig
 from rlplat.lora import LoraConfig, check_lora
 from rlplat.trainer.pipeline import check_trainer_mode
+from rlplat.trainer.sentinel import SentinelConfig
 from rlplat.trainer.sync_probe import SyncProbeConfig
 from rlplat.config.trainer import SharedTrainerConfig, check_run_directory
 
@@ -205,6 +206,9 @@ class TrainerConfig(SharedTrainerConfig):
     """``separate_async``: ``split`` (each generation split over the rollout's processes) or ``replica``
     (each generation whole on one process, step ``s`` on process ``s % processes``: the processes generate
     different steps at once, so one batch's slow tail overlaps the next batch's generation)."""
+    sentinel: SentinelConfig = dataclasses.field(default_factory=SentinelConfig)
+    """The run sentinel: named errors for silent faults (weight syncs, policy versions, scorers, templates,
+    NaN or Inf, collapse) and what to do on each (:mod:`rlplat.trainer.sentinel`)."""
 
 
 @dataclasses.dataclass
@@ -523,6 +527,7 @@ def validate_config(config: DictConfig) -> None:
     check_trainer_mode(config)
     check_lora(config)
     read_config_node(OmegaConf.to_container(config.rollout.sync_probe, resolve=True), SyncProbeConfig, "rollout.sync_probe")
+    read_config_node(OmegaConf.to_container(config.trainer.sentinel, resolve=True), SentinelConfig, "trainer.sentinel")
     for node in plugin_nodes(config, algorithm, total_training_steps(config, parquet_rows(data.train_files))):
         node.check()
     check_rollout_correction(config)
@@ -602,13 +607,20 @@ def check_old_log_prob_mode(config: DictConfig, algorithm: Any) -> None:
 
 
 def check_rollout_correction(config: DictConfig) -> None:
-    """``algorithm.rollout_correction`` is a node the loss kit can read (verl's keys and presets)."""
-    node = OmegaConf.select(config, "algorithm.rollout_correction", default=None)
-    if node is None:
-        return
+    """``algorithm.rollout_correction`` is a node the loss kit can read (verl's keys and presets), and an
+    asynchronous run whose samples may be stale corrects for it (or says it does not want to)."""
     from rlplat.losses.rollout_correction import read_rollout_correction
 
-    read_rollout_correction(OmegaConf.to_container(node, resolve=True))
+    node = OmegaConf.select(config, "algorithm.rollout_correction", default=None)
+    correction = read_rollout_correction(OmegaConf.to_container(node, resolve=True)) if node is not None else None
+    mode, staleness = config.trainer.mode, config.trainer.max_staleness
+    if mode != "sync" and staleness > 0 and not (correction is not None and (correction.enabled or correction.allow_uncorrected)):
+        raise ConfigError(
+            f"trainer.mode={mode} with trainer.max_staleness={staleness} trains on samples from up to {staleness} older "
+            "policy versions, and without algorithm.rollout_correction the loss's ratio is taken against the current "
+            "weights as if they had sampled them. Correct it (algorithm.rollout_correction.preset=decoupled_token_is, "
+            "or bypass_ppo_clip; `rlplat config explain algorithm.rollout_correction`), set trainer.max_staleness=0, or "
+            "train uncorrected on purpose with algorithm.rollout_correction.allow_uncorrected=true")
 
 
 def check_code_shipping(cluster: DictConfig) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Optional, Se
 if TYPE_CHECKING:
     import torch
 
+    from rlplat.kits.weights import Fingerprint
     from rlplat.plan.estimate import MemoryContext, MemoryEstimate
     from rlplat.protocol import DataProto
 
@@ -125,6 +126,13 @@ class RolloutEngine(abc.ABC):
         :meth:`update_weights`. An engine that binds must keep the tensors untouched (no in-place
         writes, not freed by :meth:`sleep`) and take its own copy again before :meth:`update_weights`."""
         return False
+
+    def weight_fingerprints(self) -> "Mapping[str, Fingerprint] | None":
+        """What the rollout holds, for the run sentinel's check after each weight sync: the
+        :func:`~rlplat.kits.weights.fingerprint` of every weight by the name :meth:`update_weights` takes
+        (a tied weight under each of its names). None (the default): not supported, the sync is not checked
+        (``sentinel/weight_checks_skipped``). Cost: one read of the weights."""
+        return None
 
     supports_adapters: ClassVar[bool] = False
     """Whether :meth:`load_adapter` works (``actor.lora.sync=adapter`` is checked against it at load)."""

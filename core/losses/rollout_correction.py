@@ -76,6 +76,11 @@ class RolloutCorrectionConfig:
     rollout policy; rejection only, no weights) or ``reinforce`` (policy gradient ``-A * w * log_prob``
     with the detached weights ``w``, no ratio, no clipping)."""
 
+    allow_uncorrected: bool = False
+    """Train an asynchronous run whose samples may be stale (``trainer.max_staleness`` > 0) with no weights,
+    rejection or bypass: refused at load otherwise, since its PPO ratio then ignores the policies that
+    sampled (rlplat's key, not verl's)."""
+
     def __post_init__(self) -> None:
         if self.preset is not None:
             if self.preset not in PRESETS:

@@ -29,6 +29,7 @@ from rlplat.trainer.checkpoint import CheckpointManager, capture_rng_state, grac
 from rlplat.config import (algorithm_schema, check_machine, old_log_prob_pass_reasons, rollout_driver, sampling_node,
                            total_training_steps, validate_config)
 from rlplat.config_node import read_config_node
+from rlplat.contracts.health import HEALTH_EVENTS
 from rlplat.contracts.role import RunContext
 from rlplat.contracts.rollout import SamplingParams
 from rlplat.data import build_loaders
@@ -37,6 +38,8 @@ from rlplat.losses import rollout_correction
 from rlplat.trainer.pipeline import AsyncSettings, RolloutPipeline, TrainedPromptsLog, pop_window, row_versions
 from rlplat.protocol import DataProto
 from rlplat.kits.reward import last_tokens
+from rlplat.trainer.sentinel import Sentinel, SentinelConfig
+from rlplat.trainer.status import RunStatus
 from rlplat.trainer.sync_probe import SyncProbe, SyncProbeConfig
 from rlplat.trainer.tracking import Tracker
 from rlplat.config.trainer import RUN_CONFIG_FILE, first_logged_step, prepare_run_directory
@@ -141,6 +144,8 @@ class Trainer:
         self.sync_probe = SyncProbe(read_config_node(self.node["rollout"]["sync_probe"], SyncProbeConfig, "rollout.sync_probe"),
                                     probe_set, self.train_loader.pad_token_id, config.trainer.seed, config.rollout.temperature)
         self.trained_prompts: TrainedPromptsLog | None = None
+        self.sentinel = Sentinel(read_config_node(self.node["trainer"]["sentinel"], SentinelConfig, "trainer.sentinel"))
+        self.status: RunStatus | None = None
         self.step = 0
 
     # -- set-up --------------------------------------------------------------------------------------
@@ -201,6 +206,17 @@ class Trainer:
         check_machine(self.config)
         prepare_run_directory(self.config.trainer)
         (self.run_dir / RUN_CONFIG_FILE).write_text(OmegaConf.to_yaml(self.config, resolve=True))
+        self.status = RunStatus(self.run_dir, self.total_steps)
+        self.status.phase("build_workers")
+        try:
+            metrics = self.run_steps()
+        except BaseException as error:
+            self.status.finish("failed", error, list(self.sentinel.recent))
+            raise
+        self.status.finish("finished" if self.step >= self.total_steps else "interrupted", events=list(self.sentinel.recent))
+        return metrics
+
+    def run_steps(self) -> dict[str, float]:
         self.build_workers()
         self.resume()
         self.actor.set_policy_version(self.step)
@@ -213,6 +229,7 @@ class Trainer:
                      project=trainer.project_name, experiment=trainer.experiment_name or self.run_dir.name,
                      config=self.node) as tracker, graceful_interrupt() as interrupt:
             if self.step == 0 and trainer.val_before_train and self.val_loader is not None:
+                self.status.phase("validate", 0)
                 tracker.log(self.validate(), step=0)
             while self.step < self.total_steps:
                 self.step += 1
@@ -220,14 +237,28 @@ class Trainer:
                 self.pipeline.fill(self.step, self.total_steps)  # the next generations start before validation
                 if self.val_loader is not None and trainer.test_freq and (self.step % trainer.test_freq == 0 or self.step == self.total_steps):
                     started = time.perf_counter()
+                    self.status.phase("validate")
                     metrics.update(self.validate())
                     metrics["timing_s/validate"] = time.perf_counter() - started
+                metrics.update(self.sentinel.step_metrics())
+                replicas = [f"rollout/{rank}" for rank in range(self.rollout.world_size)]
+                self.status.step_done(self.step, metrics["timing_s/step"], metrics.get("perf/throughput"),
+                                      self.sentinel.replica_health(self.step, replicas), list(self.sentinel.recent))
                 tracker.log(metrics, step=self.step)
                 if (trainer.save_freq and self.step % trainer.save_freq == 0) or self.step == self.total_steps or interrupt.requested:
+                    self.status.phase("save")
                     self.save()
                 if interrupt.requested:
                     break
         return metrics
+
+    @contextlib.contextmanager
+    def timed(self, timing: dict[str, float], name: str) -> Iterator[None]:
+        """Time phase ``name`` into ``timing_s/<name>``; ``status.json`` shows it as the current phase."""
+        if self.status is not None:
+            self.status.phase(name, self.step)
+        with timed(timing, name):
+            yield
 
     def generate(self, prompts: DataProto, sampling: SamplingParams | None = None) -> DataProto:
         overrides = dataclasses.asdict(sampling) if sampling is not None else {}
@@ -238,8 +269,12 @@ class Trainer:
         metrics: dict[str, Any] = {}
         started = time.perf_counter()
         seed = self.config.trainer.seed * 1_000_003 + self.step
-        with timed(timing, "gen"):
+        with self.timed(timing, "gen"):
             batch = self.generate_filled_batch(seed, timing)
+        self.sentinel.take_events(batch.meta_info, self.step)
+        if "policy_version" in batch.batch.keys():
+            lag = self.async_settings.max_staleness if self.async_settings.asynchronous else 0
+            self.sentinel.check_versions(row_versions(batch), self.step, lag)
         batch = self.stage("scored", batch)
         if self.config.trainer.balance_batch:
             self.balance(batch, metrics)
@@ -250,7 +285,7 @@ class Trainer:
         bypass = correction is not None and correction.bypass_mode
         separate_old_log_prob = not bypass and self.needs_old_log_prob_pass(batch)
         if separate_old_log_prob:
-            with timed(timing, "old_log_prob"):
+            with self.timed(timing, "old_log_prob"):
                 batch = batch.union(self.actor.compute_log_prob(batch))
             mask = batch.batch["response_mask"].to(batch.batch["entropys"].dtype)
             metrics["actor/entropy"] = float((batch.batch["entropys"] * mask).sum() / mask.sum().clamp(min=1))
@@ -264,19 +299,20 @@ class Trainer:
             else:
                 metrics.update(rollout_correction.apply(batch, correction))
         if self.use_reference:
-            with timed(timing, "ref"):
+            with self.timed(timing, "ref"):
                 batch = batch.union(self.actor.compute_ref_log_prob(batch))
         if self.critic is not None:
-            with timed(timing, "values"):
+            with self.timed(timing, "values"):
                 batch = batch.union(self.critic.compute_values(batch))
-        with timed(timing, "adv"):
+        with self.timed(timing, "adv"):
             batch, reward_kl_metrics = self.compute_advantage(batch)
+        self.sentinel.check_advantages(batch.batch["advantages"], batch.batch["response_mask"], self.step)
         batch = self.stage("prepared", batch)
         metrics.update(reward_kl_metrics)
         if self.critic is not None:
-            with timed(timing, "update_critic"):
+            with self.timed(timing, "update_critic"):
                 metrics.update(self.critic.update_critic(batch).meta_info["metrics"])
-        with timed(timing, "update_actor"):
+        with self.timed(timing, "update_actor"):
             updated = self.actor.update_actor(batch)
         update_metrics = dict(updated.meta_info["metrics"])
         self.pipeline.record_update(pop_window(update_metrics, "update"))
@@ -287,16 +323,19 @@ class Trainer:
             metrics.update(log_prob_mismatch(batch, sampled_mask))
             metrics.update(rollout_correction.offpolicy_metrics(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"],
                                                                 sampled_mask))
-        with timed(timing, "sync_weights"):
+        self.sentinel.check_update(metrics, self.step)
+        with self.timed(timing, "sync_weights"):
             metrics.update(self.sync_weights())
         if self.sync_probe.due(self.step):
-            metrics.update(self.sync_probe.run(self.rollout, self.actor, self.step))
+            metrics.update(self.sync_probe.run(self.rollout, self.actor, self.step,
+                                               on_meta_info=lambda meta: self.sentinel.take_events(meta, self.step)))
         self.stage("updated", batch)
         if self.trained_prompts is not None:
             self.trained_prompts.write(self.step, batch)
         metrics.update(batch_metrics(batch, sampled_mask))
         metrics.update(self.driver_metrics(batch, ""))
         metrics.update(batch.meta_info.get("reward_metrics", {}))
+        self.sentinel.check_collapse(metrics, self.step)
         timing["timing_s/step"] = time.perf_counter() - started
         tokens = float(batch.batch["attention_mask"].sum())
         metrics["perf/throughput"] = tokens / timing["timing_s/step"] / max(self.actor.world_size, 1)
@@ -337,6 +376,7 @@ class Trainer:
         accumulator = self.algorithm.make_accumulator(self.config.data.train_batch_size)
         attempt = 0
         reward_metrics: list[dict[str, float]] = []  # per generation: kept out of meta_info, whose keys must agree to concat
+        events: list[dict[str, Any]] = []  # health events of every generation and scoring, for the sentinel
         while True:
             if attempt == 0 and self.pipeline is not None and (self.pipeline.queue or self.async_settings.asynchronous):
                 batch, async_metrics = self.pipeline.take(self.step, self.total_steps)
@@ -345,21 +385,27 @@ class Trainer:
                 prompts = self.train_loader.next_batch()
                 prompts = prompts.with_meta_info({**prompts.meta_info, "seed": seed + 7919 * attempt})
                 batch = self.generate(prompts)
+            events.extend(batch.meta_info.pop(HEALTH_EVENTS, ()))
+            checks = {name: float(max(value) if isinstance(value, list) else value)  # the workers' running counts
+                      for name, value in (batch.meta_info.get("metrics") or {}).items() if name.startswith("sentinel/")}
             batch = self.algorithm.after_generate(batch, self.generate, SamplingParams(**{**self.sampling(), "seed": seed}))
+            events.extend(batch.meta_info.pop(HEALTH_EVENTS, ()))  # a baseline generation's (ReMax)
             batch = self.stage("generated", batch)
-            with timed(timing, "reward"):
+            with self.timed(timing, "reward"):
                 scored = self.score(batch, timing)
+            events.extend(scored.meta_info.get(HEALTH_EVENTS, ()))
             batch = batch.union(scored.select(batch_keys=["token_level_scores"], meta_info_keys=[]))
             for key, values in scored.non_tensor_batch.items():
                 if key not in batch.non_tensor_batch:
                     batch.non_tensor_batch[key] = values
-            reward_metrics.append(scored.meta_info.get("reward_metrics", {}))
+            reward_metrics.append({**scored.meta_info.get("reward_metrics", {}), **checks})
             batch = self.algorithm.filter_batch(batch)
             full = batch if accumulator is None else accumulator.add(batch)
             if full is not None:
                 names = {name for metrics in reward_metrics for name in metrics}
                 full.meta_info["reward_metrics"] = {  # the mean over this step's generations
                     name: float(np.mean([metrics[name] for metrics in reward_metrics if name in metrics])) for name in names}
+                full.meta_info[HEALTH_EVENTS] = events
                 return full
             attempt += 1
 
@@ -427,7 +473,9 @@ class Trainer:
                                 max_new_tokens=self.config.rollout.response_length, seed=self.config.trainer.seed)
         for prompts in self.val_loader:
             batch = self.generate(prompts, greedy)
+            self.sentinel.take_events(batch.meta_info, self.step)
             scored = self.score(batch, validation=True)
+            self.sentinel.take_events(scored.meta_info, self.step)
             for name, values in scored.meta_info.get("validation_values", {}).items():  # per row, e.g. a reward model's
                 scores.setdefault(name, []).extend(values)
             for name, value in self.driver_metrics(batch, "val/").items():

@@ -16,6 +16,8 @@ import dataclasses
 import time
 from typing import Any
 
+from rlplat.contracts.health import RunHealthError
+
 
 @dataclasses.dataclass
 class SyncProbeConfig:
@@ -37,8 +39,10 @@ class SyncProbeConfig:
                              f"tolerance={self.tolerance}")
 
 
-class SyncProbeError(RuntimeError):
+class SyncProbeError(RunHealthError):
     """The rollout's log-probs after a weight sync differ from the trainer's beyond the tolerance."""
+
+    check = "sync_probe"
 
 
 class SyncProbe:
@@ -57,10 +61,13 @@ class SyncProbe:
         freq = self.settings.freq
         return freq > 0 and (step == 1 or step % freq == 0)
 
-    def run(self, rollout: Any, actor: Any, step: int) -> dict[str, float]:
-        """Probe now: ``rollout`` and ``actor`` are the worker groups. Raises :class:`SyncProbeError`."""
+    def run(self, rollout: Any, actor: Any, step: int, on_meta_info: Any = None) -> dict[str, float]:
+        """Probe now: ``rollout`` and ``actor`` are the worker groups; ``on_meta_info`` is given the probe
+        generation's ``meta_info`` (its health events are the run's). Raises :class:`SyncProbeError`."""
         started = time.perf_counter()
         batch = rollout.generate_sequences(self.prompts.with_meta_info({**self.prompts.meta_info, **self.meta}))
+        if on_meta_info is not None:
+            on_meta_info(batch.meta_info)
         if "rollout_log_probs" not in batch.batch.keys():
             return {"sync_probe/skipped": 1.0}
         trained = actor.compute_log_prob(batch).batch["old_log_probs"]
@@ -75,10 +82,11 @@ class SyncProbe:
             prompt = batch.non_tensor_batch["raw_prompt"][worst]
             text = prompt[-1]["content"] if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[-1], dict) else prompt
             raise SyncProbeError(
-                f"step {step}: after the weight sync the rollout's log-probs differ from the trainer's by {mean:.3g} per token "
+                f"after the weight sync the rollout's log-probs differ from the trainer's by {mean:.3g} per token "
                 f"on average (max {largest:.3g}), more than rollout.sync_probe.tolerance={self.settings.tolerance:g}; "
                 f"probe prompt {worst} ({str(text)[:80]!r}) differs most ({float(per_prompt[worst]):.3g}). The rollout is not "
-                "serving the trained weights: a weight or adapter sync did not arrive."
+                "serving the trained weights: a weight or adapter sync did not arrive.",
+                step=step, role="rollout", figures={"mean_abs_diff": mean, "max_abs_diff": largest, "prompt": worst},
             )
         return {"sync_probe/mean_abs_diff": mean, "sync_probe/max_abs_diff": largest,
                 "timing_s/sync_probe": time.perf_counter() - started}

@@ -11,6 +11,13 @@ weights in; always the actor's when the rollout reads the engine's parameters in
 generated row carries that version on each response token (``policy_version``), and
 ``meta_info["metrics"]`` the wall-clock window the generation ran in (``async/generation_start`` and
 ``async/generation_end``), which the driver's asynchronous modes read (:mod:`rlplat.trainer.pipeline`).
+
+**Acknowledged applies.** A sync or load counts a policy version as applied (``acked_version``) only when
+the rollout then holds what was sent (``weight_checks``: the fingerprints of :mod:`rlplat.kits.weights`,
+where the rollout offers :meth:`~RolloutEngine.weight_fingerprints`), or reads the engine's parameters in
+place. A mismatch, or a generation from a version never acknowledged, is not raised here: it travels to the
+driver's sentinel as a health event in the output's ``meta_info["health_events"]``
+(:mod:`rlplat.contracts.health`), which applies the run's policy.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Any
 
 import torch
 
+from rlplat.contracts.health import HEALTH_EVENTS, HealthEvent
 from rlplat.contracts.rollout import SamplingParams
 from rlplat.controller.decorator import Dispatch, register
 from rlplat.controller.worker import Worker, without_padding_weight
@@ -104,6 +112,9 @@ class ActorRolloutRefWorker(Worker):
         self.weights_shared = False  # the rollout reads the engine's parameters in place
         self.reference_from_actor = False  # LoRA: the reference policy is the actor with its adapter off
         self.base_synced = False  # LoRA adapter sync: the rollout holds the base weights
+        self.acked_version: int | None = None  # the last policy version whose apply was acknowledged
+        self.health_events: list[HealthEvent] = []  # for the driver, with the next generation's output
+        self.weight_check_counts = {"checked": 0, "skipped": 0}
 
     def has(self, role: str) -> bool:
         return role in self.config.roles
@@ -179,11 +190,20 @@ class ActorRolloutRefWorker(Worker):
             rollout.sleep()
             self.rollout_asleep, self.base_synced = True, False
         output.batch["policy_version"] = torch.full(output.batch["responses"].shape, version, dtype=torch.long)
+        if self.acked_version != version:
+            self.health_events.append(HealthEvent(
+                "policy_version", f"the rollout sampled from policy version {version}, but the last weights whose "
+                f"apply it acknowledged are version {self.acked_version}", role="rollout", rank=self.rank,
+                figures={"version": version, "acked_version": self.acked_version}))
         # the sampling keys were settings of this call: outputs of different calls must concat cleanly
         meta = {key: value for key, value in output.meta_info.items() if key not in SAMPLING_KEYS}
         metrics = {"timing_s/generate_worker": time.perf_counter() - started,
-                   "async/generation_start": window_start, "async/generation_end": time.time()}
-        return output.with_meta_info({**meta, "metrics": metrics})
+                   "async/generation_start": window_start, "async/generation_end": time.time(),
+                   "sentinel/weight_checks": float(self.weight_check_counts["checked"]),
+                   "sentinel/weight_checks_skipped": float(self.weight_check_counts["skipped"])}
+        events = [*meta.pop(HEALTH_EVENTS, ()), *(event.as_dict() for event in self.health_events)]
+        self.health_events = []
+        return output.with_meta_info({**meta, "metrics": metrics, **({HEALTH_EVENTS: events} if events else {})})
 
     def sampling_version(self) -> int:
         """The policy version the rollout samples from now (see the module docstring)."""
@@ -195,10 +215,12 @@ class ActorRolloutRefWorker(Worker):
         rollout holding them takes the same number."""
         if self.actor is not None:
             if self.rollout is not None and self.rollout_version == self.actor_version:
+                if self.acked_version == self.rollout_version:
+                    self.acked_version = int(version)
                 self.rollout_version = int(version)
             self.actor_version = int(version)
         elif self.rollout is not None:
-            self.rollout_version = int(version)
+            self.rollout_version = int(version)  # acknowledged by the load that follows
 
     def rollout_driver(self) -> Any:
         """The run's rollout driver (kind ``rollout_driver``) over this worker's rollout, built once; None
@@ -321,16 +343,49 @@ class ActorRolloutRefWorker(Worker):
             shared = actor.shared_weights()
             if shared is not None and rollout.bind_weights(shared):
                 self.rollout_asleep, self.weights_shared = False, True
-                self.rollout_version = self.actor_version
+                self.rollout_version = self.acked_version = self.actor_version  # the same tensors: nothing to check
                 return {"timing_s/sync_weights": time.perf_counter() - started, "sync/bytes": 0.0, "sync/shared": 1.0}
         rollout.wake_up_weights()
+        sent = self.sent_fingerprints()
         for bucket in actor.named_weights(self.config.weight_bucket_bytes):
             rollout.update_weights(bucket)
             moved += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+            sent.add(bucket)
         rollout.wake_up_kv_cache()
         self.rollout_asleep, self.weights_shared = False, False
         self.rollout_version = self.actor_version
+        self.acknowledge(sent, self.actor_version)
         return {"timing_s/sync_weights": time.perf_counter() - started, "sync/bytes": float(moved), "sync/shared": 0.0}
+
+    def sent_fingerprints(self) -> "SentWeights":
+        return SentWeights(self.config.weight_checks)
+
+    def acknowledge(self, sent: "SentWeights", version: int) -> None:
+        """Count ``version`` as applied when the rollout holds what ``sent`` saw (or cannot tell: then the
+        check is counted as skipped); otherwise leave the acknowledged version as it was and record a
+        ``weight_checksum`` event naming the tensors that differ."""
+        if not sent.enabled:
+            self.acked_version = version
+            return
+        held = self.rollout.weight_fingerprints()
+        if held is None:
+            self.weight_check_counts["skipped"] += 1
+            self.acked_version = version
+            return
+        from rlplat.kits.weights import compare
+
+        compared, problems = compare(sent.fingerprints, held)
+        self.weight_check_counts["checked"] += 1
+        if problems or not compared:
+            shown = dict(list(problems.items())[:3])
+            self.health_events.append(HealthEvent(
+                "weight_checksum", f"after the weight sync to version {version}, {len(problems)} of {compared} tensors "
+                f"the rollout holds differ from what was sent: " + ("; ".join(f"{name}: {why}" for name, why in shown.items())
+                                                                    or "no tensor name in common"),
+                role="rollout", rank=self.rank, figures={"version": version, "compared": compared, "differ": len(problems),
+                                                         "tensors": sorted(problems)[:20]}))
+            return
+        self.acked_version = version
 
     def sync_adapter(self, actor: Any, rollout: Any, started: float) -> dict[str, float]:
         """LoRA with ``sync=adapter``: the base weights once (the adapter off), then the adapter alone."""
@@ -347,7 +402,7 @@ class ActorRolloutRefWorker(Worker):
         moved += sum(tensor.numel() * tensor.element_size() for _, tensor in tensors)
         rollout.wake_up_kv_cache()
         self.rollout_asleep, self.weights_shared = False, False
-        self.rollout_version = self.actor_version
+        self.rollout_version = self.acked_version = self.actor_version  # adapters are merged: not fingerprinted
         return {"timing_s/sync_weights": time.perf_counter() - started, "sync/bytes": float(moved), "sync/shared": 0.0}
 
     @register(Dispatch.ONE_TO_ALL)
@@ -375,12 +430,16 @@ class ActorRolloutRefWorker(Worker):
         rollout = self.require("rollout", "load_weights")
         weights = next(part for part in exported if part is not None)
         rollout.wake_up_weights()
+        sent = self.sent_fingerprints()
         for bucket in weights["buckets"]:
             rollout.update_weights(bucket)
+            sent.add(bucket)
         if weights.get("adapter") is not None:
             rollout.load_adapter(*weights["adapter"])
+            sent.enabled = False  # adapters are merged into the served weights: not fingerprinted
         rollout.wake_up_kv_cache()
         self.rollout_asleep, self.rollout_version = False, int(weights["version"])
+        self.acknowledge(sent, self.rollout_version)
 
     @register(Dispatch.ONE_TO_ALL)
     def sleep_rollout(self) -> None:
@@ -400,3 +459,17 @@ class ActorRolloutRefWorker(Worker):
         self.require("actor", "load_checkpoint").load(str(Path(path) / "actor"))
         if self.rollout is not None:
             self.sync_weights()
+
+
+class SentWeights:
+    """The fingerprints of the tensors one sync sends (nothing when ``enabled`` is False)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.fingerprints: dict[str, Any] = {}
+
+    def add(self, bucket: Any) -> None:
+        if self.enabled:
+            from rlplat.kits.weights import fingerprint
+
+            self.fingerprints.update((name, fingerprint(tensor)) for name, tensor in bucket)

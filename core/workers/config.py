@@ -69,6 +69,11 @@ class ActorRolloutRefConfig:
     """The run's ``reward`` node (``manager``, ``scorer``, ``custom_function``, ``config``): a rollout driver
     asks the manager built from it for its :meth:`~rlplat.contracts.reward.RewardManager.trajectory_scorer`."""
 
+    weight_checks: bool = True
+    """``trainer.sentinel.weight_checks`` (with the sentinel on): after each weight sync, compare the rollout's
+    weights with what was sent (:mod:`rlplat.kits.weights`) and count the policy version as applied only
+    when they match."""
+
     def __post_init__(self) -> None:
         unknown = sorted(set(self.roles) - {"actor", "rollout", "ref"})
         if unknown or not self.roles:

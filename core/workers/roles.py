@@ -56,6 +56,7 @@ def actor_rollout_config(run: RunContext, roles: list[str]) -> dict[str, Any]:
         "rollout_config": rollout_node(config), "actor": actor_loss_config(run),
         "free_rollout_between_phases": config.rollout.free_between_phases,
         "share_weights": config.rollout.share_weights,
+        "weight_checks": bool(config.trainer.sentinel.enabled and config.trainer.sentinel.weight_checks),
         **driver_settings(config), "tokenizer_path": config.model.tokenizer_path or config.model.path,
         "prompt_length": config.data.max_prompt_length,
         "template_kwargs": OmegaConf.to_container(config.data.apply_chat_template_kwargs, resolve=True) or {},

@@ -278,6 +278,14 @@ class HFRollout(RolloutEngine):
                     base.copy_(target.data)
 
     @holding_model_lock
+    def weight_fingerprints(self) -> dict[str, Any] | None:
+        from rlplat.kits.weights import fingerprint
+
+        if self.asleep:
+            return None
+        return {name: fingerprint(target.data) for name, target in self.targets.items()}
+
+    @holding_model_lock
     def load_adapter(self, config: Mapping[str, Any], named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Serve the base weights with this LoRA adapter merged in, replacing the previous adapter (see
         :mod:`rlplat_rollout_hf.adapters` for what is accepted). Everything is checked before any weight

@@ -97,7 +97,7 @@ def test_the_tool_demo_calls_its_calculator_more_often_through_vllm(tmp_path):
 def test_a_separate_rollout_pool_on_ray_serves_vllm_within_the_staleness_bound(assets, tmp_path):
     """``trainer.mode=separate_async``: vLLM in a rollout pool of its own (a Ray actor), weights shipped
     to it after every update; 10 steps, each trained batch at most one version stale."""
-    common = ["trainer.mode=separate_async", "trainer.max_staleness=1", "cluster.backend=ray", "roles.rollout.devices_per_node=1",
+    common = ["trainer.mode=separate_async", "trainer.max_staleness=1", "algorithm.rollout_correction.allow_uncorrected=true", "cluster.backend=ray", "roles.rollout.devices_per_node=1",
               "cluster.cpus_per_process=0.5", "trainer.total_training_steps=10"]
     records = fit_run(load_config(overrides=small_run(assets, tmp_path / "separate", *common), algo="grpo"))
     assert [record["step"] for record in records] == list(range(1, 11))

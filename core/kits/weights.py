@@ -1,0 +1,78 @@
+"""Weight fingerprints: how a worker checks, after a weight sync, that its rollout holds what the actor sent.
+
+A :class:`Fingerprint` of a tensor is its dtype, element count, and the float64 sum, sum of absolute values
+and sum of squares of its elements: one pass, a few numbers per tensor. The worker fingerprints each tensor
+as it sends it and compares with :meth:`RolloutEngine.weight_fingerprints` (what the rollout holds) once the
+sync is done; a rollout that does not implement it is not checked. The same values in the same dtype give
+the same sums bit for bit (CPU and GPU reductions are deterministic for a fixed shape); a rollout that holds
+another dtype (bf16 from an fp32 actor) rounds each element by at most its unit roundoff, which
+:func:`tolerance` allows. A corrupted, stale or skipped tensor differs by far more, unless the change is
+below that rounding (an update of 1e-7 relative to the weights is invisible to a bf16 rollout; the policy
+version check catches a skipped sync regardless).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+#: Unit roundoff of each floating dtype (half the distance between 1 and the next number).
+UNIT_ROUNDOFF = {"torch.float64": 2.0 ** -53, "torch.float32": 2.0 ** -24, "torch.bfloat16": 2.0 ** -8,
+                 "torch.float16": 2.0 ** -11}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """See the module docstring."""
+
+    dtype: str
+    numel: int
+    total: float
+    absolute: float
+    squares: float
+
+
+CHUNK_ELEMENTS = 1 << 22
+"""Elements read into float64 at a time (32 MiB): a vocabulary-sized embedding is never copied whole."""
+
+
+def fingerprint(tensor: Any) -> Fingerprint:
+    """The :class:`Fingerprint` of ``tensor`` (any device; read once, in float64 chunks of
+    :data:`CHUNK_ELEMENTS`, summed in a fixed order)."""
+    flat = tensor.detach().reshape(-1)
+    total = absolute = squares = 0.0
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        values = flat[start:start + CHUNK_ELEMENTS].double()
+        total += float(values.sum())
+        absolute += float(values.abs().sum())
+        squares += float(values.square().sum())
+    return Fingerprint(str(tensor.dtype), int(flat.numel()), total, absolute, squares)
+
+
+def tolerance(sent_dtype: str, held_dtype: str) -> float:
+    """The relative difference rounding between the two dtypes can make: 0 up to float64 summation for
+    equal dtypes, twice the coarser dtype's unit roundoff otherwise (4x on squares, see :func:`differs`)."""
+    if sent_dtype == held_dtype:
+        return 1e-12
+    return 2.0 * max(UNIT_ROUNDOFF.get(sent_dtype, 2.0 ** -8), UNIT_ROUNDOFF.get(held_dtype, 2.0 ** -8))
+
+
+def differs(sent: Fingerprint, held: Fingerprint) -> str | None:
+    """Why ``held`` is not a (rounded) copy of ``sent``, or None when it is."""
+    if sent.numel != held.numel:
+        return f"{held.numel} elements held, {sent.numel} sent"
+    tol = tolerance(sent.dtype, held.dtype)
+    scale = max(sent.absolute, held.absolute, 1e-30)
+    for name, left, right, bound in (("sum", sent.total, held.total, tol * scale),
+                                     ("sum of |x|", sent.absolute, held.absolute, tol * scale),
+                                     ("sum of squares", sent.squares, held.squares, 2 * tol * max(sent.squares, held.squares, 1e-30))):
+        if not abs(left - right) <= bound:  # NaN never passes
+            return f"{name} {right:.9g} held, {left:.9g} sent (allowed difference {bound:.3g})"
+    return None
+
+
+def compare(sent: Mapping[str, Fingerprint], held: Mapping[str, Fingerprint]) -> tuple[int, dict[str, str]]:
+    """``(tensors compared, {name: why it differs})`` over the names both sides have."""
+    names = [name for name in sent if name in held]
+    problems = {name: why for name in names if (why := differs(sent[name], held[name])) is not None}
+    return len(names), problems

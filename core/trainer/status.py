@@ -1,0 +1,81 @@
+"""``run_dir/status.json``: where a run is, for scripts and monitors, rewritten atomically at every phase.
+
+Readers get a whole file or the previous one, never a torn write (written to a temporary file in the same
+directory, then renamed over). Its fields (``schema`` 1):
+
+* ``state``: ``running``, ``finished``, ``failed`` (``error`` then holds the exception's type and message) or
+  ``interrupted`` (a signal stopped it after a checkpoint);
+* ``step`` (the step in progress, or the last one finished), ``total_steps``, ``phase`` (``gen``, ``reward``,
+  ``old_log_prob``, ``ref``, ``values``, ``adv``, ``update_critic``, ``update_actor``, ``sync_weights``,
+  ``validate``, ``save``, ...) and ``phase_started_at``;
+* ``last_step_s``, ``throughput`` (tokens per second per actor process, ``perf/throughput``), ``eta_s`` (the
+  steps left times the median of the last 20 step times; null before the first step);
+* ``replicas``: ``role/rank`` -> ``healthy`` or ``suspect`` (a weight or version fault in the last two steps);
+* ``sentinel``: the last events of the run sentinel (:mod:`rlplat.trainer.sentinel`): step, check, error,
+  action (``stop`` or ``warn``), message, role, rank, figures;
+* ``pid``, ``updated_at`` (Unix seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+STATUS_FILE = "status.json"
+
+
+class RunStatus:
+    """Keeps ``run_dir/status.json`` current (see the module docstring)."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], total_steps: int):
+        self.path = Path(run_dir) / STATUS_FILE
+        self.fields: dict[str, Any] = {"schema": 1, "state": "running", "step": 0, "total_steps": total_steps,
+                                       "phase": "starting", "phase_started_at": time.time(), "last_step_s": None,
+                                       "throughput": None, "eta_s": None, "replicas": {}, "sentinel": [],
+                                       "pid": os.getpid()}
+        self.step_times: list[float] = []
+
+    def phase(self, name: str, step: int | None = None) -> None:
+        """Phase ``name`` of ``step`` (default: the current one) starts now."""
+        if step is not None:
+            self.fields["step"] = step
+        self.fields.update(phase=name, phase_started_at=time.time())
+        self.write()
+
+    def step_done(self, step: int, seconds: float, throughput: float | None, replicas: dict[str, str],
+                  events: list[dict[str, Any]]) -> None:
+        self.step_times = [*self.step_times[-19:], seconds]
+        left = self.fields["total_steps"] - step
+        self.fields.update(step=step, last_step_s=seconds, throughput=throughput, replicas=replicas, sentinel=events,
+                           eta_s=left * statistics.median(self.step_times))
+        self.write()
+
+    def finish(self, state: str, error: BaseException | None = None, events: list[dict[str, Any]] | None = None) -> None:
+        self.fields.update(state=state, phase=state, phase_started_at=time.time())
+        if events is not None:
+            self.fields["sentinel"] = events
+        if error is not None:
+            self.fields["error"] = {"type": type(error).__name__, "message": str(error)[:2000]}
+        self.write()
+
+    def write(self) -> None:
+        self.fields["updated_at"] = time.time()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=".status-", suffix=".json", dir=self.path.parent)
+        try:
+            with os.fdopen(handle, "w") as file:
+                json.dump(self.fields, file, default=str)
+            os.replace(temporary, self.path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+
+
+def read_status(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The run's ``status.json`` as a dict."""
+    return json.loads((Path(run_dir) / STATUS_FILE).read_text())
