@@ -72,7 +72,7 @@ def test_a_config_error_exits_2_without_importing_torch(tmp_path):
 
 @pytest.mark.parametrize("engine, extra", [
     ("fsdp2", []), ("megatron", []),
-    ("fsdp2", ["trainer.mode=separate_async"]),  # a rollout pool of its own: the roles are built to ask for their pools
+    ("fsdp2", ["trainer.mode=separate_async", "trainer.max_staleness=0"]),  # a rollout pool of its own: the roles are built to ask for their pools
 ], ids=["fsdp2", "megatron", "fsdp2-separate-rollout-pool"])
 def test_a_run_that_cannot_fit_is_refused_in_under_5_s_without_importing_torch(engine, extra, llama_dir, train_file, tmp_path):
     result, heavy, elapsed = rlplat_process(

@@ -191,6 +191,13 @@ def test_collapse_is_a_warning_against_the_early_steps(caplog):
         sentinel.check_collapse({"response_length/mean": 1.0}, 2)
 
 
+def test_the_meta_info_key_is_the_one_concat_joins():
+    from rlplat.contracts.health import HEALTH_EVENTS
+    from rlplat.protocol.values import HEALTH_EVENTS_KEY
+
+    assert HEALTH_EVENTS == HEALTH_EVENTS_KEY
+
+
 def test_events_become_their_named_errors_with_step_role_rank_and_figures():
     error = HealthEvent("scorer", "killed after 2 s", role="reward", rank=1, figures={"killed": 2}).error(step=7)
     assert type(error).__name__ == "ScorerHungError" and isinstance(error, RunHealthError)

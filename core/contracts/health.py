@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-# The meta_info key under which a batch carries HealthEvent dicts to the driver (DataProto.concat joins them).
-from rlplat.protocol.values import HEALTH_EVENTS_KEY as HEALTH_EVENTS
+HEALTH_EVENTS = "health_events"
+"""The ``meta_info`` key under which a batch carries :class:`HealthEvent` dicts to the driver (``DataProto.concat``
+joins them: ``rlplat.protocol.values.HEALTH_EVENTS_KEY``, the same string, kept there so this module imports no torch)."""
 
 
 class RunHealthError(RuntimeError):
