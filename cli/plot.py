@@ -2,7 +2,8 @@
 
 One PNG per chart, each named after its chart (``reward.png``, ``validation_accuracy.png``,
 ``response_length.png``, ``kl.png``, ``entropy.png``, ``timing.png``); a chart whose metrics the run
-did not log (or logged only as null) is skipped with a note on stderr. matplotlib is imported only
+did not log (or logged only as null) is skipped with a note on stderr. Each profiled step's trace
+(``trainer.profile``) becomes ``timeline_step_<N>.png`` (:mod:`rlplat.cli.timeline_plot`). matplotlib is imported only
 when the command runs, and draws through its Agg canvas, so no display is needed.
 """
 
@@ -173,6 +174,18 @@ def plot(run_dir: Path = typer.Argument(..., help="A run's output directory (it 
             save_chart(chart, series, path)
         except OSError as error:
             raise fail(f"cannot write {path}: {error.strerror or error}", code=1)
+        written.append(path)
+        typer.echo(str(path))
+    for trace in sorted((run_dir / "profile").glob("step_*.trace.json")):  # trainer.profile's timelines
+        from rlplat.cli.timeline_plot import save_timeline
+
+        path = output / f"timeline_{trace.name.removesuffix('.trace.json')}.png"
+        try:
+            output.mkdir(exist_ok=True)
+            save_timeline(trace, path)
+        except (OSError, ValueError, KeyError) as error:
+            typer.echo(f"rlplat plot: skipped {trace}: cannot draw it ({type(error).__name__}: {error})", err=True)
+            continue
         written.append(path)
         typer.echo(str(path))
     if not written:

@@ -34,6 +34,7 @@ from rlplat.config.components import (BUILTIN_LOSS_SCHEMAS, ENGINE_BUILD_SOURCES
 from rlplat.data_config import DataConfig
 from rlplat.lora import LoraConfig, check_lora
 from rlplat.trainer.pipeline import check_trainer_mode
+from rlplat.trainer.profile import ProfileConfig
 from rlplat.trainer.sentinel import SentinelConfig
 from rlplat.trainer.sync_probe import SyncProbeConfig
 from rlplat.config.trainer import SharedTrainerConfig, check_run_directory
@@ -209,6 +210,8 @@ class TrainerConfig(SharedTrainerConfig):
     sentinel: SentinelConfig = dataclasses.field(default_factory=SentinelConfig)
     """The run sentinel: named errors for silent faults (weight syncs, policy versions, scorers, templates,
     NaN or Inf, collapse) and what to do on each (:mod:`rlplat.trainer.sentinel`)."""
+    profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
+    """Chrome-trace timelines of chosen steps (:mod:`rlplat.trainer.profile`)."""
 
 
 @dataclasses.dataclass
@@ -528,6 +531,7 @@ def validate_config(config: DictConfig) -> None:
     check_lora(config)
     read_config_node(OmegaConf.to_container(config.rollout.sync_probe, resolve=True), SyncProbeConfig, "rollout.sync_probe")
     read_config_node(OmegaConf.to_container(config.trainer.sentinel, resolve=True), SentinelConfig, "trainer.sentinel")
+    read_config_node(OmegaConf.to_container(config.trainer.profile, resolve=True), ProfileConfig, "trainer.profile")
     for node in plugin_nodes(config, algorithm, total_training_steps(config, parquet_rows(data.train_files))):
         node.check()
     check_rollout_correction(config)

@@ -15,6 +15,7 @@ import socket
 from datetime import timedelta
 from typing import Any, Callable
 
+from rlplat.controller import timeline
 from rlplat.controller.dispatch import Shard, WholeValue, padding_in_parts, trim
 from rlplat.controller.worker import ENV_ROLE
 from rlplat.protocol import DataProto
@@ -142,7 +143,8 @@ class WorkerHost:
         worker = self.workers[role]
         worker.padding_rows = pad_in
         try:
-            output = getattr(worker, method)(*args, **kwargs)
+            with timeline.span(f"{role}.{method}", "worker", rank=self.rank):
+                output = getattr(worker, method)(*args, **kwargs)
         finally:
             worker.padding_rows = 0
         if pad_rows is None:
@@ -178,6 +180,28 @@ class WorkerHost:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def profile(self, start: bool, torch_dir: str | None = None) -> dict[str, Any] | None:
+        """Start recording this process's timeline (:mod:`rlplat.controller.timeline`; with ``torch_dir``, a
+        ``torch.profiler`` trace too), or stop it and return ``{"pid", "rank", "roles", "spans"}``, the
+        torch trace written to ``torch_dir/torch_rank<rank>_pid<pid>.json``."""
+        if start:
+            timeline.start()
+            if torch_dir is not None:
+                import torch
+
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if torch.cuda.is_available():
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                self.torch_profiler = torch.profiler.profile(activities=activities)
+                self.torch_profiler.__enter__()
+            return None
+        profiler, self.torch_profiler = getattr(self, "torch_profiler", None), None
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            os.makedirs(torch_dir or ".", exist_ok=True)
+            profiler.export_chrome_trace(os.path.join(torch_dir or ".", f"torch_rank{self.rank}_pid{os.getpid()}.json"))
+        return {"pid": os.getpid(), "rank": self.rank, "roles": sorted(self.workers), "spans": timeline.stop()}
 
     def shutdown(self) -> None:
         """Close the workers this host holds (those that define ``close``: engines that run processes or

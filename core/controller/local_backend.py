@@ -38,6 +38,10 @@ class LocalBackend:
     def dispatch_infos(self, role: str) -> list[tuple[int, int, bool]]:
         return [self.host.dispatch_info(role)]
 
+    def host_calls(self, method: str, *args: Any) -> list[Any]:
+        """``WorkerHost.method(*args)`` of this process's host, as a one-element list."""
+        return [getattr(self.host, method)(*args)]
+
     def shutdown(self) -> None:
         self.host.shutdown()
 

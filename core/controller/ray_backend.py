@@ -433,6 +433,11 @@ class RayBackend:
     def pids(self) -> list[int]:
         return ray.get([host.pid.remote() for host in self.hosts])
 
+    def host_calls(self, method: str, *args: Any) -> list[Any]:
+        """``WorkerHost.method(*args)`` in every process of this backend, in rank order."""
+        calls = [RankCall(rank, (), {}) for rank in range(len(self.hosts))]
+        return self.wait([getattr(host, method).remote(*args) for host in self.hosts], calls, f"host.{method}")
+
     def shutdown(self) -> None:
         if not self.alive:
             return

@@ -38,6 +38,8 @@ from rlplat.losses import rollout_correction
 from rlplat.trainer.pipeline import AsyncSettings, RolloutPipeline, TrainedPromptsLog, pop_window, row_versions
 from rlplat.protocol import DataProto
 from rlplat.kits.reward import last_tokens
+from rlplat.controller import timeline
+from rlplat.trainer.profile import ProfileConfig, StepProfiler
 from rlplat.trainer.sentinel import Sentinel, SentinelConfig
 from rlplat.trainer.status import RunStatus
 from rlplat.trainer.sync_probe import SyncProbe, SyncProbeConfig
@@ -146,6 +148,10 @@ class Trainer:
         self.trained_prompts: TrainedPromptsLog | None = None
         self.sentinel = Sentinel(read_config_node(self.node["trainer"]["sentinel"], SentinelConfig, "trainer.sentinel"))
         self.status: RunStatus | None = None
+        self.profiler = StepProfiler(read_config_node(self.node["trainer"]["profile"], ProfileConfig, "trainer.profile"),
+                                     self.run_dir)
+        self.phase_depth = 0  # of the timed phases in progress on the driver
+        self.gap_start: float | None = None  # since when the driver works outside any phase (the trace's `driver`)
         self.step = 0
 
     # -- set-up --------------------------------------------------------------------------------------
@@ -233,32 +239,61 @@ class Trainer:
                 tracker.log(self.validate(), step=0)
             while self.step < self.total_steps:
                 self.step += 1
-                metrics = self.train_step()
-                self.pipeline.fill(self.step, self.total_steps)  # the next generations start before validation
-                if self.val_loader is not None and trainer.test_freq and (self.step % trainer.test_freq == 0 or self.step == self.total_steps):
-                    started = time.perf_counter()
-                    self.status.phase("validate")
-                    metrics.update(self.validate())
-                    metrics["timing_s/validate"] = time.perf_counter() - started
-                metrics.update(self.sentinel.step_metrics())
-                replicas = [f"rollout/{rank}" for rank in range(self.rollout.world_size)]
-                self.status.step_done(self.step, metrics["timing_s/step"], metrics.get("perf/throughput"),
-                                      self.sentinel.replica_health(self.step, replicas), list(self.sentinel.recent))
-                tracker.log(metrics, step=self.step)
-                if (trainer.save_freq and self.step % trainer.save_freq == 0) or self.step == self.total_steps or interrupt.requested:
-                    self.status.phase("save")
-                    self.save()
+                profiled = self.profiler.due(self.step)
+                if profiled:
+                    self.profiler.begin(self.step, self.placement.groups.values())
+                try:
+                    with timeline.span(f"step {self.step}", "step"):
+                        metrics = self.run_step(tracker, interrupt)
+                finally:
+                    if profiled:
+                        self.profiler.end(self.step, self.sentinel.recent)
                 if interrupt.requested:
                     break
         return metrics
 
+    def run_step(self, tracker: Tracker, interrupt: Any) -> dict[str, float]:
+        """Step ``self.step``: train, validate when due, log, checkpoint when due."""
+        trainer = self.config.trainer
+        self.gap_start = time.time()
+        metrics = self.train_step()
+        self.pipeline.fill(self.step, self.total_steps)  # the next generations start before validation
+        if self.val_loader is not None and trainer.test_freq and (self.step % trainer.test_freq == 0 or self.step == self.total_steps):
+            with self.timed(metrics, "validate"):
+                metrics.update(self.validate())
+        metrics.update(self.sentinel.step_metrics())
+        replicas = [f"rollout/{rank}" for rank in range(self.rollout.world_size)]
+        self.status.step_done(self.step, metrics["timing_s/step"], metrics.get("perf/throughput"),
+                              self.sentinel.replica_health(self.step, replicas), list(self.sentinel.recent))
+        tracker.log(metrics, step=self.step)
+        if (trainer.save_freq and self.step % trainer.save_freq == 0) or self.step == self.total_steps or interrupt.requested:
+            with self.timed({}, "save"):
+                self.save()
+        self.close_gap()
+        return metrics
+
     @contextlib.contextmanager
     def timed(self, timing: dict[str, float], name: str) -> Iterator[None]:
-        """Time phase ``name`` into ``timing_s/<name>``; ``status.json`` shows it as the current phase."""
+        """Time phase ``name`` into ``timing_s/<name>``; ``status.json`` shows it as the current phase, and a
+        profiled step's trace as a span (the driver's work between outermost phases as ``driver`` spans)."""
         if self.status is not None:
             self.status.phase(name, self.step)
-        with timed(timing, name):
-            yield
+        outermost = self.phase_depth == 0
+        if outermost:
+            self.close_gap()
+        self.phase_depth += 1
+        try:
+            with timeline.span(name), timed(timing, name):
+                yield
+        finally:
+            self.phase_depth -= 1
+            if outermost:
+                self.gap_start = time.time()
+
+    def close_gap(self) -> None:
+        if self.gap_start is not None and timeline.recording():
+            timeline.record("driver", self.gap_start, time.time())
+        self.gap_start = None
 
     def generate(self, prompts: DataProto, sampling: SamplingParams | None = None) -> DataProto:
         overrides = dataclasses.asdict(sampling) if sampling is not None else {}
