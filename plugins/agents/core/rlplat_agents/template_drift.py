@@ -33,6 +33,9 @@ DRIFTED_COLUMN = "agent_template_drifted"
 """Per row: 1.0 when its trajectory was checked and the template's rendering differs from its tokens."""
 EXCERPT_CHARACTERS = 200
 
+Messages = Sequence[Mapping[str, Any]]
+Tools = Optional[Sequence[Mapping[str, Any]]]
+
 
 class RecordingRenderer:
     """One conversation's view of the manager's shared :class:`ChatRenderer`: the same answers, and a
@@ -47,12 +50,12 @@ class RecordingRenderer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.renderer, name)
 
-    def prompt_ids(self, messages: Sequence[Mapping[str, Any]], tools: Optional[Sequence[Mapping[str, Any]]] = None) -> list[int]:
+    def prompt_ids(self, messages: Messages, tools: Tools = None) -> list[int]:
         ids = self.renderer.prompt_ids(messages, tools)
         self.prompts.append((list(messages), None if tools is None else list(tools), ids))
         return ids
 
-    def delta_ids(self, messages: Sequence[Mapping[str, Any]], tools: Optional[Sequence[Mapping[str, Any]]] = None) -> list[int]:
+    def delta_ids(self, messages: Messages, tools: Tools = None) -> list[int]:
         ids = self.renderer.delta_ids(messages, tools)
         self.deltas.append((list(messages), None if tools is None else list(tools), ids))
         return ids
@@ -105,10 +108,11 @@ def played_conversation(trajectory: Trajectory, record: RecordingRenderer, row: 
     :func:`assistant_message`) and the messages the loop appended after it. None when the tokens cannot
     be matched to what the loop rendered (a loop that makes its tokens some other way)."""
     renderer = record.renderer
-    prompt = next(((messages, tools) for messages, tools, ids in record.prompts if ids == list(trajectory.prompt_ids)), None)
+    prompt_ids = list(trajectory.prompt_ids)
+    prompt = next(((messages, tools) for messages, tools, ids in record.prompts if ids == prompt_ids), None)
     if prompt is None:
         raw = row.get("raw_prompt")
-        if raw is None or list(trajectory.prompt_ids) != list(loader_prompt_ids):
+        if raw is None or prompt_ids != list(loader_prompt_ids):
             return None
         prompt = (list(raw), None)
     messages, tools = list(prompt[0]), prompt[1]
@@ -133,7 +137,7 @@ def played_conversation(trajectory: Trajectory, record: RecordingRenderer, row: 
             return None
         messages.extend(delta[0])
         previous = None
-    return PlayedConversation(messages, tools, list(trajectory.prompt_ids) + list(trajectory.response_ids), turn_starts,
+    return PlayedConversation(messages, tools, prompt_ids + list(trajectory.response_ids), turn_starts,
                               [False] * offset + [bool(keep) for keep in trajectory.response_mask])
 
 
