@@ -9,7 +9,8 @@ template adds for it (:meth:`ChatRenderer.delta_ids`), which end with the next g
 tokens trained on are then the tokens sampled, and they equal the template's rendering of the whole
 conversation as long as the template is *append-only*: rendering more messages never changes the text
 of earlier ones. Templates that drop the reasoning of earlier turns are not; :func:`check_append_only`
-(``rlplat check-template``) finds out.
+(``rlplat check-template``) finds out on synthetic conversations, and :func:`check_played_conversation`,
+with the same comparison, on conversations a run played (:mod:`rlplat_agents.template_drift`).
 
 Tokenization follows the data loader (:class:`rlplat.data.RLDataset`): a rendered template is encoded
 without the tokenizer's special tokens (the template writes them), and without a template the message
@@ -25,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 TOOL_ROLES = ("tool", "ipython")
@@ -344,7 +345,9 @@ class Divergence:
     conversation rendered at once), ``agent loop`` (first prompt + sampled turns + :meth:`ChatRenderer.
     delta_ids` against the template's rendering) or ``delta`` (the delta could not be computed);
     ``level`` is ``text`` or ``tokens``. ``expected`` is the earlier rendering (what the model saw or
-    sampled) around the divergence, ``rendered`` the later one at the same place."""
+    sampled) around the divergence, ``rendered`` the later one at the same place. ``token`` is the
+    position of the first differing token in the earlier token ids, when tokens were compared (on the
+    ``agent loop`` path: in the loop's ids, prompt first)."""
 
     message_index: int
     role: str
@@ -353,6 +356,7 @@ class Divergence:
     expected: str
     rendered: str
     detail: str
+    token: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -596,7 +600,7 @@ def _first_divergence(renderer: ChatRenderer, messages: list, tools: Optional[Se
             return _divergence(renderer, messages, tools, earlier, earlier_spans[token][0], later.check, "tokens",
                                _token_excerpt(renderer, earlier_ids, token), _token_excerpt(renderer, later_ids, token),
                                f"the text is kept but token {token} changes once the first {later.count} messages "
-                               f"are tokenized together")
+                               f"are tokenized together", token)
 
     # The agent loop's path: renderings alternate prompt, turn (through its end of turn), ..., whole.
     ids = renderer.prompt_ids(messages[:turns[0]], tools)
@@ -614,28 +618,95 @@ def _first_divergence(renderer: ChatRenderer, messages: list, tools: Optional[Se
         except TemplateError as error:
             return Divergence(turn + 1, group[0]["role"], "delta", "text", "", "", str(error))
         expected = renderings[2 * number + 2]
-        expected_ids, expected_spans = encoded[2 * number + 2]
-        if ids != expected_ids:
-            token = common_prefix_length(ids, expected_ids)
-            position = expected_spans[token][0] if token < len(expected_spans) else len(expected.text)
-            return _divergence(renderer, messages, tools, expected, position, "agent loop", "tokens",
-                               _token_excerpt(renderer, expected_ids, token), _token_excerpt(renderer, ids, token),
-                               f"prompt + sampled turns + deltas differ at token {token} from the template's "
-                               f"rendering of the first {expected.count} messages")
-    whole_ids, whole_spans = encoded[-1]
-    if ends_on_assistant and whole_ids[: len(ids)] != ids:
-        token = common_prefix_length(ids, whole_ids)
-        position = whole_spans[token][0] if token < len(whole_spans) else len(renderings[-1].text)
-        return _divergence(renderer, messages, tools, renderings[-1], position, "agent loop", "tokens",
-                           _token_excerpt(renderer, whole_ids, token), _token_excerpt(renderer, ids, token),
-                           f"prompt + sampled turns + deltas differ at token {token} from the whole conversation")
+        divergence = _loop_divergence(renderer, messages, tools, ids, expected, *encoded[2 * number + 2],
+                                      f"the template's rendering of the first {expected.count} messages")
+        if divergence is not None:
+            return divergence
+    if ends_on_assistant:
+        return _loop_divergence(renderer, messages, tools, ids, renderings[-1], *encoded[-1], "the whole conversation",
+                                prefix=True)
+    return None
+
+
+def _loop_divergence(renderer: ChatRenderer, messages: list, tools: Optional[Sequence], ids: Sequence[int],
+                     rendering: _Rendering, rendered_ids: Sequence[int], spans: Optional[Sequence[tuple[int, int]]],
+                     of_what: str, prefix: bool = False,
+                     message_of: Optional[Callable[[int], Optional[int]]] = None) -> Optional[Divergence]:
+    """The agent loop's comparison: ``ids`` (what a loop fed the model: its prompt, the sampled turns and
+    the tokens appended between them) against ``rendered_ids``, the template's ``rendering`` of the same
+    messages, which must equal them or, with ``prefix``, start with them. ``expected`` shows the loop's
+    tokens at the first difference, ``rendered`` the template's. ``spans`` (the rendered tokens'
+    characters) are computed only when the ids differ, when None. The message is ``message_of(token)``
+    when it answers, else the one holding the difference in the rendering."""
+    if list(ids) == list(rendered_ids[: len(ids)] if prefix else rendered_ids):
+        return None
+    if spans is None:
+        rendered_ids, spans = renderer.encode_with_offsets(rendering.text)
+    token = common_prefix_length(ids, rendered_ids)
+    position = spans[token][0] if token < len(spans) else len(rendering.text)
+    index = message_of(token) if message_of is not None else None
+    return _divergence(renderer, messages, tools, rendering, position, "agent loop", "tokens",
+                       _token_excerpt(renderer, ids, token), _token_excerpt(renderer, rendered_ids, token),
+                       f"prompt + sampled turns + deltas differ at token {token} from {of_what}", token, index)
+
+
+def check_played_conversation(renderer: ChatRenderer, messages: Sequence[Mapping[str, Any]],
+                              tools: Optional[Sequence[Mapping[str, Any]]], ids: Sequence[int],
+                              turn_starts: Sequence[int], sampled: Sequence[bool]) -> Optional[Divergence]:
+    """A conversation an agent loop played, against the template: the comparison of
+    :func:`check_append_only`'s agent-loop path on tokens the model really saw and sampled.
+
+    ``messages`` are the conversation (the prompt's messages, each model turn as an assistant message,
+    the messages appended between turns), ``tools`` those offered, ``ids`` its tokens (the prompt, then
+    the response), ``turn_starts`` where each assistant turn's tokens start in ``ids`` and ``sampled``
+    which of ``ids`` the model sampled. Before each assistant turn the template's rendering of the
+    messages before it, with the generation prompt, must be the tokens the loop fed the model; the
+    rendering of the whole conversation must start with ``ids``. A difference only in how the model
+    split a sampled turn into tokens (the same text, other tokens than the tokenizer gives) is the
+    model's, not the template's, and passes. None when consistent, else the first :class:`Divergence`.
+    :class:`TemplateError` when the template cannot render the conversation."""
+    messages = checked_messages(messages, "check_played_conversation")
+    turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    if len(turns) != len(turn_starts):
+        raise ValueError(f"check_played_conversation: {len(turns)} assistant messages but {len(turn_starts)} turn starts")
+    # Where each message's tokens start after the prompt: a sampled turn, then what follows it. The
+    # template's own rendering cannot say: a template that is not append-only renders a turn otherwise
+    # once more messages follow, which is the very difference found.
+    regions = []
+    for turn, start in zip(turns, turn_starts):
+        end = start
+        while end < len(sampled) and sampled[end]:
+            end += 1
+        regions += [(start, turn)] + ([(end, turn + 1)] if turn + 1 < len(messages) else [])
+
+    def message_of(token: int) -> Optional[int]:
+        return next((index for first, index in reversed(regions) if first <= token), None)
+
+    boundaries = [(turn, start, True) for turn, start in zip(turns, turn_starts)]
+    boundaries.append((len(messages), len(ids), messages[-1]["role"] != "assistant"))
+    for count, end, generation_prompt in boundaries:
+        whole = count == len(messages)
+        rendering = _Rendering(count, renderer.render(messages[:count], tools, generation_prompt), "agent loop")
+        fed = list(ids[:end])
+        of_what = "the whole conversation" if whole else f"the template's rendering of the first {count} messages"
+        divergence = _loop_divergence(renderer, messages, tools, fed, rendering, renderer.encode(rendering.text), None,
+                                      of_what, whole, lambda token: message_of(token) if token < len(fed) else None)
+        if divergence is None:
+            continue
+        if divergence.token < len(fed) and sampled[divergence.token]:
+            text = renderer.tokenizer.decode(fed, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            if rendering.text.startswith(text) if whole else rendering.text == text:
+                continue
+        return divergence
     return None
 
 
 def _divergence(renderer: ChatRenderer, messages: list, tools: Optional[Sequence], earlier: _Rendering,
-                position: int, check: str, level: str, expected: str, rendered: str, detail: str) -> Divergence:
-    index = _message_at(renderer, messages, tools, earlier, position)
-    return Divergence(index, messages[index]["role"], check, level, expected, rendered, detail)
+                position: int, check: str, level: str, expected: str, rendered: str, detail: str,
+                token: Optional[int] = None, index: Optional[int] = None) -> Divergence:
+    if index is None:
+        index = _message_at(renderer, messages, tools, earlier, position)
+    return Divergence(index, messages[index]["role"], check, level, expected, rendered, detail, token)
 
 
 def _message_at(renderer: ChatRenderer, messages: list, tools: Optional[Sequence], rendering: _Rendering,

@@ -10,6 +10,26 @@ VERL_LOOP_NAMES = {"single_turn_agent": "single_turn", "tool_agent": "tool"}
 
 
 @dataclasses.dataclass
+class TemplateCheckConfig:
+    """``agent.template_check``: finished multi-turn trajectories (two model turns or more, or any
+    message appended between turns) re-rendered with the chat template and compared with the tokens
+    the loop fed and sampled (:mod:`rlplat_agents.template_drift`). A drift becomes a ``template``
+    health event in the batch (the run's sentinel warns or stops per ``trainer.sentinel.policy``),
+    never an error in the rollout; metrics ``agent/template_checked`` and ``agent/template_drifted``."""
+
+    sample_rate: float = 0.05
+    """Fraction of the multi-turn trajectories checked, in [0, 1]; 0 turns the check off. Which ones is
+    a hash of the sampling seed, the row's uid and its position in the batch, so a run checks the same
+    ones when repeated. With a rate above 0, a rollout worker also checks the first multi-turn
+    trajectory of each batch until it has checked one, so a drifting template shows in the first step
+    (in validation's, when the run validates first)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.sample_rate <= 1.0:  # NaN fails too
+            raise ValueError(f"sample_rate must be a fraction in [0, 1] (0 turns the check off), got {self.sample_rate}")
+
+
+@dataclasses.dataclass
 class AgentConfig:
     """The ``agent`` node: multi-turn rollouts through agent loops. With no ``agent.loop`` and no
     ``agent_name`` column in the data, generation is the rollout's batched ``generate``."""
@@ -32,6 +52,8 @@ class AgentConfig:
     max_prompt_length: Optional[int] = None
     """Width of the prompts of agent batches (a prompt rendered with its tools is longer than the data
     loader's). None: ``data.max_prompt_length``. A longer prompt is an error naming the row."""
+    template_check: TemplateCheckConfig = dataclasses.field(default_factory=TemplateCheckConfig)
+    """The chat template checked on a sample of the run's multi-turn trajectories."""
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:

@@ -8,7 +8,10 @@ stays in that replica's cache). :meth:`AgentLoopManager.generate` returns the ke
 :meth:`RolloutEngine.generate` (``prompts`` left padded to ``agent.max_prompt_length``, ``responses``
 right padded to ``rollout.response_length``, ``response_mask`` 1 on sampled tokens only, ...) plus
 non-tensor columns: ``agent_reward`` (an environment's reward, NaN when the reward manager scores the
-row), ``agent_finish`` and one ``agent/<metric>`` column per trajectory metric.
+row), ``agent_finish``, one ``agent/<metric>`` column per trajectory metric, and the template check's
+``agent_template_checked`` and ``agent_template_drifted`` (:mod:`rlplat_agents.template_drift`: a sample of
+the multi-turn trajectories re-rendered with the chat template; a drift is a ``template`` health event in
+``meta_info["health_events"]``, not an error).
 
 With a ``reward_loop`` (the run's reward manager's trajectory scorer, e.g. :class:`rlplat_rewards.reward_loop.RewardLoop`), each trajectory is scored as soon as it
 finishes, while the others still generate, and :meth:`AgentLoopManager.generate` returns once every
@@ -29,6 +32,7 @@ import torch
 
 from rlplat_agents.config import VERL_LOOP_NAMES, AgentConfig
 from rlplat.contracts.agent import AgentContext, AgentLoop, TokenClient, Trajectory
+from rlplat.contracts.health import HEALTH_EVENTS
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
 from rlplat.kits.aio import run_async  # noqa: F401 (the manager's callers import it from here too)
 from rlplat.protocol import DataProto
@@ -96,6 +100,7 @@ class AgentLoopManager:
                  reward_loop: Any = None):
         from rlplat import registry
         from rlplat_agents.chat import ChatRenderer
+        from rlplat_agents.template_drift import TemplateDriftCheck
 
         self.replicas = Replicas(clients)
         self.tokenizer, self.config = tokenizer, config
@@ -113,6 +118,7 @@ class AgentLoopManager:
         eos = tokenizer.eos_token_id
         self.stop_token_ids = (tuple(self.renderer.stop_token_ids) if self.renderer.has_chat_template
                                else ((int(eos),) if eos is not None else ()))
+        self.template_check = TemplateDriftCheck(config.template_check, self.renderer, self.parser, self.stop_token_ids)
 
     def loop(self, name: str) -> AgentLoop:
         name = VERL_LOOP_NAMES.get(name, name)
@@ -142,22 +148,32 @@ class AgentLoopManager:
         repeated = prompts.repeat(sampling.n, interleave=True) if sampling.n > 1 else prompts
         prompt_lists = prompt_token_lists(repeated, "agent")
         rows = [{key: values[index] for key, values in repeated.non_tensor_batch.items()} for index in range(len(repeated))]
+        records = [None] * len(rows) if self.template_check.enabled else None
+        scores: dict[str, np.ndarray] = {}
         if self.reward_loop is None:
-            trajectories = run_async(self.run_all(rows, prompt_lists, sampling, response_length))
-            return self.assemble(repeated, trajectories, response_length, prompts.meta_info)
-        trajectories, scores = run_async(self.run_and_score(rows, prompt_lists, sampling, response_length))
-        return self.assemble(repeated, trajectories, response_length, prompts.meta_info, scores)
+            trajectories = run_async(self.run_all(rows, prompt_lists, sampling, response_length, records=records))
+        else:
+            trajectories, scores = run_async(self.run_and_score(rows, prompt_lists, sampling, response_length, records))
+        columns, events = self.template_check.check(rows, trajectories, records or [None] * len(rows), prompt_lists,
+                                                    sampling.seed)
+        meta_info = dict(prompts.meta_info)
+        if events:
+            meta_info[HEALTH_EVENTS] = [*(meta_info.get(HEALTH_EVENTS) or ()), *events]
+        return self.assemble(repeated, trajectories, response_length, meta_info, {**scores, **columns})
 
     async def run_all(self, rows: Sequence[Mapping[str, Any]], prompt_lists: Sequence[list[int]],
                       sampling: SamplingParams, response_length: int,
-                      finished: Callable[[int, Trajectory], None] | None = None) -> list[Trajectory]:
-        """Every row's conversation; ``finished(index, trajectory)`` is called as each one ends."""
+                      finished: Callable[[int, Trajectory], None] | None = None,
+                      records: list | None = None) -> list[Trajectory]:
+        """Every row's conversation; ``finished(index, trajectory)`` is called as each one ends; with
+        ``records``, each conversation's :class:`~rlplat_agents.template_drift.RecordingRenderer` at its index."""
         limit = asyncio.Semaphore(self.config.max_concurrency)
         sampling = sampling if sampling.n == 1 else dataclasses.replace(sampling, n=1)
 
         async def one(index: int) -> Trajectory:
             async with limit:
-                trajectory = await self.run_one(index, rows[index], prompt_lists[index], sampling, response_length)
+                trajectory = await self.run_one(index, rows[index], prompt_lists[index], sampling, response_length,
+                                                records)
             if finished is not None:
                 finished(index, trajectory)
             return trajectory
@@ -165,7 +181,8 @@ class AgentLoopManager:
         return list(await asyncio.gather(*(one(index) for index in range(len(rows)))))
 
     async def run_and_score(self, rows: Sequence[Mapping[str, Any]], prompt_lists: Sequence[list[int]],
-                            sampling: SamplingParams, response_length: int) -> tuple[list[Trajectory], dict[str, np.ndarray]]:
+                            sampling: SamplingParams, response_length: int,
+                            records: list | None = None) -> tuple[list[Trajectory], dict[str, np.ndarray]]:
         """:meth:`run_all`, each trajectory handed to the reward loop as it finishes; returns once every
         score is in, with the scores as columns (:data:`rlplat_rewards.reward_loop.LOOP_COLUMNS`)."""
         scoring = self.reward_loop.round()
@@ -174,7 +191,7 @@ class AgentLoopManager:
             scoring.submit(index, self.reward_loop.sample(rows[index], trajectory.response_ids, trajectory.response_mask))
 
         try:
-            trajectories = await self.run_all(rows, prompt_lists, sampling, response_length, finished)
+            trajectories = await self.run_all(rows, prompt_lists, sampling, response_length, finished, records)
         except BaseException:
             scoring.cancel()
             raise
@@ -183,15 +200,19 @@ class AgentLoopManager:
         return trajectories, scoring.columns()
 
     async def run_one(self, index: int, row: Mapping[str, Any], prompt_ids: list[int], sampling: SamplingParams,
-                      response_length: int) -> Trajectory:
+                      response_length: int, records: list | None = None) -> Trajectory:
+        from rlplat_agents.template_drift import RecordingRenderer
         from rlplat_agents.tools import row_tools
 
         where = f"agent batch row {index} (uid {row.get('uid')!r})"
         name = self.loop_name(row, where)
         if sampling.seed is not None:
             sampling = dataclasses.replace(sampling, seed=int(sampling.seed) + 104_729 * index)
+        renderer = self.renderer
+        if records is not None:
+            renderer = records[index] = RecordingRenderer(self.renderer)
         context = AgentContext(
-            tokenizer=self.tokenizer, renderer=self.renderer, sampling=sampling, response_length=response_length,
+            tokenizer=self.tokenizer, renderer=renderer, sampling=sampling, response_length=response_length,
             prompt_ids=list(prompt_ids), tools=row_tools(self.tools, row.get("extra_info"), where),
             parser=self.parser, stop_token_ids=self.stop_token_ids, environment=self.environment,
         )
@@ -255,12 +276,18 @@ class AgentLoopManager:
 def agent_metrics(batch: DataProto, prefix: str = "") -> dict[str, float]:
     """Means (and maxima of turns) of the per-trajectory agent columns of ``batch``; rates of tool
     errors and timeouts per call; the tool-call rate (share of trajectories with a call); tool latency
-    per call; model vs context tokens."""
+    per call; model vs context tokens; the counts of trajectories checked against the chat template and
+    found drifting (``agent/template_checked``, ``agent/template_drifted``)."""
+    from rlplat_agents.template_drift import CHECKED_COLUMN, DRIFTED_COLUMN
+
     columns = {key[len(METRIC_PREFIX):]: np.asarray(values, dtype=np.float64)
                for key, values in batch.non_tensor_batch.items() if key.startswith(METRIC_PREFIX)}
-    if not columns:
-        return {}
     metrics: dict[str, float] = {}
+    for column, name in ((CHECKED_COLUMN, "template_checked"), (DRIFTED_COLUMN, "template_drifted")):
+        if column in batch.non_tensor_batch:
+            metrics[f"{prefix}agent/{name}"] = float(np.sum(np.asarray(batch.non_tensor_batch[column], dtype=np.float64)))
+    if not columns:
+        return metrics
     for name, values in columns.items():
         metrics[f"{prefix}agent/{name}/mean"] = float(np.nanmean(values)) if len(values) else 0.0
     if "turns" in columns:

@@ -403,7 +403,8 @@ def test_a_delta_that_depends_on_earlier_turns_is_caught_on_the_agent_loops_path
     divergence = report.diverging[0].divergence
     assert (divergence.message_index, divergence.role, divergence.check, divergence.level) == (
         4, "user", "agent loop", "tokens")  # message 2 is numbered 3, as after the fixed conversation
-    assert "'#' | '5'" in divergence.expected and "'#' | '3'" in divergence.rendered
+    # expected: what the loop fed the model (its delta, numbered 3); rendered: the template's numbering.
+    assert "'#' | '3'" in divergence.expected and "'#' | '5'" in divergence.rendered
 
 
 def test_a_conversation_the_template_refuses_is_unsupported_and_not_checked():
