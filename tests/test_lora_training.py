@@ -8,6 +8,7 @@ import pytest
 
 from rlplat.config import load_config
 from rlplat.data import write_parquet
+from rlplat.contracts.health import WeightCorruptedError
 from rlplat.trainer.sync_probe import SyncProbeError
 from rlplat.testing.runs import fit_run
 from rlplat.testing.tiny_models import save_tiny_model
@@ -81,9 +82,14 @@ class LostWeightPush(Trainer):
         worker(self).rollout.update_weights = lambda named_tensors: None
 
 
-@pytest.mark.parametrize("sync, trainer_class", [("adapter", LostAdapterPush), ("merged", LostWeightPush)])
-def test_a_lost_push_stops_the_run_at_the_first_sync(assets, tmp_path, sync, trainer_class):
-    with pytest.raises(SyncProbeError, match=r"sync_probe: after the weight sync.*\(step 1, role rollout\)"):
+# Merged weights are fingerprinted after every sync (the sentinel's weight check names the lost push first); an
+# adapter merged into the served weights is not, and the sync probe's log-probs catch it.
+@pytest.mark.parametrize("sync, trainer_class, error, match", [
+    ("adapter", LostAdapterPush, SyncProbeError, r"sync_probe: after the weight sync.*\(step 1, role rollout\)"),
+    ("merged", LostWeightPush, WeightCorruptedError, r"weight_checksum: after the weight sync to version 1.*\(step 1, role rollout"),
+])
+def test_a_lost_push_stops_the_run_at_the_first_sync(assets, tmp_path, sync, trainer_class, error, match):
+    with pytest.raises(error, match=match):
         fit(load_config(overrides=overrides(assets, tmp_path, f"actor.lora.sync={sync}"), algo="grpo"), trainer_class)
 
 

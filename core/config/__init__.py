@@ -212,6 +212,10 @@ class TrainerConfig(SharedTrainerConfig):
     NaN or Inf, collapse) and what to do on each (:mod:`rlplat.trainer.sentinel`)."""
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     """Chrome-trace timelines of chosen steps (:mod:`rlplat.trainer.profile`)."""
+    rollout_dump_dir: Optional[str] = None
+    """Write each step's generated and scored batch to ``<dir>/step_<N>.parquet`` (:mod:`rlplat.trainer.rollout_dump`)."""
+    replay_rollouts: Optional[str] = None
+    """Train on the batches a run dumped to this directory instead of generating them (``trainer.mode=sync``)."""
 
 
 @dataclasses.dataclass
@@ -532,6 +536,9 @@ def validate_config(config: DictConfig) -> None:
     read_config_node(OmegaConf.to_container(config.rollout.sync_probe, resolve=True), SyncProbeConfig, "rollout.sync_probe")
     read_config_node(OmegaConf.to_container(config.trainer.sentinel, resolve=True), SentinelConfig, "trainer.sentinel")
     read_config_node(OmegaConf.to_container(config.trainer.profile, resolve=True), ProfileConfig, "trainer.profile")
+    if config.trainer.replay_rollouts is not None and config.trainer.mode != "sync":
+        raise ConfigError(f"trainer.replay_rollouts trains on dumped batches in place of generation; trainer.mode="
+                          f"{config.trainer.mode} generates ahead: use trainer.mode=sync")
     for node in plugin_nodes(config, algorithm, total_training_steps(config, parquet_rows(data.train_files))):
         node.check()
     check_rollout_correction(config)

@@ -131,7 +131,7 @@ class RolloutEngine(abc.ABC):
         """What the rollout holds, for the run sentinel's check after each weight sync: the
         :func:`~rlplat.kits.weights.fingerprint` of every weight by the name :meth:`update_weights` takes
         (a tied weight under each of its names). None (the default): not supported, the sync is not checked
-        (``sentinel/weight_checks_skipped``). Cost: one read of the weights."""
+        (``sentinel/weights_verified`` is 0). Cost: one read of the weights."""
         return None
 
     supports_adapters: ClassVar[bool] = False

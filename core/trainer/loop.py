@@ -40,6 +40,7 @@ from rlplat.protocol import DataProto
 from rlplat.kits.reward import last_tokens
 from rlplat.controller import timeline
 from rlplat.trainer.profile import ProfileConfig, StepProfiler
+from rlplat.trainer.rollout_dump import check_replay, read_batch, step_file, write_batch
 from rlplat.trainer.sentinel import Sentinel, SentinelConfig
 from rlplat.trainer.status import RunStatus
 from rlplat.trainer.sync_probe import SyncProbe, SyncProbeConfig
@@ -225,6 +226,8 @@ class Trainer:
     def run_steps(self) -> dict[str, float]:
         self.build_workers()
         self.resume()
+        if self.config.trainer.replay_rollouts is not None:
+            check_replay(self.config.trainer.replay_rollouts, self.step + 1, self.total_steps)
         self.actor.set_policy_version(self.step)
         if self.rollout is not self.actor:  # a rollout in its own pool starts from the built or restored weights
             self.sync_weights(full=True)
@@ -304,8 +307,15 @@ class Trainer:
         metrics: dict[str, Any] = {}
         started = time.perf_counter()
         seed = self.config.trainer.seed * 1_000_003 + self.step
+        trainer = self.config.trainer
         with self.timed(timing, "gen"):
-            batch = self.generate_filled_batch(seed, timing)
+            if trainer.replay_rollouts is not None:
+                batch = read_batch(step_file(trainer.replay_rollouts, self.step))
+            else:
+                batch = self.generate_filled_batch(seed, timing)
+        if trainer.rollout_dump_dir is not None:
+            with self.timed(timing, "dump"):
+                write_batch(batch, step_file(trainer.rollout_dump_dir, self.step))
         self.sentinel.take_events(batch.meta_info, self.step)
         if "policy_version" in batch.batch.keys():
             lag = self.async_settings.max_staleness if self.async_settings.asynchronous else 0
@@ -421,7 +431,7 @@ class Trainer:
                 prompts = prompts.with_meta_info({**prompts.meta_info, "seed": seed + 7919 * attempt})
                 batch = self.generate(prompts)
             events.extend(batch.meta_info.pop(HEALTH_EVENTS, ()))
-            checks = {name: float(max(value) if isinstance(value, list) else value)  # the workers' running counts
+            checks = {name: float(min(value) if isinstance(value, list) else value)  # every rollout rank's
                       for name, value in (batch.meta_info.get("metrics") or {}).items() if name.startswith("sentinel/")}
             batch = self.algorithm.after_generate(batch, self.generate, SamplingParams(**{**self.sampling(), "seed": seed}))
             events.extend(batch.meta_info.pop(HEALTH_EVENTS, ()))  # a baseline generation's (ReMax)

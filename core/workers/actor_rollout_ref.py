@@ -114,7 +114,7 @@ class ActorRolloutRefWorker(Worker):
         self.base_synced = False  # LoRA adapter sync: the rollout holds the base weights
         self.acked_version: int | None = None  # the last policy version whose apply was acknowledged
         self.health_events: list[HealthEvent] = []  # for the driver, with the next generation's output
-        self.weight_check_counts = {"checked": 0, "skipped": 0}
+        self.weights_verified = 0.0  # 1: the rollout's weights are known to be those sent (checked, or shared)
 
     def has(self, role: str) -> bool:
         return role in self.config.roles
@@ -199,8 +199,7 @@ class ActorRolloutRefWorker(Worker):
         meta = {key: value for key, value in output.meta_info.items() if key not in SAMPLING_KEYS}
         metrics = {"timing_s/generate_worker": time.perf_counter() - started,
                    "async/generation_start": window_start, "async/generation_end": time.time(),
-                   "sentinel/weight_checks": float(self.weight_check_counts["checked"]),
-                   "sentinel/weight_checks_skipped": float(self.weight_check_counts["skipped"])}
+                   "sentinel/weights_verified": self.weights_verified}
         events = [*meta.pop(HEALTH_EVENTS, ()), *(event.as_dict() for event in self.health_events)]
         self.health_events = []
         return output.with_meta_info({**meta, "metrics": metrics, **({HEALTH_EVENTS: events} if events else {})})
@@ -344,6 +343,7 @@ class ActorRolloutRefWorker(Worker):
             if shared is not None and rollout.bind_weights(shared):
                 self.rollout_asleep, self.weights_shared = False, True
                 self.rollout_version = self.acked_version = self.actor_version  # the same tensors: nothing to check
+                self.weights_verified = 1.0
                 return {"timing_s/sync_weights": time.perf_counter() - started, "sync/bytes": 0.0, "sync/shared": 1.0}
         rollout.wake_up_weights()
         sent = self.sent_fingerprints()
@@ -364,18 +364,14 @@ class ActorRolloutRefWorker(Worker):
         """Count ``version`` as applied when the rollout holds what ``sent`` saw (or cannot tell: then the
         check is counted as skipped); otherwise leave the acknowledged version as it was and record a
         ``weight_checksum`` event naming the tensors that differ."""
-        if not sent.enabled:
-            self.acked_version = version
-            return
-        held = self.rollout.weight_fingerprints()
+        held = self.rollout.weight_fingerprints() if sent.enabled else None
         if held is None:
-            self.weight_check_counts["skipped"] += 1
-            self.acked_version = version
+            self.acked_version, self.weights_verified = version, 0.0
             return
         from rlplat.kits.weights import compare
 
         compared, problems = compare(sent.fingerprints, held)
-        self.weight_check_counts["checked"] += 1
+        self.weights_verified = float(not problems and compared > 0)
         if problems or not compared:
             shown = dict(list(problems.items())[:3])
             self.health_events.append(HealthEvent(
@@ -403,6 +399,7 @@ class ActorRolloutRefWorker(Worker):
         rollout.wake_up_kv_cache()
         self.rollout_asleep, self.weights_shared = False, False
         self.rollout_version = self.acked_version = self.actor_version  # adapters are merged: not fingerprinted
+        self.weights_verified = 0.0
         return {"timing_s/sync_weights": time.perf_counter() - started, "sync/bytes": float(moved), "sync/shared": 0.0}
 
     @register(Dispatch.ONE_TO_ALL)
