@@ -218,3 +218,30 @@ def test_a_bad_sentinel_node_is_refused_at_load(assets, tmp_path, node, match):
     dotted = [f"trainer.sentinel.{key}={json.dumps(value).replace(chr(34), '')}" for key, value in node.items()]
     with pytest.raises(ConfigError, match=match):
         load_config(overrides=overrides(assets, tmp_path, *dotted), algo="grpo")
+
+
+@pytest.mark.slow
+def test_a_restarted_rollout_is_refreshed_before_it_serves(assets, tmp_path):
+    # generation 1 is step 1's, 2 the probe after its sync, 3 step 2's: the engine comes back with step 0's weights
+    with faults.restarted_rollout(at_generation=3):
+        records = fit_run(load_config(overrides=overrides(assets, tmp_path, "rollout.sync_probe.freq=1",
+                                                          "rollout.sync_probe.tolerance=1e-5"), algo="grpo"))
+    assert [r.get("sentinel/replica", 0) for r in records] == [0, 1, 0, 0]
+    assert all(r["sync_probe/mean_abs_diff"] < 1e-5 for r in records)  # the refreshed weights are the actor's
+    event = read_status(tmp_path)["sentinel"][0]
+    assert event["check"] == "replica" and event["action"] == "warn" and event["figures"]["refreshed"] is True
+    assert "restarted" in event["message"] and event["step"] == 2
+
+
+def test_a_restarted_rollout_without_an_actor_in_its_process_refuses_to_serve(assets):
+    from rlplat.contracts.health import StaleReplicaError
+    from rlplat.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+    worker = ActorRolloutRefWorker({"roles": ["rollout"], "rollout": "hf", "rollout_config": {"model_path": assets["model"]},
+                                    "tokenizer_path": assets["model"]})
+    worker.init_model()
+    worker.check_instance(worker.rollout)  # nothing sent yet: nothing to compare
+    worker.acked_instance, worker.acked_version = "first", 3
+    worker.rollout.instance_id = lambda: "second"
+    with pytest.raises(StaleReplicaError, match=r"restarted \(first -> second\) since it was sent policy version 3"):
+        worker.check_instance(worker.rollout)

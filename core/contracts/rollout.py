@@ -134,6 +134,14 @@ class RolloutEngine(abc.ABC):
         (``sentinel/weights_verified`` is 0). Cost: one read of the weights."""
         return None
 
+    def instance_id(self) -> "str | None":
+        """Who is serving: a value that changes when the engine restarted and so lost the weights it was sent
+        (a server process started again, a replica replaced). The worker compares it before every
+        generation with the one it saw at the last acknowledged sync; a change makes the replica ``stale``: it
+        is refreshed with the actor's weights before it serves, or refused (``StaleReplicaError``) where it
+        cannot be. None (the default): an engine that never restarts on its own."""
+        return None
+
     supports_adapters: ClassVar[bool] = False
     """Whether :meth:`load_adapter` works (``actor.lora.sync=adapter`` is checked against it at load)."""
 

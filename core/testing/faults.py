@@ -150,3 +150,30 @@ def non_finite_loss(at_step: int = 2) -> Iterator[None]:
 
     with _patched(Trainer, "train_step", trainer_step), _patched(ActorRolloutRefWorker, "update_actor", replacement):
         yield
+
+
+@contextlib.contextmanager
+def restarted_rollout(at_generation: int = 3) -> Iterator[None]:
+    """Before the worker's generation number ``at_generation`` (from 1), its rollout engine "restarts": it is
+    given back the weights it held at the first generation (what a restarted server loads) and reports a new
+    :meth:`~rlplat.contracts.rollout.RolloutEngine.instance_id`. The worker must refresh it before it serves
+    (a ``replica`` event) or refuse (``StaleReplicaError``)."""
+    from rlplat.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+    calls = _sync_counter()
+    first: list[tuple[str, Any]] = []
+
+    def replacement(original: Any) -> Any:
+        def generate_sequences(self: Any, prompts: Any) -> Any:
+            number, rollout = next(calls), self.rollout
+            if number == 1 and self.actor is not None:
+                first.extend((name, tensor.clone()) for bucket in self.actor.named_weights() for name, tensor in bucket)
+            if number == at_generation:
+                type(rollout).update_weights(rollout, first)
+                rollout.instance_id = lambda: f"restarted-before-generation-{at_generation}"
+            return original(self, prompts)
+        return generate_sequences
+
+    with _patched(ActorRolloutRefWorker, "generate_sequences", replacement):
+        yield
+

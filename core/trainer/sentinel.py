@@ -8,6 +8,9 @@ The checks (``trainer.sentinel``, on by default; each cheap next to a step):
   compares fingerprints, :mod:`rlplat.kits.weights`, when the rollout offers them).
 * ``policy_version``: the rollout sampled from a version whose apply it never acknowledged (a version counter
   bumped without the weights).
+* ``replica``: a rollout engine restarted since its last acknowledged sync (``RolloutEngine.instance_id``) and
+  held stale weights; the worker refreshed it from the actor before it served (one that cannot be refreshed in
+  its process refuses to serve: ``StaleReplicaError``).
 * ``scorer``: a reward scorer overran its deadline and was killed (the reward manager's event).
 * ``template``: a multi-turn chat template's rendering drifted from what was sampled (the agent driver's event).
 * ``non_finite``: NaN or Inf in the advantages, or in a loss or gradient norm of an update.
@@ -40,7 +43,7 @@ POLICIES = ("stop", "warn", "off")
 
 #: check -> what the sentinel does by default.
 DEFAULT_POLICY: dict[str, str] = {
-    "weight_sync": "stop", "weight_checksum": "stop", "policy_version": "stop", "replica": "stop", "scorer": "warn",
+    "weight_sync": "stop", "weight_checksum": "stop", "policy_version": "stop", "replica": "warn", "scorer": "warn",
     "template": "warn", "non_finite": "stop", "collapse": "warn", "sync_probe": "stop",
 }
 
@@ -53,8 +56,8 @@ class SentinelConfig:
     """Run the checks (see :mod:`rlplat.trainer.sentinel`)."""
     policy: Dict[str, str] = dataclasses.field(default_factory=dict)
     """Check -> ``stop``, ``warn`` or ``off``, over the defaults: stop on ``weight_sync``, ``weight_checksum``,
-    ``policy_version``, ``replica``, ``non_finite`` and ``sync_probe``; warn on ``scorer``, ``template`` and
-    ``collapse``."""
+    ``policy_version``, ``non_finite`` and ``sync_probe``; warn on ``replica`` (a restarted replica, refreshed
+    before it served), ``scorer``, ``template`` and ``collapse``."""
     weight_checks: bool = True
     """Fingerprint every weight sync (one extra read of the weights on each side)."""
     collapse_ratio: float = 0.05
@@ -93,7 +96,7 @@ class Sentinel:
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=settings.events_kept)
         self.counts: collections.Counter[str] = collections.Counter()
         self.baseline: dict[str, list[float]] = {}
-        self.suspects: dict[str, int] = {}  # "role/rank" -> the step of its last weight or version fault
+        self.suspects: dict[str, tuple[int, str]] = {}  # "role/rank" -> (step, state) of its last weight or version fault
 
     def report(self, error: RunHealthError) -> None:
         """Apply the policy of ``error.check`` to ``error``: raise it, log it, or ignore it."""
@@ -105,7 +108,8 @@ class Sentinel:
                             "action": action, "message": str(error), "role": error.role, "rank": error.rank,
                             "figures": error.figures})
         if error.check in ("weight_sync", "weight_checksum", "policy_version", "replica") and error.rank is not None:
-            self.suspects[f"{error.role}/{error.rank}"] = error.step if error.step is not None else -1
+            state = "stale" if error.check == "replica" else "suspect"
+            self.suspects[f"{error.role}/{error.rank}"] = (error.step if error.step is not None else -1, state)
         if action == "stop":
             raise error
         log.warning("%s: %s", type(error).__name__, error)
@@ -181,8 +185,9 @@ class Sentinel:
         return metrics
 
     def replica_health(self, step: int, replicas: list[str]) -> dict[str, str]:
-        """``healthy`` or ``suspect`` (a weight or version fault in the last two steps) per ``role/rank``."""
-        return {name: "suspect" if name in self.suspects and step - self.suspects[name] <= 2 else "healthy"
+        """Per ``role/rank``: ``healthy``; ``suspect`` (a weight or version fault in the last two steps); ``stale``
+        (restarted with stale weights in the last two steps, refreshed before it served)."""
+        return {name: self.suspects[name][1] if name in self.suspects and step - self.suspects[name][0] <= 2 else "healthy"
                 for name in replicas}
 
 

@@ -10,7 +10,9 @@ directory, then renamed over). Its fields (``schema`` 1):
   ``validate``, ``save``, ...) and ``phase_started_at``;
 * ``last_step_s``, ``throughput`` (tokens per second per actor process, ``perf/throughput``), ``eta_s`` (the
   steps left times the median of the last 20 step times; null before the first step);
-* ``replicas``: ``role/rank`` -> ``healthy`` or ``suspect`` (a weight or version fault in the last two steps);
+* ``replicas``: ``role/rank`` -> ``healthy``, ``suspect`` (a weight or version fault in the last two steps) or
+  ``stale`` (its engine restarted with stale weights in the last two steps and was refreshed before it served). A
+  replica whose process died stops the run: ``state`` is then ``failed`` and ``error`` names the worker;
 * ``sentinel``: the last events of the run sentinel (:mod:`rlplat.trainer.sentinel`): step, check, error,
   action (``stop`` or ``warn``), message, role, rank, figures;
 * ``pid``, ``updated_at`` (Unix seconds).

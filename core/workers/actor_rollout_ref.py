@@ -53,6 +53,7 @@ def log_prob_mismatch(batch: DataProto, mask: torch.Tensor | None = None) -> dic
 
 
 ROW_INDEX = "rlplat_row_index"
+NOT_ACKED = object()  # no sync acknowledged yet: no engine instance to compare with
 
 
 class OldLogProbsFromForward:
@@ -113,6 +114,7 @@ class ActorRolloutRefWorker(Worker):
         self.reference_from_actor = False  # LoRA: the reference policy is the actor with its adapter off
         self.base_synced = False  # LoRA adapter sync: the rollout holds the base weights
         self.acked_version: int | None = None  # the last policy version whose apply was acknowledged
+        self.acked_instance: Any = NOT_ACKED  # the rollout engine's instance_id() at that acknowledgement
         self.health_events: list[HealthEvent] = []  # for the driver, with the next generation's output
         self.weights_verified = 0.0  # 1: the rollout's weights are known to be those sent (checked, or shared)
 
@@ -180,6 +182,7 @@ class ActorRolloutRefWorker(Worker):
         started, window_start = time.perf_counter(), time.time()
         if self.rollout_asleep and self.actor is not None:
             self.sync_weights()  # two generations in a row (validation, then a step): wake with the actor's weights
+        self.check_instance(rollout)
         version = self.sampling_version()
         driver = self.rollout_driver()
         if driver is not None and driver.handles(prompts):
@@ -203,6 +206,29 @@ class ActorRolloutRefWorker(Worker):
         events = [*meta.pop(HEALTH_EVENTS, ()), *(event.as_dict() for event in self.health_events)]
         self.health_events = []
         return output.with_meta_info({**meta, "metrics": metrics, **({HEALTH_EVENTS: events} if events else {})})
+
+    def check_instance(self, rollout: Any) -> None:
+        """A rollout engine that restarted since its last acknowledged sync (:meth:`RolloutEngine.instance_id`)
+        holds stale weights: refresh it from the colocated actor before it serves (a ``replica`` event), or
+        refuse to serve (:class:`StaleReplicaError`) when this process has no actor to refresh it from."""
+        instance = rollout.instance_id()
+        if self.acked_instance is NOT_ACKED or instance == self.acked_instance:
+            return
+        figures = {"instance": instance, "acked_instance": self.acked_instance, "acked_version": self.acked_version}
+        if self.actor is None:
+            from rlplat.contracts.health import StaleReplicaError
+
+            raise StaleReplicaError(
+                f"rollout engine restarted ({self.acked_instance} -> {instance}) since it was sent policy version "
+                f"{self.acked_version}; it holds stale weights and serves nothing until the trainer sends it weights again",
+                role="rollout", rank=self.rank, figures=figures)
+        self.acked_version = None
+        self.sync_weights()
+        refreshed = self.acked_version == self.actor_version
+        self.health_events.append(HealthEvent(
+            "replica", f"the rollout engine restarted ({figures['acked_instance']} -> {instance}) with stale weights; "
+            + ("refreshed with the actor's weights before serving" if refreshed else "its refresh was not acknowledged"),
+            role="rollout", rank=self.rank, figures={**figures, "state": "stale", "refreshed": refreshed}))
 
     def sampling_version(self) -> int:
         """The policy version the rollout samples from now (see the module docstring)."""
@@ -343,7 +369,7 @@ class ActorRolloutRefWorker(Worker):
             if shared is not None and rollout.bind_weights(shared):
                 self.rollout_asleep, self.weights_shared = False, True
                 self.rollout_version = self.acked_version = self.actor_version  # the same tensors: nothing to check
-                self.weights_verified = 1.0
+                self.weights_verified, self.acked_instance = 1.0, rollout.instance_id()
                 return {"timing_s/sync_weights": time.perf_counter() - started, "sync/bytes": 0.0, "sync/shared": 1.0}
         rollout.wake_up_weights()
         sent = self.sent_fingerprints()
@@ -366,7 +392,7 @@ class ActorRolloutRefWorker(Worker):
         ``weight_checksum`` event naming the tensors that differ."""
         held = self.rollout.weight_fingerprints() if sent.enabled else None
         if held is None:
-            self.acked_version, self.weights_verified = version, 0.0
+            self.acked_version, self.weights_verified, self.acked_instance = version, 0.0, self.rollout.instance_id()
             return
         from rlplat.kits.weights import compare
 
@@ -381,7 +407,7 @@ class ActorRolloutRefWorker(Worker):
                 role="rollout", rank=self.rank, figures={"version": version, "compared": compared, "differ": len(problems),
                                                          "tensors": sorted(problems)[:20]}))
             return
-        self.acked_version = version
+        self.acked_version, self.acked_instance = version, self.rollout.instance_id()
 
     def sync_adapter(self, actor: Any, rollout: Any, started: float) -> dict[str, float]:
         """LoRA with ``sync=adapter``: the base weights once (the adapter off), then the adapter alone."""
@@ -399,7 +425,7 @@ class ActorRolloutRefWorker(Worker):
         rollout.wake_up_kv_cache()
         self.rollout_asleep, self.weights_shared = False, False
         self.rollout_version = self.acked_version = self.actor_version  # adapters are merged: not fingerprinted
-        self.weights_verified = 0.0
+        self.weights_verified, self.acked_instance = 0.0, rollout.instance_id()
         return {"timing_s/sync_weights": time.perf_counter() - started, "sync/bytes": float(moved), "sync/shared": 0.0}
 
     @register(Dispatch.ONE_TO_ALL)
