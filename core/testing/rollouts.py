@@ -234,6 +234,24 @@ class RolloutEngineConformance:
         assert all(torch.equal(tensor, copy) for (_, tensor), copy in zip(owned, kept))
         assert_same_samples(before, rollout.generate(prompts, sampling))
 
+    def test_weight_fingerprints_if_offered_show_what_update_weights_loaded(self, rollout, named_weights):
+        from rlplat.kits.weights import compare, fingerprint
+
+        if named_weights is None:
+            pytest.skip("no named_weights fixture")
+        if rollout.weight_fingerprints() is None:
+            pytest.skip("this rollout offers no weight fingerprints (weight_fingerprints returned None)")
+        middle = len(named_weights) // 2  # a decoder layer's weight: never one of a tied pair (embeddings, output layer)
+        changed = [(name, tensor * 1.5 if index == middle else tensor) for index, (name, tensor) in enumerate(named_weights)]
+        try:
+            rollout.update_weights(changed)
+            compared, problems = compare({name: fingerprint(tensor) for name, tensor in changed}, rollout.weight_fingerprints())
+            assert compared == len({name for name, _ in changed}) and problems == {}, problems
+            compared, problems = compare({name: fingerprint(tensor) for name, tensor in named_weights}, rollout.weight_fingerprints())
+            assert list(problems) == [named_weights[middle][0]]  # the one tensor that differs, and only it
+        finally:
+            rollout.update_weights(named_weights)
+
     def test_a_staged_wake_up_weights_then_kv_cache_reproduces_the_samples(self, rollout, prompts, named_weights):
         if named_weights is None:
             pytest.skip("no named_weights fixture")
