@@ -48,7 +48,7 @@ def register_roles(register):
 
 @hookimpl
 def register_reward_scorers(register):
-    register("exact_match", "rlplat.scorers:exact_match",
+    register("exact_match", "rlplat.scorers:exact_match", metadata={"safe": True},
              description="1 when the response equals the ground truth (whitespace stripped), else 0; the default.")
 
 

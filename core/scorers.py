@@ -6,6 +6,9 @@
 entry's ``metadata={"data_sources": [...]}``, e.g. ``gsm8k`` claims ``openai/gsm8k`` as verl's default
 reward does), and rows no scorer claims to :func:`exact_match` (registered by rlplat as ``exact_match``;
 the demo's reward). :func:`scorer_for` makes the choice, for the driver and for ``load_config``'s checks.
+An entry's ``metadata={"safe": True}`` says the scorer returns promptly on any input (no regular expression
+that can backtrack catastrophically, no unbounded arithmetic): reward managers may then score it in their own
+process rather than in a scorer process they can kill at a deadline (``exact_match`` is registered so).
 
 A custom function is called as ``fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...)``
 and may be ``async def``. :class:`CustomScorer` wraps it: it checks the file and the function when it

@@ -11,20 +11,28 @@ only what it computed (the caller unions it into the batch):
   elsewhere (a row without valid tokens gets no score);
 * one non-tensor column per extra field the scorer returned (``acc``, ``pred``, ...; ``None`` on rows
   that did not return it);
-* ``meta_info["reward_metrics"]``: ``reward/errors``, ``reward/timeouts`` and ``reward/<field>/mean`` of
-  every numeric or boolean extra field.
+* ``meta_info["reward_metrics"]``: ``reward/errors``, ``reward/timeouts``, ``reward/killed`` (scorer
+  processes killed at ``timeout_s``) and ``reward/<field>/mean`` of every numeric or boolean extra field;
+* ``meta_info["health_events"]``, only when the call killed a scorer process: one
+  :class:`~rlplat.contracts.health.HealthEvent` dict (check ``scorer``) naming the rows
+  (:func:`~rlplat_rewards.isolation.killed_event`). The manager does not raise for it: the driver's
+  sentinel decides.
 
 A scorer that raises (or returns something that is not a score, or overruns ``timeout_s``) on a
 sample gives that sample ``fallback_score`` and no extra fields, is counted in ``reward/errors`` (and
 ``reward/timeouts``), and the first such traceback of the call is logged; with ``raise_on_error`` the
-call raises instead, naming the row. A sync scorer that times out keeps running in a daemon thread
-(Python cannot stop it); async scorers are cancelled.
+call raises instead, naming the row. Where the scorer runs is ``reward.config.isolation``
+(:mod:`rlplat_rewards.isolation`): in scorer processes, a sample over ``timeout_s`` has its process
+killed; in this process, a sync scorer that times out keeps running in a daemon thread (Python cannot
+stop it, and one stuck in C code holding the GIL stops the whole process) and async scorers are
+cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 import logging
 import threading
@@ -34,9 +42,11 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
+from rlplat.contracts.health import HEALTH_EVENTS
 from rlplat.contracts.reward import RewardManager, split_score
 from rlplat.config_node import read_config_node
 from rlplat_rewards.config import RewardManagerConfig
+from rlplat_rewards.isolation import killed_event, scorer_pool
 
 
 logger = logging.getLogger("rlplat_rewards")
@@ -130,14 +140,21 @@ class FailureTracker:
         self.scorer_name = scorer_name
         self.errors = 0
         self.timeouts = 0
+        self.killed = 0
+        """Scorer processes killed at ``timeout_s``."""
+        self.killed_rows: list[int] = []
+        """The rows whose sample was being scored by a killed process (every row, for a batch call)."""
 
-    def failed(self, rows: str, data_source: str, error: Exception) -> float:
-        """Record a failure on ``rows`` (a description) and return the fallback score."""
+    def failed(self, rows: str, data_source: str, error: Exception, indices: list[int]) -> float:
+        """Record a failure on ``rows`` (a description; ``indices`` the rows) and return the fallback score."""
         where = f"reward scorer {self.scorer_name} failed on {rows} (data_source {data_source!r})"
         if self.settings.raise_on_error:
             raise RuntimeError(f"{where}: {type(error).__name__}: {error}") from error
         self.errors += 1
         self.timeouts += isinstance(error, TimeoutError)
+        if getattr(error, "killed", False):
+            self.killed += 1
+            self.killed_rows.extend(indices)
         if self.errors == 1:
             details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
             logger.error(
@@ -166,19 +183,23 @@ def build_output(samples: list[Sample], scores: list[float], extras: list[dict[s
             token_level_scores[row, sample.last_token] = score
     keys = list(dict.fromkeys(key for fields in extras for key in fields))
     columns = {key: [fields.get(key) for fields in extras] for key in keys}
-    metrics = {"reward/errors": float(tracker.errors), "reward/timeouts": float(tracker.timeouts)}
+    metrics = {"reward/errors": float(tracker.errors), "reward/timeouts": float(tracker.timeouts),
+               "reward/killed": float(tracker.killed)}
     for key, values in columns.items():
         present = [value for value in values if value is not None]
         if present and all(isinstance(value, (bool, int, float, np.number)) for value in present):
             metrics[f"reward/{key}/mean"] = float(np.mean(np.asarray(present, dtype=np.float64)))
-    return DataProto.from_dict(
-        tensors={"token_level_scores": token_level_scores}, non_tensors=columns, meta_info={"reward_metrics": metrics}
-    )
+    meta_info: dict[str, Any] = {"reward_metrics": metrics}
+    if tracker.killed:
+        meta_info[HEALTH_EVENTS] = [killed_event(tracker.scorer_name, tracker.settings.timeout_s, tracker.killed_rows,
+                                                 tracker.killed)]
+    return DataProto.from_dict(tensors={"token_level_scores": token_level_scores}, non_tensors=columns, meta_info=meta_info)
 
 
 class ScoringRewardManager(RewardManager):
-    """What every manager here holds: the scorer, the tokenizer that decodes responses, and the manager
-    settings (the ``reward.config`` node, :class:`~rlplat_rewards.config.RewardManagerConfig`)."""
+    """What every manager here holds: the scorer, the tokenizer that decodes responses, the manager
+    settings (the ``reward.config`` node, :class:`~rlplat_rewards.config.RewardManagerConfig`), and the
+    :class:`~rlplat_rewards.isolation.ScorerPool` the scorer runs in (``pool``; None: in this process)."""
 
     def __init__(self, scorer: Callable[..., Any], tokenizer: Any, config: Any = None):
         if not callable(scorer):
@@ -189,6 +210,18 @@ class ScoringRewardManager(RewardManager):
         self.scorer = scorer
         self.tokenizer = tokenizer
         self.settings = read_config_node(config, RewardManagerConfig, "reward.config")
+        self.pool = scorer_pool(scorer, self.settings.isolation, self.settings.timeout_s, self.settings.processes,
+                                scorer_name(scorer))
+
+    def close(self) -> None:
+        """Stop the scorer processes, if any (garbage collection and interpreter exit do it too)."""
+        if self.pool is not None:
+            self.pool.close()
+
+
+def scorer_arguments(sample: Sample) -> dict[str, Any]:
+    return {"data_source": sample.data_source, "solution_str": sample.solution_str,
+            "ground_truth": sample.ground_truth, "extra_info": sample.extra_info}
 
 
 class NaiveRewardManager(ScoringRewardManager):
@@ -200,24 +233,29 @@ class NaiveRewardManager(ScoringRewardManager):
         tracker = FailureTracker(self.settings, scorer_name(self.scorer))
         scores, extras = [], []
         width = batch.batch["responses"].shape[1]
-        for row, sample in enumerate(samples):
+        for row, (sample, outcome) in enumerate(zip(samples, self.outcomes(samples))):
             try:
-                result = call_with_timeout(
-                    lambda: self.scorer(
-                        data_source=sample.data_source,
-                        solution_str=sample.solution_str,
-                        ground_truth=sample.ground_truth,
-                        extra_info=sample.extra_info,
-                    ),
-                    self.settings.timeout_s,
-                )
-                score, fields = split_score(result, where=f"reward scorer {tracker.scorer_name}")
+                if isinstance(outcome, Exception):
+                    raise outcome
+                score, fields = split_score(outcome, where=f"reward scorer {tracker.scorer_name}")
                 score, fields = self.shape(sample, score, fields, width)
             except Exception as error:
-                score, fields = tracker.failed(f"row {row}", sample.data_source, error), {}
+                score, fields = tracker.failed(f"row {row}", sample.data_source, error, [row]), {}
             scores.append(score)
             extras.append(fields)
         return build_output(samples, scores, extras, width, tracker)
+
+    def outcomes(self, samples: list[Sample]) -> Any:
+        """Each sample's raw result or the exception it failed with, in order: from the scorer processes in
+        one go, or scored here one by one as they are asked for (``raise_on_error`` stops at the first)."""
+        if self.pool is not None:
+            yield from self.pool.score_all([scorer_arguments(sample) for sample in samples], self.settings.timeout_s)
+            return
+        for sample in samples:
+            try:
+                yield call_with_timeout(functools.partial(self.scorer, **scorer_arguments(sample)), self.settings.timeout_s)
+            except Exception as error:
+                yield error
 
     def shape(self, sample: Sample, score: float, fields: dict[str, Any], width: int) -> tuple[float, dict[str, Any]]:
         """Adjust a successfully scored sample (the DAPO manager adds its length penalty here)."""
@@ -233,21 +271,21 @@ class BatchRewardManager(ScoringRewardManager):
         samples = decode_samples(batch, self.tokenizer)
         tracker = FailureTracker(self.settings, scorer_name(self.scorer))
         width = batch.batch["responses"].shape[1]
+        arguments = {"data_sources": [s.data_source for s in samples], "solution_strs": [s.solution_str for s in samples],
+                     "ground_truths": [s.ground_truth for s in samples], "extra_infos": [s.extra_info for s in samples]}
+        isolated = self.pool.score_all([arguments], self.settings.timeout_s)[0] if self.pool is not None else None
         try:
-            results = call_with_timeout(
-                lambda: self.scorer(
-                    data_sources=[s.data_source for s in samples],
-                    solution_strs=[s.solution_str for s in samples],
-                    ground_truths=[s.ground_truth for s in samples],
-                    extra_infos=[s.extra_info for s in samples],
-                ),
-                self.settings.timeout_s,
-            )
+            if self.pool is None:
+                results = call_with_timeout(functools.partial(self.scorer, **arguments), self.settings.timeout_s)
+            elif isinstance(isolated, Exception):
+                raise isolated
+            else:
+                results = isolated
             results = list(results)
             if len(results) != len(samples):
                 raise TypeError(f"the batch scorer returned {len(results)} results for {len(samples)} rows")
         except Exception as error:
-            fallback = tracker.failed("the whole batch", "several", error)
+            fallback = tracker.failed("the whole batch", "several", error, list(range(len(samples))))
             tracker.errors = len(samples)
             tracker.timeouts = len(samples) if isinstance(error, TimeoutError) else 0
             return build_output(samples, [fallback] * len(samples), [{} for _ in samples], width, tracker)
@@ -256,7 +294,7 @@ class BatchRewardManager(ScoringRewardManager):
             try:
                 score, fields = split_score(result, where=f"reward scorer {tracker.scorer_name}")
             except TypeError as error:
-                score, fields = tracker.failed(f"row {row}", sample.data_source, error), {}
+                score, fields = tracker.failed(f"row {row}", sample.data_source, error, [row]), {}
             scores.append(score)
             extras.append(fields)
         return build_output(samples, scores, extras, width, tracker)

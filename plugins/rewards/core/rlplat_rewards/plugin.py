@@ -13,6 +13,11 @@ REWARD_SCORERS = {
     "math": ("hendrycks_math:score", "MATH: the last \\boxed{} answer, equivalent after the benchmark's normalisation."),
     "math_verify": ("math_verify_scorer:score", "Math answers in LaTeX or plain text, extracted and compared by math-verify (sympy): 0.5 = 1/2, sets, intervals."),
 }
+# Scorers known to return promptly on any input (metadata "safe": True), so reward.config.isolation=auto scores
+# them in-process: string operations and linear regular expressions only. Not math_verify: its parsing and
+# sympy can spend minutes inside one C call (a regular expression, a big-integer operation) that its own
+# watchdog, raising between bytecodes, cannot interrupt; a scorer process costs little next to its ~10 ms a call.
+SAFE = {"gsm8k", "gsm8k_flexible", "math"}
 # The data sources each scorer claims when no reward.scorer is named (verl's default_compute_score's).
 DATA_SOURCES = {
     "gsm8k": ["openai/gsm8k"],
@@ -30,7 +35,7 @@ REWARD_MANAGERS = {
 def register_reward_scorers(register):
     for name, (target, description) in REWARD_SCORERS.items():
         register(name, f"rlplat_rewards.{target}", description=description,
-                 metadata={"data_sources": DATA_SOURCES.get(name, [])})
+                 metadata={"data_sources": DATA_SOURCES.get(name, []), "safe": name in SAFE})
 
 
 @rlplat.hookimpl

@@ -3,10 +3,13 @@ default score; the ``async`` reward manager built on it; and the scores of traje
 the others still generated.
 
 :class:`RewardLoop` scores :class:`ScoringSample` objects in an asyncio event loop, at most
-``max_concurrency`` at once. A synchronous scorer runs each attempt on a daemon thread of its own, so
-the event loop stays free and a scorer that never returns blocks neither the run nor the interpreter's
-exit (at its timeout it is abandoned, still holding its thread: Python cannot stop a thread); an
-``async def`` scorer is awaited in the loop and cancelled at its timeout. An attempt fails when the
+``max_concurrency`` at once. Where an attempt runs is ``isolation`` (:mod:`rlplat_rewards.isolation`): in a
+scorer process, which is killed (and replaced) when the attempt overruns ``timeout_s``; or in this
+process, where a synchronous scorer runs each attempt on a daemon thread of its own, so the event loop
+stays free and a scorer that never returns blocks neither the run nor the interpreter's exit (at its
+timeout it is abandoned, still holding its thread: Python cannot stop a thread, and one stuck in C code
+holding the GIL stops the whole process), and an ``async def`` scorer is awaited in the loop and
+cancelled at its timeout. An attempt fails when the
 scorer raises, returns something that is not a score (:func:`~rlplat.contracts.reward.split_score`) or
 overruns ``timeout_s``. A failed attempt is retried up to ``retries`` times, ``retry_backoff_s`` later
 (doubled for each further retry; the sample gives up its slot while it waits); a sample whose every
@@ -29,6 +32,7 @@ score); one non-tensor column per extra field the scorer returned (None on rows 
 it); and ``meta_info["reward_metrics"]``:
 
 * ``reward/errors``: failed attempts; ``reward/timeouts``: the failed attempts that overran ``timeout_s``;
+  ``reward/killed``: the scorer processes killed for overrunning it;
 * ``reward/retries``: attempts after a sample's first; ``reward/defaults``: samples given ``default_score``;
 * ``reward/max_in_flight``: the most samples being scored at once (in one process);
 * ``reward/<field>/mean`` of every numeric or boolean extra field;
@@ -38,6 +42,11 @@ it); and ``meta_info["reward_metrics"]``:
   step waits for (in the driver: all of it);
 * ``reward/overlap_fraction``: the share of the samples' scoring time (summed over samples) spent while
   their worker was still generating (0 in the driver).
+
+and, only when a scorer process was killed, ``meta_info["health_events"]``: one
+:class:`~rlplat.contracts.health.HealthEvent` dict (check ``scorer``) naming the rows
+(:func:`~rlplat_rewards.isolation.killed_event`; rows scored in the rollout workers carry their kills in
+the ``reward_killed`` column). Neither raises: the driver's sentinel decides.
 """
 
 from __future__ import annotations
@@ -55,8 +64,11 @@ import traceback
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from rlplat.config_node import read_config_node
+from rlplat.contracts.health import HEALTH_EVENTS
 from rlplat.contracts.reward import RewardManager, split_score
 from rlplat.kits.reward import last_tokens
+from rlplat_rewards.config import check_isolation
+from rlplat_rewards.isolation import ScorerStartError, killed_event, scorer_pool
 
 if TYPE_CHECKING:
     import numpy as np
@@ -73,8 +85,10 @@ class RewardLoopConfig:
     max_concurrency: int = 8
     """Samples scored at once, in the driver or in each rollout worker (``overlap``)."""
     timeout_s: Optional[float] = None
-    """Time limit of one attempt at scoring a sample, in seconds (None: no limit). A sync scorer that
-    overruns it is abandoned on its daemon thread (Python cannot stop it); an async one is cancelled."""
+    """Time limit of one attempt at scoring a sample, in seconds (None: no limit). With ``isolation`` at
+    ``process`` the scorer process of an attempt that overruns it is killed (``reward/killed``, a health
+    event); on a thread, a sync scorer that overruns it is abandoned on its daemon thread (Python cannot
+    stop it); an async one is cancelled."""
     retries: int = 0
     """Attempts after the first when an attempt raised, returned something that is not a score, or
     overran ``timeout_s`` (each counted in ``reward/retries``)."""
@@ -89,6 +103,21 @@ class RewardLoopConfig:
     """When generation goes through agent loops, score each trajectory in the rollout worker as soon as
     it finishes, while the others still generate (the driver then only reads the scores). False: the
     driver scores the whole batch once generation is over."""
+    isolation: str = "auto"
+    """Where the scorer runs: ``auto``, ``thread`` or ``process``. ``process``: in scorer processes of
+    their own (``processes``, in the driver or in each rollout worker), one killed and replaced when an
+    attempt overruns ``timeout_s``, so a scorer stuck in C code holding the GIL (a regular expression
+    backtracking catastrophically) costs that attempt, not the run. ``thread``: in this process, a sync
+    scorer on a daemon thread per attempt, which cannot stop a scorer looping in C. ``auto``: ``process``
+    when ``timeout_s`` is set and the scorer is not known safe (a registered scorer whose registration
+    says ``safe``: ``exact_match``, ``gsm8k``, ``gsm8k_flexible``, ``math``), else ``thread``; without
+    ``timeout_s`` there is no deadline to kill at. A scorer that cannot be rebuilt in another process (a
+    lambda, a closure) stays on a thread under ``auto``, with a warning, and is an error under
+    ``process``."""
+    processes: int = 1
+    """Scorer processes when ``isolation`` gives them; at most this many attempts run at once, whatever
+    ``max_concurrency``. One matches a thread-based loop on Python-level scorers, which the GIL keeps to
+    one core."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_concurrency, bool) or not isinstance(self.max_concurrency, int) or self.max_concurrency < 1:
@@ -101,6 +130,7 @@ class RewardLoopConfig:
             raise ValueError(f"retry_backoff_s must be a number of seconds >= 0, got {self.retry_backoff_s!r}")
         if not (isinstance(self.default_score, (int, float)) and math.isfinite(self.default_score)):
             raise ValueError(f"default_score must be a finite number, got {self.default_score!r}")
+        check_isolation(self.isolation, self.processes)
 
 
 # -- samples ------------------------------------------------------------------------------------------
@@ -177,6 +207,8 @@ class SampleOutcome:
     errors: int
     """Failed attempts (timeouts included)."""
     timeouts: int
+    killed: int
+    """Attempts whose scorer process was killed at ``timeout_s``."""
     started: float
     """When the first attempt started."""
     finished: float
@@ -249,6 +281,8 @@ class RewardLoop:
         self.settings = read_config_node(config, RewardLoopConfig, "reward.config")
         self.name = scorer_name(scorer)
         self.in_loop = is_async_scorer(scorer)
+        self.pool = scorer_pool(scorer, self.settings.isolation, self.settings.timeout_s, self.settings.processes,
+                                self.name)
 
     def sample(self, row: Mapping[str, Any], response_ids: Sequence[int], response_mask: Sequence[int]) -> ScoringSample:
         """The sample of a finished trajectory of ``row`` (:func:`trajectory_sample` with this loop's tokenizer)."""
@@ -269,8 +303,11 @@ class RewardLoop:
 
     async def attempt(self, sample: ScoringSample) -> Any:
         """One call of the scorer, within ``timeout_s``; its raw result."""
-        call = functools.partial(self.scorer, data_source=sample.data_source, solution_str=sample.solution_str,
-                                 ground_truth=sample.ground_truth, extra_info=sample.extra_info)
+        arguments = {"data_source": sample.data_source, "solution_str": sample.solution_str,
+                     "ground_truth": sample.ground_truth, "extra_info": sample.extra_info}
+        if self.pool is not None:  # the pool keeps the deadline, from when a process takes the attempt
+            return await asyncio.wrap_future(self.pool.submit(arguments, self.settings.timeout_s))
+        call = functools.partial(self.scorer, **arguments)
 
         async def run() -> Any:
             result = call() if self.in_loop else await on_daemon_thread(call)
@@ -329,7 +366,7 @@ class ScoringRound:
         settings = self.loop.settings
         attempts = 1 + settings.retries
         started: Optional[float] = None
-        errors = timeouts = peak = 0
+        errors = timeouts = killed = peak = 0
         error: BaseException | None = None
         for attempt in range(attempts):
             if attempt:
@@ -342,16 +379,19 @@ class ScoringRound:
                     score, fields = split_score(await self.loop.attempt(sample), where=f"reward scorer {self.loop.name}")
                 except (asyncio.TimeoutError, TimeoutError) as failure:
                     error, errors, timeouts = failure, errors + 1, timeouts + 1
+                    killed += bool(getattr(failure, "killed", False))
+                except ScorerStartError:
+                    raise
                 except Exception as failure:
                     error, errors = failure, errors + 1
                 else:
-                    return SampleOutcome(score, fields, "ok", attempt + 1, errors, timeouts, started,
+                    return SampleOutcome(score, fields, "ok", attempt + 1, errors, timeouts, killed, started,
                                          time.perf_counter(), peak)
                 finally:
                     self.in_flight -= 1
         status = "timeout" if isinstance(error, (asyncio.TimeoutError, TimeoutError)) else "error"
         self.failed(row, sample, error, attempts, status)
-        return SampleOutcome(float(settings.default_score), {}, status, attempts, errors, timeouts, started,
+        return SampleOutcome(float(settings.default_score), {}, status, attempts, errors, timeouts, killed, started,
                              time.perf_counter(), peak)
 
     def failed(self, row: int, sample: ScoringSample, error: BaseException, attempts: int, status: str) -> None:
@@ -392,6 +432,7 @@ class ScoringRound:
         integers = {
             "reward_errors": [outcome.errors for outcome in outcomes],
             "reward_timeouts": [outcome.timeouts for outcome in outcomes],
+            "reward_killed": [outcome.killed for outcome in outcomes],
             "reward_retries": [outcome.attempts - 1 for outcome in outcomes],
             "reward_defaults": [outcome.status != "ok" for outcome in outcomes],
             "reward_in_flight": [outcome.in_flight for outcome in outcomes],
@@ -408,11 +449,11 @@ SCORE_COLUMN = "reward_score"
 FIELDS_COLUMN = "reward_fields"
 """Non-tensor column of the scorer's extra fields of a row (a dict; empty when scoring failed). One
 column of dicts, not one per field: workers whose rows returned different fields still concatenate."""
-LOOP_COLUMNS = (SCORE_COLUMN, FIELDS_COLUMN, "reward_errors", "reward_timeouts", "reward_retries", "reward_defaults",
-                "reward_in_flight", "reward_started_s", "reward_finished_s", "reward_generated_s", "reward_round",
-                "reward_tokens_hash")
+LOOP_COLUMNS = (SCORE_COLUMN, FIELDS_COLUMN, "reward_errors", "reward_timeouts", "reward_killed", "reward_retries",
+                "reward_defaults", "reward_in_flight", "reward_started_s", "reward_finished_s", "reward_generated_s",
+                "reward_round", "reward_tokens_hash")
 """What a batch scored in the rollout workers carries per row: the score and extra fields; failed
-attempts, timeouts, retries, whether the default score was given; the most samples in flight at one of
+attempts, timeouts, scorer processes killed, retries, whether the default score was given; the most samples in flight at one of
 its attempts; when its scoring started and finished and when its worker's generation finished (seconds
 since that worker's generation began); the round (one per worker and batch); the hash of the scored
 tokens."""
@@ -420,8 +461,10 @@ tokens."""
 
 # -- output -------------------------------------------------------------------------------------------
 
-def reward_output(columns: Mapping[str, "np.ndarray"], lasts: Sequence[int], width: int) -> "DataProto":
-    """The managers' output (see the module docstring) from the :data:`LOOP_COLUMNS` of a batch."""
+def reward_output(columns: Mapping[str, "np.ndarray"], lasts: Sequence[int], width: int, *, scorer: str = "",
+                  timeout_s: Optional[float] = None) -> "DataProto":
+    """The managers' output (see the module docstring) from the :data:`LOOP_COLUMNS` of a batch; ``scorer``
+    and ``timeout_s`` are what a health event of killed scorer processes names."""
     import numpy as np
     import torch
 
@@ -435,15 +478,20 @@ def reward_output(columns: Mapping[str, "np.ndarray"], lasts: Sequence[int], wid
     fields = list(columns[FIELDS_COLUMN])
     keys = list(dict.fromkeys(key for row_fields in fields for key in row_fields))
     extra = {key: [row_fields.get(key) for row_fields in fields] for key in keys}
-    metrics = {f"reward/{name}": float(np.sum(columns[f"reward_{name}"])) for name in ("errors", "timeouts", "retries", "defaults")}
+    metrics = {f"reward/{name}": float(np.sum(columns[f"reward_{name}"]))
+               for name in ("errors", "timeouts", "killed", "retries", "defaults")}
     metrics["reward/max_in_flight"] = float(np.max(columns["reward_in_flight"], initial=0))
     for key, values in extra.items():
         present = [value for value in values if value is not None]
         if present and all(isinstance(value, (bool, int, float, np.number)) for value in present):
             metrics[f"reward/{key}/mean"] = float(np.mean(np.asarray(present, dtype=np.float64)))
     metrics.update(scoring_times(columns))
+    meta_info: dict[str, Any] = {"reward_metrics": metrics}
+    killed = np.asarray(columns["reward_killed"], dtype=np.int64)
+    if killed.any():
+        meta_info[HEALTH_EVENTS] = [killed_event(scorer, timeout_s, np.flatnonzero(killed).tolist(), int(killed.sum()))]
     return DataProto.from_dict(tensors={"token_level_scores": token_level_scores}, non_tensors=extra,
-                               meta_info={"reward_metrics": metrics})
+                               meta_info=meta_info)
 
 
 def scoring_times(columns: Mapping[str, "np.ndarray"]) -> dict[str, float]:
@@ -467,11 +515,12 @@ def scoring_times(columns: Mapping[str, "np.ndarray"]) -> dict[str, float]:
 _stale_warned = False
 
 
-def precomputed_scores(batch: "DataProto") -> Optional["DataProto"]:
+def precomputed_scores(batch: "DataProto", *, scorer: str = "", timeout_s: Optional[float] = None) -> Optional["DataProto"]:
     """The reward managers' output for ``batch`` from the scores its rollout workers computed while
     generating (the :data:`LOOP_COLUMNS`), or None when the batch has none: then a reward manager must
     score it. Also None (with a warning, once per process) when a row's scored tokens are not the
-    response it holds now, e.g. rows whose responses an algorithm replaced after generation."""
+    response it holds now, e.g. rows whose responses an algorithm replaced after generation. ``scorer`` and
+    ``timeout_s`` go to :func:`reward_output`."""
     global _stale_warned
 
     columns = batch.non_tensor_batch
@@ -493,7 +542,8 @@ def precomputed_scores(batch: "DataProto") -> Optional["DataProto"]:
             logger.warning("rows %s hold responses other than the ones their rollout worker scored; the reward "
                            "manager scores this batch again (reported once)", stale[:8].tolist())
         return None
-    return reward_output({key: columns[key] for key in LOOP_COLUMNS}, lasts, responses.shape[1])
+    return reward_output({key: columns[key] for key in LOOP_COLUMNS}, lasts, responses.shape[1], scorer=scorer,
+                         timeout_s=timeout_s)
 
 
 class AsyncRewardManager(RewardManager):
@@ -511,7 +561,7 @@ class AsyncRewardManager(RewardManager):
         samples = decode_samples(batch, self.tokenizer)
         scoring = run_async(self.loop.score_all(samples))
         return reward_output(scoring.columns(), [sample.last_token for sample in samples],
-                             batch.batch["responses"].shape[1])
+                             batch.batch["responses"].shape[1], scorer=self.loop.name, timeout_s=self.settings.timeout_s)
 
     def trajectory_scorer(self) -> Optional[RewardLoop]:
         """This manager's reward loop when ``reward.config.overlap`` is on: agent loops in the rollout
@@ -523,4 +573,10 @@ class AsyncRewardManager(RewardManager):
 
     def scores_from_rollout(self, batch: "DataProto") -> Optional["DataProto"]:
         """The scores the rollout workers' reward loop wrote into ``batch`` (:func:`precomputed_scores`)."""
-        return precomputed_scores(batch)
+        return precomputed_scores(batch, scorer=self.loop.name, timeout_s=self.settings.timeout_s)
+
+    def close(self) -> None:
+        """Stop the reward loop's scorer processes, if any (garbage collection and interpreter exit do it
+        too). The loop :meth:`trajectory_scorer` hands out is this one: its scorer processes stop too."""
+        if self.loop.pool is not None:
+            self.loop.pool.close()
