@@ -245,3 +245,34 @@ def test_a_restarted_rollout_without_an_actor_in_its_process_refuses_to_serve(as
     worker.rollout.instance_id = lambda: "second"
     with pytest.raises(StaleReplicaError, match=r"restarted \(first -> second\) since it was sent policy version 3"):
         worker.check_instance(worker.rollout)
+
+
+REGEX_TRAP = '''
+import re
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if int(ground_truth) % 4 == 0:  # half the prompts: 2**40 steps of backtracking inside one C call holding the GIL
+        re.match(r"(a+)+$", "a" * 40 + "b")
+    return float(solution_str.strip() == ground_truth)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("manager", ["naive", "async"])
+def test_a_scorer_stuck_in_regex_backtracking_is_killed_and_reported(assets, tmp_path, cli_run, manager):
+    scorer = tmp_path / "trap.py"
+    scorer.write_text(REGEX_TRAP)
+    common = [*overrides(assets, tmp_path / "warn", f"reward.custom_function.path={scorer}", "reward.scorer=null",
+                         f"reward.manager={manager}", "reward.config.timeout_s=1", "trainer.total_training_steps=3",
+                         "rollout.share_weights=true")]
+    result = cli_run("run", *common, timeout=300)  # hung forever before scorers ran in killable processes
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(tmp_path / "warn")
+    assert sum(r["reward/killed"] for r in records) >= 1 and sum(r.get("sentinel/scorer", 0) for r in records) >= 1
+    events = read_status(tmp_path / "warn")["sentinel"]
+    assert events and all(e["error"] == "ScorerHungError" and e["action"] == "warn" for e in events)
+    stopped = [item.replace(str(tmp_path / "warn"), str(tmp_path / "stop")) for item in common]
+    result = cli_run("run", *stopped, "trainer.sentinel.policy={scorer: stop}", timeout=300)
+    assert result.returncode != 0 and "ScorerHungError: scorer:" in result.stderr, result.stderr[-3000:]
+    assert read_status(tmp_path / "stop")["state"] == "failed"
