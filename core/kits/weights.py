@@ -39,13 +39,15 @@ CHUNK_ELEMENTS = 1 << 22
 def fingerprint(tensor: Any) -> Fingerprint:
     """The :class:`Fingerprint` of ``tensor`` (any device; read once, in float64 chunks of
     :data:`CHUNK_ELEMENTS`, summed in a fixed order)."""
+    import torch
+
     flat = tensor.detach().reshape(-1)
-    total = absolute = squares = 0.0
+    sums = None
     for start in range(0, flat.numel(), CHUNK_ELEMENTS):
         values = flat[start:start + CHUNK_ELEMENTS].double()
-        total += float(values.sum())
-        absolute += float(values.abs().sum())
-        squares += float(values.square().sum())
+        chunk = torch.stack([values.sum(), values.abs().sum(), torch.dot(values, values)])
+        sums = chunk if sums is None else sums + chunk
+    total, absolute, squares = sums.tolist() if sums is not None else (0.0, 0.0, 0.0)  # one device sync per tensor
     return Fingerprint(str(tensor.dtype), int(flat.numel()), total, absolute, squares)
 
 

@@ -1,4 +1,5 @@
-"""``run_dir/status.json``: where a run is, for scripts and monitors, rewritten atomically at every phase.
+"""``run_dir/status.json``: where a run is, for scripts and monitors, rewritten atomically at the end of every
+step, when it stops, and at a phase change once the file is a second old.
 
 Readers get a whole file or the previous one, never a torn write (written to a temporary file in the same
 directory, then renamed over). Its fields (``schema`` 1):
@@ -29,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 STATUS_FILE = "status.json"
+PHASE_WRITE_INTERVAL_S = 1.0
+"""A phase change is written when the file is at least this old: a long phase shows up, short ones are not
+each a write."""
 
 
 class RunStatus:
@@ -43,11 +47,14 @@ class RunStatus:
         self.step_times: list[float] = []
 
     def phase(self, name: str, step: int | None = None) -> None:
-        """Phase ``name`` of ``step`` (default: the current one) starts now."""
+        """Phase ``name`` of ``step`` (default: the current one) starts now; written when the file is older than
+        :data:`PHASE_WRITE_INTERVAL_S` (every step's end is written regardless), so short phases cost nothing."""
         if step is not None:
             self.fields["step"] = step
-        self.fields.update(phase=name, phase_started_at=time.time())
-        self.write()
+        now = time.time()
+        self.fields.update(phase=name, phase_started_at=now)
+        if now - self.fields.get("updated_at", 0.0) >= PHASE_WRITE_INTERVAL_S:
+            self.write()
 
     def step_done(self, step: int, seconds: float, throughput: float | None, replicas: dict[str, str],
                   events: list[dict[str, Any]]) -> None:
