@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import time
 
 import pytest
@@ -84,7 +86,8 @@ def test_the_demo_on_two_ray_workers_trains_with_the_on_policy_update_and_copied
     run_dir = tmp_path / "ray"
     config = load_config(overrides=demo_overrides() + [
         "cluster.backend=ray", "cluster.devices_per_node=2", "trainer.total_training_steps=3", "trainer.test_freq=3",
-        "trainer.save_freq=0", f"trainer.output_dir={run_dir}", "trainer.logger=[jsonl]", "trainer.resume=disable"], algo="grpo")
+        "trainer.save_freq=0", f"trainer.output_dir={run_dir}", "trainer.logger=[jsonl]", "trainer.resume=disable",
+        "trainer.profile.steps=[2]", "trainer.profile.torch=true"], algo="grpo")
     trainer = Trainer(config)
     try:
         trainer.fit()
@@ -96,4 +99,13 @@ def test_the_demo_on_two_ray_workers_trains_with_the_on_policy_update_and_copied
         assert "timing_s/old_log_prob" not in record and record["rollout/log_prob_diff_max"] < 1e-4
         assert record["sync/shared"] == 0.0 and record["sync/bytes"] > 2e6  # two ranks hold shards: weights are copied
         assert record["actor/grad_norm"] > 0
+        assert record["sentinel/weights_verified"] == 1 and record["sentinel/events"] == 0  # both ranks' syncs checked
     assert 0.0 <= records[-1]["val/arith/acc/mean"] <= 1.0
+    # the profiled step: the driver and both worker processes on one timeline, and a torch trace per worker
+    trace = json.loads((run_dir / "profile" / "step_2.trace.json").read_text())
+    names = {event["pid"]: event["args"]["name"] for event in trace["traceEvents"] if event["ph"] == "M"}
+    assert sorted(names.values()) == ["actor rank 0", "actor rank 1", "driver"]
+    for pid, name in names.items():
+        calls = {event["name"] for event in trace["traceEvents"] if event["ph"] == "X" and event["pid"] == pid}
+        assert ("update_actor" if name == "driver" else "actor.update_actor") in calls, (name, calls)
+    assert len(list((run_dir / "profile" / "step_2").glob("torch_rank*_pid*.json"))) == 2

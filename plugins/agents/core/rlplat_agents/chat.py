@@ -697,8 +697,40 @@ def check_played_conversation(renderer: ChatRenderer, messages: Sequence[Mapping
             text = renderer.tokenizer.decode(fed, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             if rendering.text.startswith(text) if whole else rendering.text == text:
                 continue
+            noncanonical = _noncanonical_sample(renderer, messages, tools, ids, sampled, turns, turn_starts, divergence.token)
+            if noncanonical is not None:
+                return dataclasses.replace(divergence, check=MODEL_SAMPLE, detail=noncanonical)
         return divergence
     return None
+
+
+MODEL_SAMPLE = "model sample"
+"""The :class:`Divergence` check of a difference the model made, not the template: a sampled turn whose text is
+not the template's own rendering of it (a tool call written with other spacing, a turn ended by EOS instead of
+the end-of-turn token), so any re-rendering of the conversation differs there. Counted apart from drift."""
+
+
+def _noncanonical_sample(renderer: ChatRenderer, messages: list, tools: Optional[Sequence], ids: Sequence[int],
+                         sampled: Sequence[bool], turns: Sequence[int], turn_starts: Sequence[int], token: int) -> Optional[str]:
+    """Why the sampled turn holding ``token`` is not the template's rendering of its own message (rendered as
+    the conversation's last), or None when it is (then a difference there is the template's)."""
+    starts = [(start, turn) for turn, start in zip(turns, turn_starts) if start <= token]
+    if not starts:
+        return None
+    start, turn = starts[-1]
+    end = start
+    while end < len(sampled) and sampled[end]:
+        end += 1
+    sample = renderer.tokenizer.decode(list(ids[start:end]), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    before = renderer.render(messages[:turn], tools, True)
+    with_turn = renderer.render(messages[:turn + 1], tools, False)
+    if not with_turn.startswith(before):
+        return None  # the template rewrites earlier messages here: its doing, whatever the sample
+    canonical = with_turn[len(before):]
+    if canonical.startswith(sample):
+        return None
+    return (f"the model's turn {turn} reads {sample[:80]!r}, which the template writes {canonical[:80]!r} when it "
+            "renders that message: the model's formatting, not the template's drift")
 
 
 def _divergence(renderer: ChatRenderer, messages: list, tools: Optional[Sequence], earlier: _Rendering,

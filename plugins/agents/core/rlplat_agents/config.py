@@ -23,10 +23,17 @@ class TemplateCheckConfig:
     ones when repeated. With a rate above 0, a rollout worker also checks the first multi-turn
     trajectory of each batch until it has checked one, so a drifting template shows in the first step
     (in validation's, when the run validates first)."""
+    noncanonical_share: float = 0.5
+    """A checked trajectory that differs only where the model wrote a turn otherwise than the template writes
+    that message (a tool call with other spacing, a turn ended by EOS) counts in ``agent/template_noncanonical``.
+    When at least this share of a batch's checked trajectories do, the template's serialisation and the format
+    its prompt teaches disagree, and it is reported as drift; fewer are the model's own variations."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.sample_rate <= 1.0:  # NaN fails too
             raise ValueError(f"sample_rate must be a fraction in [0, 1] (0 turns the check off), got {self.sample_rate}")
+        if not 0.0 < self.noncanonical_share <= 1.0:
+            raise ValueError(f"noncanonical_share must be a fraction in (0, 1], got {self.noncanonical_share}")
 
 
 @dataclasses.dataclass

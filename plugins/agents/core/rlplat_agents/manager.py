@@ -277,13 +277,15 @@ def agent_metrics(batch: DataProto, prefix: str = "") -> dict[str, float]:
     """Means (and maxima of turns) of the per-trajectory agent columns of ``batch``; rates of tool
     errors and timeouts per call; the tool-call rate (share of trajectories with a call); tool latency
     per call; model vs context tokens; the counts of trajectories checked against the chat template and
-    found drifting (``agent/template_checked``, ``agent/template_drifted``)."""
-    from rlplat_agents.template_drift import CHECKED_COLUMN, DRIFTED_COLUMN
+    found drifting (``agent/template_checked``, ``agent/template_drifted``), and of those whose only difference
+    is a turn the model formatted otherwise than the template would (``agent/template_noncanonical``)."""
+    from rlplat_agents.template_drift import CHECKED_COLUMN, DRIFTED_COLUMN, NONCANONICAL_COLUMN
 
     columns = {key[len(METRIC_PREFIX):]: np.asarray(values, dtype=np.float64)
                for key, values in batch.non_tensor_batch.items() if key.startswith(METRIC_PREFIX)}
     metrics: dict[str, float] = {}
-    for column, name in ((CHECKED_COLUMN, "template_checked"), (DRIFTED_COLUMN, "template_drifted")):
+    for column, name in ((CHECKED_COLUMN, "template_checked"), (DRIFTED_COLUMN, "template_drifted"),
+                         (NONCANONICAL_COLUMN, "template_noncanonical")):
         if column in batch.non_tensor_batch:
             metrics[f"{prefix}agent/{name}"] = float(np.sum(np.asarray(batch.non_tensor_batch[column], dtype=np.float64)))
     if not columns:

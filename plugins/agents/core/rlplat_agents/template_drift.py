@@ -24,13 +24,16 @@ import numpy as np
 
 from rlplat.contracts.agent import Trajectory
 from rlplat.contracts.health import HealthEvent
-from rlplat_agents.chat import TOOL_ROLES, ChatRenderer, Divergence, TemplateError, check_played_conversation
+from rlplat_agents.chat import MODEL_SAMPLE, TOOL_ROLES, ChatRenderer, Divergence, TemplateError, check_played_conversation
 from rlplat_agents.config import TemplateCheckConfig
 
 CHECKED_COLUMN = "agent_template_checked"
 """Per row: 1.0 when its trajectory was checked against the template."""
 DRIFTED_COLUMN = "agent_template_drifted"
 """Per row: 1.0 when its trajectory was checked and the template's rendering differs from its tokens."""
+NONCANONICAL_COLUMN = "agent_template_noncanonical"
+"""Per row: 1.0 when its trajectory was checked and differs only where the model sampled a turn the template
+would write otherwise (:data:`~rlplat_agents.chat.MODEL_SAMPLE`): the model's formatting, not drift."""
 EXCERPT_CHARACTERS = 200
 
 Messages = Sequence[Mapping[str, Any]]
@@ -167,6 +170,8 @@ class TemplateDriftCheck:
         """The batch's columns (:data:`CHECKED_COLUMN`, :data:`DRIFTED_COLUMN`) and its health events
         (none, or one naming the first drifted row)."""
         checked, drifted = np.zeros(len(trajectories)), np.zeros(len(trajectories))
+        noncanonical = np.zeros(len(trajectories))
+        variations: list[tuple[int, Any]] = []
         drifts: list[tuple[int, Any]] = []
         for index, (trajectory, record) in enumerate(zip(trajectories, records)):
             if not self.enabled or record is None or not multi_turn(trajectory):
@@ -183,11 +188,17 @@ class TemplateDriftCheck:
             except TemplateError as error:  # the template refuses the conversation its own deltas built
                 found = error
             checked[index], self.checked_any = 1.0, True
-            if found is not None:
+            if isinstance(found, Divergence) and found.check == MODEL_SAMPLE:
+                noncanonical[index] = 1.0
+                variations.append((index, found))
+            elif found is not None:
                 drifted[index] = 1.0
                 drifts.append((index, found))
+        if variations and len(variations) >= self.config.noncanonical_share * checked.sum():
+            drifts.extend(variations)  # systematic: the template writes its messages otherwise than it teaches
+            drifted[[index for index, _ in variations]] = 1.0
         events = [self.event(rows, drifts, int(checked.sum()))] if drifts else []
-        return {CHECKED_COLUMN: checked, DRIFTED_COLUMN: drifted}, events
+        return {CHECKED_COLUMN: checked, DRIFTED_COLUMN: drifted, NONCANONICAL_COLUMN: noncanonical}, events
 
     def event(self, rows: Sequence[Mapping[str, Any]], drifts: Sequence[tuple[int, Any]], checked: int) -> dict:
         """The batch's ``template`` health event, as a dict: the counts and the first drifted row."""

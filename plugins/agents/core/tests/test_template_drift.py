@@ -156,6 +156,29 @@ def test_a_model_that_samples_a_tag_in_other_tokens_than_the_tokenizers_is_not_a
     assert agent_metrics(out)["agent/template_checked"] == 2 * PROMPTS and agent_metrics(out)["agent/template_drifted"] == 0
 
 
+class SloppyOnceEngine(ReplyingEngine):
+    """Writes one prompt's tool call with an extra blank line inside ``<tool_call>`` (the hermes parser still
+    reads it; the template writes the call without it), every other prompt's as the template does."""
+
+    async def generate_tokens(self, prompt_ids, sampling):
+        conversation = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        self.first = CALL.replace("<tool_call>\n", "<tool_call>\n\n") if "What is 0 *" in conversation else CALL
+        return await super().generate_tokens(prompt_ids, sampling)
+
+
+@pytest.mark.parametrize("share, reported", [(0.5, False), (0.25, True)])
+def test_a_few_turns_the_model_formats_its_own_way_are_counted_not_reported(tokenizer_dirs, tools_file, share, reported):
+    node = {"loop": "tool", "tools_config": tools_file,
+            "template_check": {"sample_rate": 1.0, "noncanonical_share": share}}
+    driver, tokenizer = driver_for(tokenizer_dirs[CHATML_TOOLS], node, lambda tokenizer: SloppyOnceEngine(tokenizer))
+    out = generate(driver, tokenizer)
+    metrics = agent_metrics(out)
+    assert metrics["agent/tool_calls/mean"] == 1, "the sloppy call was not read as a call"
+    assert metrics["agent/template_checked"] == 2 * PROMPTS and metrics["agent/template_noncanonical"] == 2  # of 8
+    assert metrics["agent/template_drifted"] == (2 if reported else 0)
+    assert len(health_events(out.meta_info)) == int(reported)
+
+
 # -- templates that drift --------------------------------------------------------------------------------
 
 def test_a_template_that_drops_earlier_reasoning_is_reported_in_the_first_batch(tokenizer_dirs):
