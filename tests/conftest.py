@@ -66,3 +66,12 @@ def run_files(tmp_path) -> tuple[Path, Path]:
     model.mkdir()
     rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}]
     return model, write_parquet(rows, tmp_path / "train.parquet")
+
+
+
+@pytest.fixture(scope="session")
+def doubling_assets(tmp_path_factory) -> dict[str, str]:
+    """:func:`rlplat.testing.runs.doubling_assets`, made once per test session."""
+    from rlplat.testing.runs import doubling_assets
+
+    return doubling_assets(tmp_path_factory.mktemp("doubling_assets"))

@@ -14,31 +14,23 @@ from rlplat.config import load_config
 from rlplat.config_node import ConfigError
 from rlplat.contracts.health import (HealthEvent, NonFiniteError, PolicyVersionError, RunHealthError, WeightCorruptedError,
                                      WeightSyncSkippedError)
-from rlplat.data import write_parquet
 from rlplat.kits.weights import compare, differs, fingerprint
 from rlplat.testing import faults
 from rlplat.testing.runs import fit_run
-from rlplat.testing.tiny_models import save_tiny_model
 from rlplat.trainer import Trainer
 from rlplat.trainer.sentinel import CollapseWarning, Sentinel, SentinelConfig
 from rlplat.trainer.status import read_status
 from rlplat.trainer.tracking import read_metrics
+from rlplat.testing.runs import doubling_overrides
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sentinel_assets")
-    rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{a}+{a}="}],
-             "reward_model": {"ground_truth": str(2 * a)}} for a in range(8)]
-    return {"model": save_tiny_model(root / "model", seed=0), "train": write_parquet(rows, root / "train.parquet")}
+def assets(doubling_assets):
+    return doubling_assets
 
 
 def overrides(assets, run, *extra):
-    return [f"model.path={assets['model']}", f"data.train_files=[{assets['train']}]", "data.train_batch_size=2",
-            "actor.ppo_mini_batch_size=2", "rollout.n=2", "rollout.response_length=3", "actor.optim.lr=1e-2",
-            "actor.micro_batch_size_per_gpu=4", "reward.scorer=exact_match", "cluster.backend=local",
-            "cluster.threads_per_process=1", f"trainer.output_dir={run}", "trainer.logger=[jsonl]",
-            "trainer.val_before_train=false", "trainer.total_training_steps=4", "rollout.share_weights=false", *extra]
+    return doubling_overrides(assets, run, "rollout.share_weights=false", *extra)  # copied weights: fingerprinted
 
 
 def fails_with(config, error_type, match):

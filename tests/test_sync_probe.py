@@ -7,30 +7,22 @@ import pytest
 
 from rlplat.config import load_config
 from rlplat.config_node import ConfigError
-from rlplat.data import write_parquet
 from rlplat.trainer.sync_probe import SyncProbeError
 from rlplat.testing.runs import fit_run
-from rlplat.testing.tiny_models import save_tiny_model
 from rlplat.trainer.tracking import read_metrics
 from rlplat.trainer import Trainer
+from rlplat.testing.runs import doubling_overrides
 
 pytestmark = pytest.mark.slow  # whole runs: left out of `make test-fast`
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("probe_assets")
-    rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{a}+{a}="}],
-             "reward_model": {"ground_truth": str(2 * a)}} for a in range(8)]
-    return {"model": save_tiny_model(root / "model", seed=0), "train": write_parquet(rows, root / "train.parquet")}
+def assets(doubling_assets):
+    return doubling_assets
 
 
 def overrides(assets, run, *extra):
-    return [f"model.path={assets['model']}", f"data.train_files=[{assets['train']}]", "data.train_batch_size=2",
-            "actor.ppo_mini_batch_size=2", "rollout.n=2", "rollout.response_length=3", "actor.optim.lr=1e-2",
-            "actor.micro_batch_size_per_gpu=4", "reward.scorer=exact_match", "cluster.backend=local",
-            "cluster.threads_per_process=1", f"trainer.output_dir={run}", "trainer.logger=[jsonl]",
-            "trainer.val_before_train=false", "trainer.total_training_steps=4", *extra]
+    return doubling_overrides(assets, run, *extra)
 
 
 class SkippedSync(Trainer):

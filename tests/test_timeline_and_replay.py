@@ -17,8 +17,8 @@ from rlplat.config_node import ConfigError
 from rlplat.data import write_parquet
 from rlplat.protocol import DataProto
 from rlplat.testing.runs import fit_run
-from rlplat.testing.tiny_models import save_tiny_model
 from rlplat.trainer.rollout_dump import ReplayError, read_batch, step_file, write_batch
+from rlplat.testing.runs import doubling_overrides
 
 # The Trace Event Format's complete ("X"), instant ("i") and metadata ("M") events, as chrome://tracing and
 # Perfetto read them (times in microseconds).
@@ -43,19 +43,12 @@ TRACE_SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("timeline_assets")
-    rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{a}+{a}="}],
-             "reward_model": {"ground_truth": str(2 * a)}} for a in range(8)]
-    return {"model": save_tiny_model(root / "model", seed=0), "train": write_parquet(rows, root / "train.parquet")}
+def assets(doubling_assets):
+    return doubling_assets
 
 
 def overrides(assets, run, *extra):
-    return [f"model.path={assets['model']}", f"data.train_files=[{assets['train']}]", "data.train_batch_size=2",
-            "actor.ppo_mini_batch_size=2", "rollout.n=2", "rollout.response_length=4", "actor.optim.lr=1e-2",
-            "actor.micro_batch_size_per_gpu=4", "reward.scorer=exact_match", "cluster.backend=local",
-            "cluster.threads_per_process=1", f"trainer.output_dir={run}", "trainer.logger=[jsonl]",
-            "trainer.val_before_train=false", "trainer.total_training_steps=3", *extra]
+    return doubling_overrides(assets, run, "rollout.response_length=4", "trainer.total_training_steps=3", *extra)
 
 
 @pytest.mark.slow

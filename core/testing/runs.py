@@ -1,7 +1,9 @@
-"""Whole training runs from tests: :func:`fit_run`, :func:`fit_overrides`."""
+"""Whole training runs from tests: :func:`fit_run`, :func:`fit_overrides`, and a tiny task for short runs
+(:func:`doubling_assets`, :func:`doubling_overrides`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 
@@ -28,3 +30,23 @@ def fit_overrides(overrides: list[str], algo: str = "grpo") -> None:
     from rlplat.config import load_config
 
     fit_run(load_config(overrides=overrides, algo=algo))
+
+
+def doubling_assets(root: Path) -> dict[str, str]:
+    """A tiny random model and eight "a+a=" prompts (ground truth 2a) under ``root``: ``{"model", "train"}``."""
+    from rlplat.data import write_parquet
+    from rlplat.testing.tiny_models import save_tiny_model
+
+    rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{a}+{a}="}],
+             "reward_model": {"ground_truth": str(2 * a)}} for a in range(8)]
+    return {"model": save_tiny_model(Path(root) / "model", seed=0), "train": write_parquet(rows, Path(root) / "train.parquet")}
+
+
+def doubling_overrides(assets: dict[str, str], run: Any, *extra: str) -> list[str]:
+    """A 4-step GRPO run on :func:`doubling_assets` in this process (2 prompts x 2 samples of 3 tokens a step),
+    writing to ``run``; ``extra`` overrides come last."""
+    return [f"model.path={assets['model']}", f"data.train_files=[{assets['train']}]", "data.train_batch_size=2",
+            "actor.ppo_mini_batch_size=2", "rollout.n=2", "rollout.response_length=3", "actor.optim.lr=1e-2",
+            "actor.micro_batch_size_per_gpu=4", "reward.scorer=exact_match", "cluster.backend=local",
+            "cluster.threads_per_process=1", f"trainer.output_dir={run}", "trainer.logger=[jsonl]",
+            "trainer.val_before_train=false", "trainer.total_training_steps=4", *extra]
