@@ -4,6 +4,8 @@ this module adds its rules to :data:`rlplat_verl.rules.RULES_BUILT`."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from rlplat_verl.rules import (ESTIMATOR_ALGORITHMS, SPEED_ONLY, TEXT_ONLY, VERBATIM, Context, Item, Outcome, Rule,
                                Target, add, converted, equal_only, gated, ignore, ignored, implied_algorithm, is_off,
                                mapped, off_only, only, optional_rename, refuse, refused, rename, show, special,
@@ -434,7 +436,15 @@ equal_only("trainer.critic_warmup", 0, "rlplat updates the actor from the first 
 def _balance_batch(item: Item, context: Context) -> Outcome:
     return unchanged(item)
 off_only("trainer.log_val_generations", "0", "rlplat logs no sample generations")
-off_only("trainer.rollout_data_dir", "unset", "rlplat does not dump rollouts")
+@special("trainer.rollout_data_dir", ["trainer.rollout_dump_dir"], "each step's rollouts dumped to that directory: "
+         "rlplat writes one parquet file per step with the token ids, masks, log-probs, policy versions and scores "
+         "(trainer.replay_rollouts trains on them), not verl's JSONL of texts")
+def _rollout_data_dir(item: Item, context: Context) -> Outcome:
+    if is_off(item.value):
+        return ignored(item, "unset: nothing is dumped")
+    outcome = mapped(item, "trainer.rollout_dump_dir")
+    return dataclasses.replace(outcome, note=outcome.note + " (one parquet file per step with token ids, masks, log-probs, "
+                               "policy versions and scores, not verl's JSONL of texts)")
 off_only("trainer.validation_data_dir", "unset", "rlplat does not dump validation generations")
 off_only("trainer.val_only", "off", "rlplat has no validate-only run")
 off_only("trainer.default_hdfs_dir", "unset", "rlplat writes checkpoints to trainer.output_dir only")

@@ -610,6 +610,7 @@ FORMERLY_REFUSED = {
                          "actor_rollout_ref.rollout.agent.num_workers=8"],
     "separate rollout": ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
                          "trainer.v1.trainer_mode=separate_async", "trainer.v1.sampler.max_off_policy_threshold=2",
+                         "algorithm.rollout_correction.rollout_is=token",  # stale samples need a correction
                          "cluster.backend=ray"],
 }
 SHOWN = {
