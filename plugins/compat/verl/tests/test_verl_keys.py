@@ -636,7 +636,8 @@ def test_config_show_prints_the_translation_of_keys_it_once_refused(cli_in_proce
     result = cli_in_process("config", "show", *arguments)
     assert result.returncode == 0, result.stderr[-2000:]
     notes = [line for line in result.stderr.splitlines() if line.startswith("rlplat: verl key ")]
-    verl = [argument.partition("=")[0] for argument in arguments if not argument.startswith(("cluster.", "model.", "data."))]
+    verl = [argument.partition("=")[0] for argument in arguments
+            if not argument.startswith(("cluster.", "model.", "data.", "algorithm.rollout_correction."))]  # rlplat keys: no note
     assert [note.split()[3].partition("=")[0] for note in notes] == verl  # one note per verl key, in order
     config = OmegaConf.create(result.stdout)
     for key, value in SHOWN[group].items():
