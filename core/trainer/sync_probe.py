@@ -6,8 +6,10 @@ step (a rule of the step alone, so a resumed run probes the same steps), the tra
 set, else of the training set; a fixed seed) and computes the same tokens' log-probs with the actor.
 When the mean absolute difference per token exceeds ``rollout.sync_probe.tolerance`` the run stops with
 :class:`SyncProbeError`, naming the step, the prompt that differs most and the figures. The same engine
-in fp32 on CPU differs by about 1e-8; bf16 rollouts by up to about 1e-2 (the default tolerance leaves
-room for them).
+in fp32 on CPU differs by about 1e-8; a bf16 hf rollout of the demo model by a median of 0.009 and up to
+0.025 per token (31 probes), so the default tolerance, 0.05, leaves room for it; a sync that did not arrive
+differs by nats (3.69 in the one this probe caught). Smaller faults are the run sentinel's: the weight
+fingerprints compare every tensor after every sync (:mod:`rlplat.trainer.sentinel`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class SyncProbeConfig:
     """Fixed prompts probed (the first of the validation set, else of the training set)."""
     max_new_tokens: int = 8
     """Tokens the rollout samples per probe prompt."""
-    tolerance: float = 0.02
+    tolerance: float = 0.05
     """Largest mean absolute difference of the log-probs per token (rollout vs trainer)."""
 
     def __post_init__(self) -> None:
