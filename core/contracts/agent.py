@@ -204,6 +204,9 @@ class Trajectory:
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     reward_score: Optional[float] = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    policy_versions: Optional[list[int]] = None
+    """Per response token, the policy version that sampled it (-1 on tokens not sampled); None: the rollout
+    worker stamps the version it sampled from on every token."""
 
     def check(self, response_length: int | None = None, where: str = "trajectory") -> None:
         """:class:`ValueError` naming ``where`` unless the lists line up and the masks are right."""
@@ -222,6 +225,8 @@ class Trajectory:
             problems.append("rollout_log_probs holds a non-finite value")
         if response_length is not None and len(self.response_ids) > response_length:
             problems.append(f"{len(self.response_ids)} response tokens, more than the budget {response_length}")
+        if self.policy_versions is not None and len(self.policy_versions) != len(self.response_ids):
+            problems.append(f"policy_versions has {len(self.policy_versions)} entries for {len(self.response_ids)} response tokens")
         if self.num_turns < 0:
             problems.append(f"num_turns is {self.num_turns}")
         if problems:
@@ -306,6 +311,9 @@ class AgentContext:
     stop_token_ids: tuple[int, ...] = ()
     environment: Any = None
     """A factory of :class:`Environment` (``agent.environment``), for loops that step one."""
+    gateway: Any = None
+    """The worker's OpenAI-compatible gateway (:class:`rlplat_agents.gateway.Gateway` (rlplat-agents)), for loops
+    that run agents against an endpoint; it starts serving when a loop first asks for a ``base_url``."""
 
 
 class AgentLoop(abc.ABC):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Mapping, Optional, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -186,6 +186,9 @@ class RolloutDriverContext:
     trajectory_scorer: Any = None
     """The run's reward manager's :meth:`~rlplat.contracts.reward.RewardManager.trajectory_scorer` (built in
     this worker), or None: then the trainer scores the batch."""
+    policy_version: Optional[Callable[[], int]] = None
+    """The policy version the worker's rollout samples from now; a driver that records versions per token
+    returns them as ``policy_version`` (-1 on tokens not sampled, which the worker stamps)."""
 
 
 class RolloutDriver(abc.ABC):

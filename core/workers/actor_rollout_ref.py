@@ -192,7 +192,11 @@ class ActorRolloutRefWorker(Worker):
         if self.config.free_rollout_between_phases:
             rollout.sleep()
             self.rollout_asleep, self.base_synced = True, False
-        output.batch["policy_version"] = torch.full(output.batch["responses"].shape, version, dtype=torch.long)
+        if "policy_version" in output.batch.keys():  # a driver's per-token versions; -1 where it sampled nothing
+            versions = output.batch["policy_version"].long()
+            output.batch["policy_version"] = torch.where(versions < 0, torch.full_like(versions, version), versions)
+        else:
+            output.batch["policy_version"] = torch.full(output.batch["responses"].shape, version, dtype=torch.long)
         if self.acked_version != version:
             self.health_events.append(HealthEvent(
                 "policy_version", f"the rollout sampled from policy version {version}, but the last weights whose "
@@ -257,7 +261,7 @@ class ActorRolloutRefWorker(Worker):
             context = RolloutDriverContext(
                 engines=[self.rollout], node=dict(self.config.driver_node), tokenizer_path=self.config.tokenizer_path,
                 prompt_length=self.config.prompt_length, template_kwargs=dict(self.config.template_kwargs),
-                trajectory_scorer=self.trajectory_scorer())
+                trajectory_scorer=self.trajectory_scorer(), policy_version=self.sampling_version)
             self.driver = registry.get("rollout_driver", self.config.rollout_driver)(context)
         return self.driver
 

@@ -36,6 +36,57 @@ class TemplateCheckConfig:
             raise ValueError(f"noncanonical_share must be a fraction in (0, 1], got {self.noncanonical_share}")
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+PREFIX_BREAK_POLICIES = ("split", "error")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine only (127.0.0.0/8, ``::1``, ``localhost``)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclasses.dataclass
+class GatewayConfig:
+    """``agent.gateway``: the OpenAI-compatible endpoint each rollout worker serves to black-box agents
+    (the ``blackbox`` loop; :mod:`rlplat_agents.gateway`), started when a loop first needs it."""
+
+    host: str = "127.0.0.1"
+    """Address to bind. Anything but loopback needs ``api_key``."""
+    port: int = 0
+    """TCP port; 0 takes a free one (each worker its own; the loop hands agents the address)."""
+    api_key: Optional[str] = None
+    """Bearer key every request must carry (``Authorization: Bearer <key>``); required beyond loopback.
+    None on loopback: no key is checked."""
+    on_prefix_break: str = "split"
+    """When a session's request resends a history that is not what the gateway returned (a tool call
+    re-serialised, an assistant turn edited): ``split`` starts a new trajectory segment (counted in
+    ``agent/prefix_breaks``), ``error`` answers 400 (the agent's run then fails: a masked-out row)."""
+    request_sampling: bool = False
+    """Whether a request's ``temperature``, ``top_p`` and ``seed`` apply. False: every call samples with
+    the run's settings (``rollout.*``), the distribution the update assumes; ``max_tokens`` and ``stop``
+    always apply."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host must be an address to bind, got {self.host!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535] (0: a free port), got {self.port}")
+        if self.on_prefix_break not in PREFIX_BREAK_POLICIES:
+            raise ValueError(f"on_prefix_break must be one of {PREFIX_BREAK_POLICIES}, got {self.on_prefix_break!r}")
+        if self.api_key is not None and not str(self.api_key).strip():
+            raise ValueError("api_key is empty: give a key, or null on loopback")
+        if not is_loopback(self.host) and self.api_key is None:
+            raise ValueError(f"host {self.host!r} is reachable beyond this machine: set agent.gateway.api_key "
+                             f"(every request must then carry it), or bind 127.0.0.1")
+
+
 @dataclasses.dataclass
 class AgentConfig:
     """The ``agent`` node: multi-turn rollouts through agent loops. With no ``agent.loop`` and no
@@ -61,6 +112,8 @@ class AgentConfig:
     loader's). None: ``data.max_prompt_length``. A longer prompt is an error naming the row."""
     template_check: TemplateCheckConfig = dataclasses.field(default_factory=TemplateCheckConfig)
     """The chat template checked on a sample of the run's multi-turn trajectories."""
+    gateway: GatewayConfig = dataclasses.field(default_factory=GatewayConfig)
+    """The OpenAI-compatible gateway of the ``blackbox`` loop."""
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:

@@ -35,7 +35,8 @@ class AgentLoopDriver(RolloutDriver):
         self.manager = AgentLoopManager(
             [EngineClient(engine) for engine in context.engines], tokenizer, self.config,
             pad_token_id=pad_token_id_of(tokenizer), max_prompt_length=self.config.max_prompt_length or context.prompt_length,
-            template_kwargs=context.template_kwargs, tools=tools, reward_loop=context.trajectory_scorer)
+            template_kwargs=context.template_kwargs, tools=tools, reward_loop=context.trajectory_scorer,
+            policy_version=getattr(context, "policy_version", None))
 
     def handles(self, prompts: DataProto) -> bool:
         """``agent.loop`` is set, or the rows name their loops."""
@@ -43,6 +44,9 @@ class AgentLoopDriver(RolloutDriver):
 
     def generate(self, prompts: DataProto, sampling: SamplingParams) -> DataProto:
         return self.manager.generate(prompts, sampling, sampling.max_new_tokens)
+
+    def close(self) -> None:
+        self.manager.close()
 
 
 def agent_loop_driver(context: RolloutDriverContext) -> Any:

@@ -97,7 +97,7 @@ class AgentLoopManager:
     def __init__(self, clients: Sequence[TokenClient], tokenizer: Any, config: AgentConfig, *,
                  pad_token_id: int, max_prompt_length: int, template_kwargs: Mapping[str, Any] | None = None,
                  tools: Mapping[str, Any] | None = None, loops: Mapping[str, AgentLoop] | None = None,
-                 reward_loop: Any = None):
+                 reward_loop: Any = None, policy_version: Callable[[], int] | None = None):
         from rlplat import registry
         from rlplat_agents.chat import ChatRenderer
         from rlplat_agents.template_drift import TemplateDriftCheck
@@ -119,6 +119,25 @@ class AgentLoopManager:
         self.stop_token_ids = (tuple(self.renderer.stop_token_ids) if self.renderer.has_chat_template
                                else ((int(eos),) if eos is not None else ()))
         self.template_check = TemplateDriftCheck(config.template_check, self.renderer, self.parser, self.stop_token_ids)
+        self.policy_version = policy_version
+        self.gateway: Any = None
+
+    def gateway_for(self, sampling: SamplingParams, response_length: int) -> Any:
+        """The worker's gateway (:mod:`rlplat_agents.gateway`), built on first use; it serves once a loop asks
+        for a ``base_url``. Requests of unattributed sessions sample with this batch's settings."""
+        from rlplat_agents.gateway import Gateway
+
+        if self.gateway is None:
+            self.gateway = Gateway(self.config.gateway, self.tokenizer, self.renderer, self.parser, self.stop_token_ids,
+                                   self.replicas.sticky, sampling, response_length, self.max_prompt_length,
+                                   policy_version=self.policy_version)
+        self.gateway.default_sampling, self.gateway.response_length = sampling, response_length
+        return self.gateway
+
+    def close(self) -> None:
+        """Stop the gateway, if it serves."""
+        if self.gateway is not None:
+            self.gateway.stop()
 
     def loop(self, name: str) -> AgentLoop:
         name = VERL_LOOP_NAMES.get(name, name)
@@ -215,6 +234,7 @@ class AgentLoopManager:
             tokenizer=self.tokenizer, renderer=renderer, sampling=sampling, response_length=response_length,
             prompt_ids=list(prompt_ids), tools=row_tools(self.tools, row.get("extra_info"), where),
             parser=self.parser, stop_token_ids=self.stop_token_ids, environment=self.environment,
+            gateway=self.gateway_for(sampling, response_length),
         )
         client = self.replicas.sticky()
         try:
@@ -240,6 +260,8 @@ class AgentLoopManager:
         response_mask = np.zeros((rows, response_length), dtype=np.int64)
         response_attention = np.zeros((rows, response_length), dtype=np.int64)
         log_probs = np.zeros((rows, response_length), dtype=np.float32)
+        versions = (np.full((rows, response_length), -1, dtype=np.int64)
+                    if any(t.policy_versions is not None for t in trajectories) else None)
         for row, trajectory in enumerate(trajectories):
             prompt, length = trajectory.prompt_ids, len(trajectory.response_ids)
             prompts[row, width - len(prompt):] = prompt
@@ -248,6 +270,8 @@ class AgentLoopManager:
             response_mask[row, :length] = trajectory.response_mask
             response_attention[row, :length] = 1
             log_probs[row, :length] = trajectory.rollout_log_probs
+            if versions is not None and trajectory.policy_versions is not None:
+                versions[row, :length] = trajectory.policy_versions
         prompts, prompt_mask, responses, response_mask, response_attention, log_probs = (
             torch.from_numpy(array) for array in (prompts, prompt_mask, responses, response_mask, response_attention, log_probs))
         attention_mask = torch.cat([prompt_mask, response_attention], dim=1)
@@ -265,12 +289,12 @@ class AgentLoopManager:
             values[:] = [t.extra.get(key) for t in trajectories]
             non_tensors[key] = values
         non_tensors.update(scores or {})
-        return DataProto.from_dict(
-            tensors={"prompts": prompts, "responses": responses, "response_mask": response_mask,
-                     "rollout_log_probs": log_probs, "input_ids": torch.cat([prompts, responses], dim=1),
-                     "attention_mask": attention_mask, "position_ids": position_ids},
-            non_tensors=non_tensors, meta_info=dict(meta_info),
-        )
+        tensors = {"prompts": prompts, "responses": responses, "response_mask": response_mask,
+                   "rollout_log_probs": log_probs, "input_ids": torch.cat([prompts, responses], dim=1),
+                   "attention_mask": attention_mask, "position_ids": position_ids}
+        if versions is not None:
+            tensors["policy_version"] = torch.from_numpy(versions)
+        return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=dict(meta_info))
 
 
 def agent_metrics(batch: DataProto, prefix: str = "") -> dict[str, float]:

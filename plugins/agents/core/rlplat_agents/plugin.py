@@ -12,6 +12,8 @@ AGENT_LOOPS = {
     "tool": ("ToolLoop", "rlplat_agents.loops:ToolLoopConfig", "model turns with tool calls run concurrently and their results appended"),
     "env": ("EnvLoop", "rlplat_agents.loops:EnvLoopConfig", "model turns against a gym-style environment (agent.environment)"),
 }
+BLACKBOX = ("BlackBoxLoop", "rlplat_agents.blackbox:BlackBoxConfig",
+            "a user's agent function or command against the worker's OpenAI-compatible gateway, its tokens recorded")
 
 
 @hookimpl
@@ -33,6 +35,8 @@ def register_rollout_drivers(register):
 def register_agent_loops(register):
     for name, (loop, schema, description) in AGENT_LOOPS.items():
         register(name, f"rlplat_agents.loops:{loop}", description=description, config_schema=schema)
+    loop, schema, description = BLACKBOX
+    register("blackbox", f"rlplat_agents.blackbox:{loop}", description=description, config_schema=schema)
 
 
 @hookimpl
