@@ -45,7 +45,7 @@ def test_an_unknown_demo_names_the_registered_presets():
     with pytest.raises(ConfigError) as raised:
         presets.overrides("tool")
     assert str(raised.value) == ("--demo tool: unknown preset; the registered presets are arith, retry, retry-single, "
-                                 "reward-model, tools. Did you mean 'tools'?")
+                                 "reward-model, tools, tools-blackbox. Did you mean 'tools'?")
 
 
 def test_the_old_module_name_is_this_package_with_a_warning():

@@ -62,6 +62,9 @@ class BlackBoxConfig(AgentLoopConfig):
     """Keyword arguments of the function (for a command: ``RLPLAT_AGENT_KWARGS``, as JSON)."""
     timeout_s: float = 600.0
     """Wall time of one task; past it the agent's row is a failure (a command is killed)."""
+    threads: int = 256
+    """Threads for plain (not ``async``) agent functions, each blocking in its own; at most
+    ``agent.max_concurrency`` agents run at once per worker anyway."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -73,6 +76,8 @@ class BlackBoxConfig(AgentLoopConfig):
             raise ValueError(f"command must be a non-empty list of arguments, got {self.command!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
 
 
 class AgentFailed(Exception):
@@ -188,7 +193,7 @@ class BlackBoxLoop(ConfiguredLoop):
         if inspect.iscoroutinefunction(self.function):
             return await self.function(task, base_url, api_key, **kwargs)
         if self.threads is None:
-            self.threads = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="rlplat-blackbox")
+            self.threads = concurrent.futures.ThreadPoolExecutor(self.config.threads, thread_name_prefix="rlplat-blackbox")
         result = await asyncio.get_running_loop().run_in_executor(
             self.threads, lambda: self.function(task, base_url, api_key, **kwargs))
         if inspect.isawaitable(result):

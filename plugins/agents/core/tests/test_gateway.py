@@ -363,3 +363,19 @@ def test_blackbox_config_is_checked_at_load():
         load_function("no_such_module_here:run")
     with pytest.raises(ValueError, match="has no"):
         load_function("rlplat_demo.agents:missing")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("agent.loops.blackbox.agent=nope.mod:run", "cannot import 'nope.mod'"),
+    ("agent.gateway.host=0.0.0.0", "set agent.gateway.api_key"),
+    ("agent.gateway.port=99999", "port must be in"),
+    ("agent.gateway.on_prefix_break=merge", "on_prefix_break must be one of"),
+    ("agent.loops.blackbox.agent=null", "give exactly one of agent"),
+    ("agent.loop_names.tool=no_such_loop", "no_such_loop"),
+])
+def test_bad_gateway_and_blackbox_keys_are_refused_at_load(override, message, tmp_path):
+    from rlplat.config import ConfigError, load_config
+    from rlplat_demo import preset
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[*preset("tools-blackbox"), override, f"trainer.output_dir={tmp_path}"], algo="grpo")
