@@ -158,7 +158,7 @@ class BlackBoxLoop(ConfiguredLoop):
         config: BlackBoxConfig = self.config
         task = plain(dict(row))
         session = gateway.open(client, context.sampling, task_messages=task.get("raw_prompt"),
-                               response_length=context.response_length)
+                               response_length=context.response_length, renderer=context.renderer)
         base_url = gateway.base_url(session.id)
         api_key = gateway.config.api_key or "rlplat"
         started = time.perf_counter()

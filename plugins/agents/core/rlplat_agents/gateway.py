@@ -198,6 +198,8 @@ class Session:
         self.response_length, self.prompt_length = response_length, prompt_length
         self.task_messages = tuple(task_messages or ())
         self.attributed = attributed
+        self.renderer: Any = None
+        """The chat renderer of this trajectory (the template check's recording one); None: the gateway's."""
         self.segments: list[Segment] = []
         self.prefix_breaks = 0
         self.parse_errors = 0
@@ -321,7 +323,7 @@ class Gateway:
     # -- sessions -------------------------------------------------------------------------------------------
 
     def open(self, client: Any, sampling: SamplingParams, task_messages: Optional[Sequence[Mapping[str, Any]]] = None,
-             response_length: Optional[int] = None) -> Session:
+             response_length: Optional[int] = None, renderer: Any = None) -> Session:
         """A new session for one trajectory; ``task_messages`` (the task's prompt) let requests without a
         session id find it."""
         messages = None
@@ -333,6 +335,7 @@ class Gateway:
         session_id = f"{uuid.uuid4().hex[:16]}"
         session = Session(session_id, client, sampling, response_length or self.response_length, self.prompt_length,
                           messages)
+        session.renderer = renderer
         with self.lock:
             self.sessions[session_id] = session
         return session
@@ -344,6 +347,21 @@ class Gateway:
             self.closed_ids.add(session_id)
         session.closed = True
         return session
+
+    def sweep(self) -> int:
+        """After a batch: drop the unattributed sessions (their calls trained nothing) and forget old closed
+        ids; returns the unattributed calls since the last sweep, logged as a warning when there were any."""
+        with self.lock:
+            for session_id in [key for key, session in self.sessions.items() if not session.attributed]:
+                del self.sessions[session_id]
+            if len(self.closed_ids) > 100_000:
+                self.closed_ids.clear()
+            calls, self.unattributed_calls = self.unattributed_calls, 0
+        if calls:
+            log.warning("gateway: %d calls named no open session (a base_url without the session, or a session id "
+                        "rlplat did not hand out) and matched none by prefix; they were answered and train nothing",
+                        calls)
+        return calls
 
     def find(self, session_id: Optional[str], messages: Optional[Sequence[Message]], tools_key: Optional[str],
              text: Optional[str] = None) -> Session:
@@ -637,7 +655,8 @@ class Gateway:
                     from rlplat_agents.chat import TemplateError
 
                     try:
-                        delta = list(self.renderer.closing_ids(current.last_ids)) + self.renderer.delta_ids(
+                        renderer = session.renderer or self.renderer
+                        delta = list(renderer.closing_ids(current.last_ids)) + renderer.delta_ids(
                             [message.for_template() for message in new], tools=tools)
                     except TemplateError as error:
                         raise RequestError(400, f"the new messages cannot be appended through the chat template: {error}",
@@ -650,7 +669,8 @@ class Gateway:
         from rlplat_agents.chat import TemplateError
 
         try:
-            prompt_ids = self.renderer.prompt_ids([message.for_template() for message in messages], tools=tools)
+            prompt_ids = (session.renderer or self.renderer).prompt_ids([message.for_template() for message in messages],
+                                                                        tools=tools)
         except TemplateError as error:
             raise RequestError(400, f"the chat template cannot render these messages: {error}", "messages") from None
         segment = self._new_segment(session, prompt_ids)

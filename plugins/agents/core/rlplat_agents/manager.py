@@ -177,6 +177,8 @@ class AgentLoopManager:
             trajectories, scores = run_async(self.run_and_score(rows, prompt_lists, sampling, response_length, records))
         columns, events = self.template_check.check(rows, trajectories, records or [None] * len(rows), prompt_lists,
                                                     sampling.seed)
+        if self.gateway is not None:
+            self.gateway.sweep()
         meta_info = dict(prompts.meta_info)
         if events:
             meta_info[HEALTH_EVENTS] = [*(meta_info.get(HEALTH_EVENTS) or ()), *events]

@@ -196,7 +196,8 @@ def test_requests_without_a_session_find_theirs_by_longest_prefix(gateway):
         assert task[0]["content"] in manager.tokenizer.decode(closed.segments[0].builder.prompt_ids)
     # a request that continues no session starts an unattributed one, which trains nothing
     client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "99*99="}])
-    assert gateway.unattributed_calls == 1
+    assert gateway.sweep() == 1 and gateway.sweep() == 0
+    assert not gateway.sessions
 
 
 def test_completions_record_and_extend_a_text_session(gateway, tokenizer):
@@ -291,8 +292,11 @@ def hanging_agent(task, base_url, api_key, **kwargs):
 
 
 def test_blackbox_rows_mask_sampled_tokens_and_carry_versions(engine, tokenizer):
+    from rlplat_agents.config import TemplateCheckConfig
+
     manager = make_manager(engine, tokenizer, loop="blackbox", loop_names={"tool": "blackbox"}, loops={"blackbox": {
-        "agent": "rlplat_demo.agents:calculator_agent", "agent_kwargs": {"max_turns": 2}}})
+        "agent": "rlplat_demo.agents:calculator_agent", "agent_kwargs": {"max_turns": 2}}},
+        template_check=TemplateCheckConfig(sample_rate=1.0))
     manager.policy_version = lambda: 7
     try:
         batch = manager.generate(tool_prompts(tokenizer, 8), SamplingParams(n=4, temperature=1.0, seed=2), 40)
@@ -305,6 +309,8 @@ def test_blackbox_rows_mask_sampled_tokens_and_carry_versions(engine, tokenizer)
     assert bool(((versions == 7) == mask.bool()).all())  # 7 exactly on sampled tokens, -1 elsewhere
     assert int(mask.sum()) == int(np.sum(batch.non_tensor_batch["agent/model_tokens"]))
     assert np.isnan(batch.non_tensor_batch["agent_reward"]).all()  # the agent left the reward to the manager
+    # the gateway's trajectories are checked against the chat template like the tool loop's: none drift
+    assert metrics["agent/template_checked"] > 0 and metrics["agent/template_drifted"] == 0
 
 
 def test_async_agents_rewards_and_metrics_reach_the_batch(engine, tokenizer):
