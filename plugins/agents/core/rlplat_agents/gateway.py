@@ -33,6 +33,7 @@ the row holds exactly what was sampled:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -40,7 +41,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from rlplat.contracts.agent import TrajectoryBuilder
 from rlplat.contracts.rollout import SamplingParams
@@ -607,8 +608,9 @@ class Gateway:
         async with session.lock:
             if session.closed:
                 raise RequestError(410, f"session {session.id!r} is closed", None, "session_closed")
-            segment = self._chat_segment(session, messages, tools, tools_key)
-            output = await self._generate(session, segment, body)
+            with self._undone_on_error(session):
+                segment = self._chat_segment(session, messages, tools, tools_key)
+                output = await self._generate(session, segment, body)
             text = self._text(output.token_ids)
             calls, content = [], text
             if tools and self.parser is not None:
@@ -678,6 +680,36 @@ class Gateway:
         session.segments.append(segment)
         return segment
 
+    @contextlib.contextmanager
+    def _undone_on_error(self, session: Session) -> Iterator[None]:
+        """A request that fails (refused, or its generation raised) leaves its session as it found it: the
+        context tokens it appended and the segment it started go (a prefix break it found stays counted)."""
+        segments = len(session.segments)
+        current = session.segments[-1] if session.segments else None
+        length = len(current.builder.response_ids) if current is not None else 0
+        try:
+            yield
+        except BaseException:
+            del session.segments[segments:]
+            if current is not None:
+                builder = current.builder
+                del builder.response_ids[length:], builder.response_mask[length:], builder.rollout_log_probs[length:]
+                del current.versions[length:]
+            raise
+
+    def _completion_segment(self, session: Session, prompt: Any, text: str) -> Segment:
+        current = session.segments[-1] if session.segments else None
+        if current is not None and current.history is None and text.startswith(current.text) and len(text) > len(current.text):
+            self._context(current, self.tokenizer(text[len(current.text):], add_special_tokens=False)["input_ids"])
+            return current
+        if current is not None:
+            self._break(session, "the prompt does not extend the session's text" if current.history is None
+                        else "a completions request in a chat session")
+        ids = list(prompt) if isinstance(prompt, list) else list((session.renderer or self.renderer).encode(text))
+        segment = self._new_segment(session, ids)
+        session.segments.append(segment)
+        return segment
+
     # -- /v1/completions ------------------------------------------------------------------------------------
 
     async def completions(self, request: Any) -> Any:
@@ -703,18 +735,9 @@ class Gateway:
         async with session.lock:
             if session.closed:
                 raise RequestError(410, f"session {session.id!r} is closed", None, "session_closed")
-            current = session.segments[-1] if session.segments else None
-            if current is not None and current.history is None and text.startswith(current.text) and len(text) > len(current.text):
-                self._context(current, self.tokenizer(text[len(current.text):], add_special_tokens=False)["input_ids"])
-                segment = current
-            else:
-                if current is not None:
-                    self._break(session, "the prompt does not extend the session's text" if current.history is None
-                                else "a completions request in a chat session")
-                ids = list(prompt) if isinstance(prompt, list) else list(self.renderer.encode(text))
-                segment = self._new_segment(session, ids)
-                session.segments.append(segment)
-            output = await self._generate(session, segment, body)
+            with self._undone_on_error(session):
+                segment = self._completion_segment(session, prompt, text)
+                output = await self._generate(session, segment, body)
             completion = self._text(output.token_ids)
             segment.text = text + completion
             ended = output.finish_reason == "stop"

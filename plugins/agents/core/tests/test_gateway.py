@@ -385,3 +385,19 @@ def test_bad_gateway_and_blackbox_keys_are_refused_at_load(override, message, tm
 
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=[*preset("tools-blackbox"), override, f"trainer.output_dir={tmp_path}"], algo="grpo")
+
+
+def test_a_refused_request_leaves_its_session_as_it_was(gateway):
+    manager, gateway = gateway
+    session = gateway.open(manager.replicas.sticky(), SAMPLING)
+    client = client_for(gateway.base_url(session.id))
+    messages = [{"role": "user", "content": "12*12="}]
+    message = client.chat.completions.create(model="policy", messages=messages).choices[0].message
+    history = [*messages, message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+    before = list(session.segments[0].builder.response_ids)
+    with pytest.raises(openai.BadRequestError):  # refused after its new message was appended
+        client.chat.completions.create(model="policy", messages=history, max_tokens=0)
+    assert session.segments[0].builder.response_ids == before
+    client.chat.completions.create(model="policy", messages=history)  # the same history continues cleanly
+    closed = gateway.close(session.id)
+    assert closed.prefix_breaks == 0 and len(closed.segments) == 1 and closed.segments[0].calls == 2
