@@ -61,7 +61,7 @@ async def run(task: dict, base_url: str, api_key: str, app: str = DEFAULT_APP, e
         async with environment:
             result = await environment.reset(task=task, episode_id=str(task.get("uid", "")) or None, **dict(reset_kwargs or {}))
             if prompt_field is not None:
-                messages.append({"role": "user", "content": _field(result.observation, prompt_field, "reset")})
+                messages.append({"role": "user", "content": observation_text(result.observation, prompt_field, "reset")})
             done = bool(result.done)
             while not done and steps < max_turns:
                 try:
@@ -79,15 +79,16 @@ async def run(task: dict, base_url: str, api_key: str, app: str = DEFAULT_APP, e
                 reward += float(result.reward or 0.0)
                 done = bool(result.done)
                 if not done and steps < max_turns:
-                    messages.append({"role": "user", "content": _field(result.observation, message_field, "step")})
+                    messages.append({"role": "user", "content": observation_text(result.observation, message_field, "step")})
     finally:
         await policy.close()
     return {"reward": reward, "metrics": {"openenv/steps": float(steps), "openenv/done": float(done),
                                           "openenv/truncated": float(truncated)}}
 
 
-def _field(observation: Mapping[str, Any], name: str, after: str) -> str:
+def observation_text(observation: Mapping[str, Any], name: str, after: str) -> str:
+    """The observation's field ``name`` as text; :class:`ValueError` naming the fields there are."""
     if name not in observation:
         raise ValueError(f"the environment's {after} observation has no field {name!r} (it has {sorted(observation)}): "
-                         f"set agent_kwargs.{'prompt_field' if after == 'reset' else 'message_field'}")
+                         f"set {'prompt_field' if after == 'reset' else 'message_field'} to one of them")
     return str(observation[name])
