@@ -82,6 +82,7 @@ PRESETS = {
     "tools": "GRPO through the tool agent loop: a*b= with a calculator the model learns to call",
     "retry": "GRPO through the env agent loop: a+b= with up to 3 attempts, 'wrong, try again' after a wrong one",
     "retry-single": "the retry demo's task, model and steps with one attempt (its single-turn baseline)",
+    "tools-blackbox": "the tools demo with its agent written against the openai client, trained through the gateway",
 }
 """The built-in demos ``rlplat run --demo NAME`` trains (``make demo``, ``make demo-tools``)."""
 
@@ -113,6 +114,13 @@ def preset(name: str) -> list[str]:
             f"data.train_files=[{tools.data_file('train')}]", f"data.val_files=[{tools.data_file('val')}]",
             f"agent.tools_config={tools.tools_config_file()}", "agent.loops.tool.max_turns=2",
             "actor.optim.lr=5e-4", "trainer.output_dir=runs/demo-tools",
+        ]
+    if name == "tools-blackbox":
+        return common + [
+            f"data.train_files=[{tools.data_file('train')}]", f"data.val_files=[{tools.data_file('val')}]",
+            "agent.loop_names={tool: blackbox}", "agent.loops.blackbox.agent=rlplat_demo.agents:calculator_agent",
+            "agent.loops.blackbox.agent_kwargs.max_turns=2", "actor.optim.lr=5e-4",
+            "trainer.output_dir=runs/demo-tools-blackbox",
         ]
     attempts = 3 if name == "retry" else 1
     return common + [

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rlplat_demo import overrides as arith, preset
 
-__all__ = ["arith", "reward_model", "tools", "retry", "retry_single"]
+__all__ = ["arith", "reward_model", "tools", "retry", "retry_single", "tools_blackbox"]
 
 
 def reward_model() -> list[str]:
@@ -22,3 +22,7 @@ def retry() -> list[str]:
 
 def retry_single() -> list[str]:
     return preset("retry-single")
+
+
+def tools_blackbox() -> list[str]:
+    return preset("tools-blackbox")

@@ -68,6 +68,9 @@ class GatewayConfig:
     """When a session's request resends a history that is not what the gateway returned (a tool call
     re-serialised, an assistant turn edited): ``split`` starts a new trajectory segment (counted in
     ``agent/prefix_breaks``), ``error`` answers 400 (the agent's run then fails: a masked-out row)."""
+    batch_window_ms: float = 5.0
+    """Requests arriving within this many milliseconds of one another reach the rollout together (one
+    admission into its running batch instead of one per request); 0 sends each at once."""
     request_sampling: bool = False
     """Whether a request's ``temperature``, ``top_p`` and ``seed`` apply. False: every call samples with
     the run's settings (``rollout.*``), the distribution the update assumes; ``max_tokens`` and ``stop``
@@ -78,6 +81,8 @@ class GatewayConfig:
             raise ValueError(f"host must be an address to bind, got {self.host!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535] (0: a free port), got {self.port}")
+        if not 0.0 <= self.batch_window_ms <= 1000.0:
+            raise ValueError(f"batch_window_ms must be in [0, 1000], got {self.batch_window_ms}")
         if self.on_prefix_break not in PREFIX_BREAK_POLICIES:
             raise ValueError(f"on_prefix_break must be one of {PREFIX_BREAK_POLICIES}, got {self.on_prefix_break!r}")
         if self.api_key is not None and not str(self.api_key).strip():
@@ -97,6 +102,10 @@ class AgentConfig:
     ``agent_name``. None: rows must name theirs, or the run generates without agent loops."""
     loops: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """Each loop's own node: ``agent.loops.tool.max_turns=4``, checked against the loop's schema."""
+    loop_names: Dict[str, str] = dataclasses.field(default_factory=dict)
+    """The data's ``agent_name`` values read as other loops: ``{tool: blackbox}`` runs rows that name the
+    ``tool`` loop through ``blackbox`` (verl's ``tool_agent``/``single_turn_agent`` are always read as
+    ``tool``/``single_turn`` first)."""
     tools_config: Optional[str] = None
     """YAML file of the tools offered (see :mod:`rlplat_agents.tools`)."""
     tool_parser: str = "hermes"
@@ -169,11 +178,16 @@ def check(agent: AgentConfig, config: Any) -> None:
     used = {agent.loop} if agent.loop else set()
     for key in ("train_files", "val_files"):
         for name in data_agent_names(config.data[key]):
+            name = loop_name(agent, name)
             used.add(name)
-            entry_schema("agent_loop", VERL_LOOP_NAMES.get(name, name), f"the agent_name {name!r} in data.{key}")
+            entry_schema("agent_loop", name, f"the agent_name {name!r} in data.{key}")
     if agent.loop:
         entry_schema("agent_loop", agent.loop, "agent.loop")
+    for source, target in agent.loop_names.items():
+        entry_schema("agent_loop", target, f"agent.loop_names.{source}")
     loops = {VERL_LOOP_NAMES.get(name, name) for name in used}
+    if "blackbox" in loops:
+        check_blackbox(agent)
     if "env" in loops and agent.environment is None:
         raise ConfigError("the env agent loop needs an environment: set agent.environment (e.g. retry).")
     if "tool" in loops and agent.tools_config is None:
@@ -185,6 +199,38 @@ def check(agent: AgentConfig, config: Any) -> None:
         read_tools_file(agent.tools_config)
     if loops - {"single_turn"}:
         check_chat_template(config)
+
+
+def loop_name(agent: AgentConfig, name: str) -> str:
+    """The loop that runs rows whose ``agent_name`` is ``name``: verl's names read as rlplat's, then
+    ``agent.loop_names``."""
+    name = VERL_LOOP_NAMES.get(name, name)
+    return agent.loop_names.get(name, name)
+
+
+def check_blackbox(agent: AgentConfig) -> None:
+    """The ``blackbox`` loop's agent at load: set, importable, callable; a command's program found."""
+    import shutil
+
+    from rlplat.config import ConfigError
+
+    node = dict(agent.loops.get("blackbox") or {})
+    if not node.get("agent") and not node.get("command"):
+        raise ConfigError("the blackbox agent loop runs an agent the run names: set agent.loops.blackbox.agent="
+                          "pkg.module:function (called as function(task, base_url, api_key, **agent_kwargs)) or "
+                          "agent.loops.blackbox.command=[program, args...].")
+    if node.get("agent"):
+        from rlplat_agents.blackbox import load_function
+
+        try:
+            load_function(str(node["agent"]))
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    elif node.get("command") and isinstance(node["command"], (list, tuple)) and node["command"]:
+        program = str(node["command"][0])
+        if shutil.which(program) is None:
+            raise ConfigError(f"agent.loops.blackbox.command: the program {program!r} is not found (not on PATH, or "
+                              f"not an executable file).")
 
 
 def check_chat_template(config: Any) -> None:

@@ -238,6 +238,7 @@ class Gateway:
         self.thread: Optional[threading.Thread] = None
         self.runner: Any = None
         self.port: Optional[int] = None
+        self.window: Optional[asyncio.Future] = None
 
     # -- life -----------------------------------------------------------------------------------------------
 
@@ -280,7 +281,11 @@ class Gateway:
     async def _bind(self) -> None:
         from aiohttp import web
 
-        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._errors])
+        @web.middleware
+        async def errors(request: Any, handler: Any) -> Any:
+            return await self._errors(request, handler)
+
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[errors])
         for prefix in ("", "/s/{session}"):
             app.router.add_post(prefix + "/v1/chat/completions", self.chat_completions)
             app.router.add_post(prefix + "/v1/completions", self.completions)
@@ -401,27 +406,25 @@ class Gateway:
             raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer <agent.gateway.api_key>'",
                                None, "invalid_api_key", "authentication_error")
 
-    async def _errors(self, app: Any, handler: Any) -> Any:
+    async def _errors(self, request: Any, handler: Any) -> Any:
+        """Every answer: the key checked, and every error as an OpenAI error body."""
         from aiohttp import web
 
-        async def middleware(request: Any) -> Any:
-            try:
-                self._authorise(request)
-                return await handler(request)
-            except RequestError as error:
-                return web.json_response(error.body(), status=error.status)
-            except web.HTTPException as error:
-                if error.status < 400:
-                    raise
-                body = RequestError(error.status, f"{request.method} {request.path}: {error.reason}", None,
-                                    None if error.status != 404 else "not_found").body()
-                return web.json_response(body, status=error.status)
-            except Exception as error:  # the agent sees a 500 with the reason; the gateway serves on
-                log.exception("gateway: %s %s failed", request.method, request.path)
-                body = RequestError(500, f"{type(error).__name__}: {error}", None, None, "server_error").body()
-                return web.json_response(body, status=500)
-
-        return middleware
+        try:
+            self._authorise(request)
+            return await handler(request)
+        except RequestError as error:
+            return web.json_response(error.body(), status=error.status)
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            body = RequestError(error.status, f"{request.method} {request.path}: {error.reason}", None,
+                                None if error.status != 404 else "not_found").body()
+            return web.json_response(body, status=error.status)
+        except Exception as error:  # the agent sees a 500 with the reason; the gateway serves on
+            log.exception("gateway: %s %s failed", request.method, request.path)
+            body = RequestError(500, f"{type(error).__name__}: {error}", None, None, "server_error").body()
+            return web.json_response(body, status=500)
 
     async def _body(self, request: Any, known: frozenset) -> dict:
         try:
@@ -497,8 +500,26 @@ class Gateway:
             ids.append(int(encoded[0]))
         return ids
 
+    async def _admission(self) -> None:
+        """Wait for the current admission window to close (``agent.gateway.batch_window_ms``): every request
+        that waited then reaches the rollout in one event-loop iteration, so the rollout admits them together."""
+        window = self.config.batch_window_ms / 1000.0
+        if window <= 0:
+            return
+        if self.window is None:
+            loop = asyncio.get_running_loop()
+            self.window = loop.create_future()
+            loop.call_later(window, self._close_window)
+        await asyncio.shield(self.window)
+
+    def _close_window(self) -> None:
+        window, self.window = self.window, None
+        if window is not None and not window.done():
+            window.set_result(None)
+
     async def _generate(self, session: Session, segment: Segment, body: Mapping[str, Any]) -> Any:
         sampling = self._sampling(session, body, segment.builder.remaining)
+        await self._admission()
         version = self.policy_version() if self.policy_version is not None else -1
         output = await session.client.generate(segment.builder.ids, sampling)
         segment.builder.add_model(output)

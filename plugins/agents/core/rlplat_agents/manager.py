@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from rlplat_agents.config import VERL_LOOP_NAMES, AgentConfig
+from rlplat_agents.config import AgentConfig
 from rlplat.contracts.agent import AgentContext, AgentLoop, TokenClient, Trajectory
 from rlplat.contracts.health import HEALTH_EVENTS
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
@@ -140,7 +140,9 @@ class AgentLoopManager:
             self.gateway.stop()
 
     def loop(self, name: str) -> AgentLoop:
-        name = VERL_LOOP_NAMES.get(name, name)
+        from rlplat_agents.config import loop_name
+
+        name = loop_name(self.config, name)
         if name not in self.loops:
             from rlplat import registry
 
