@@ -12,20 +12,6 @@ import pytest
 STEPS = 20
 
 
-def demo_data_for_the_blackbox_loop(folder) -> tuple[str, str]:
-    """The demo's ``arith_chat`` train and validation files without their ``agent_name`` column (it names
-    the ``env`` loop per row, which would win over ``agent.loop``)."""
-    import pyarrow.parquet as pq
-    from rlplat_demo import tools
-
-    paths = []
-    for split in ("env_train", "env_val"):
-        path = folder / f"{split}.parquet"
-        pq.write_table(pq.read_table(tools.data_file(split)).drop_columns(["agent_name"]), path)
-        paths.append(str(path))
-    return paths[0], paths[1]
-
-
 def train(demo: str, output, overrides: list[str]) -> list[dict]:
     """The metrics rows of a run of the ``demo`` preset with ``overrides``, into ``output``."""
     from rlplat.cli.command_line import resolved_config
@@ -43,11 +29,9 @@ def train(demo: str, output, overrides: list[str]) -> list[dict]:
 
 @pytest.mark.slow
 def test_20_grpo_steps_on_the_demo_task_through_the_openenv_adapter(tmp_path):
-    train_file, val_file = demo_data_for_the_blackbox_loop(tmp_path)
     overrides = [
         f"trainer.total_training_steps={STEPS}", "trainer.test_freq=20",
-        f"data.train_files=[{train_file}]", f"data.val_files=[{val_file}]",
-        "agent.loop=blackbox", "agent.loops.blackbox.agent=rlplat_openenv.agent:run",
+        "agent.loop_names={env: blackbox}", "agent.loops.blackbox.agent=rlplat_openenv.agent:run",
         "agent.loops.blackbox.agent_kwargs={app: 'rlplat_openenv.arithmetic:app', reset_kwargs: {max_attempts: 3}}",
     ]
     rows = train("retry", tmp_path / "run", overrides)

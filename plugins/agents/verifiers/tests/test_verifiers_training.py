@@ -11,20 +11,6 @@ import pytest
 STEPS = 20
 
 
-def demo_data_for_the_blackbox_loop(folder) -> tuple[str, str]:
-    """The demo's ``arith_chat`` train and validation files without their ``agent_name`` column (it names
-    the ``env`` loop per row, which would win over ``agent.loop``)."""
-    import pyarrow.parquet as pq
-    from rlplat_demo import tools
-
-    paths = []
-    for split in ("env_train", "env_val"):
-        path = folder / f"{split}.parquet"
-        pq.write_table(pq.read_table(tools.data_file(split)).drop_columns(["agent_name"]), path)
-        paths.append(str(path))
-    return paths[0], paths[1]
-
-
 def train(demo: str, output, overrides: list[str]) -> list[dict]:
     """The metrics rows of a run of the ``demo`` preset with ``overrides``, into ``output``."""
     from rlplat.cli.command_line import resolved_config
@@ -42,11 +28,10 @@ def train(demo: str, output, overrides: list[str]) -> list[dict]:
 
 @pytest.mark.slow
 def test_20_grpo_steps_on_the_demo_task_through_the_verifiers_adapter(tmp_path):
-    train_file, val_file = demo_data_for_the_blackbox_loop(tmp_path)
     overrides = [
         f"trainer.total_training_steps={STEPS}", "trainer.test_freq=10",
-        f"data.train_files=[{train_file}]", f"data.val_files=[{val_file}]", "rollout.response_length=8",
-        "agent.loop=blackbox", "agent.loops.blackbox.agent=rlplat_verifiers.agent:run",
+        "rollout.response_length=8",
+        "agent.loop_names={env: blackbox}", "agent.loops.blackbox.agent=rlplat_verifiers.agent:run",
         "agent.loops.blackbox.agent_kwargs={environment: 'rlplat_verifiers.arithmetic:load_environment'}",
     ]
     rows = train("retry-single", tmp_path / "run", overrides)
