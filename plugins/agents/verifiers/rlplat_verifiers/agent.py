@@ -17,8 +17,9 @@ sampled, so the row trains exactly what the environment saw.
 
 A rollout that verifiers ended in error (``state["error"]``: a refused request, a failed tool) raises, and
 the ``blackbox`` loop trains nothing on the row; an empty or malformed reply of the policy
-(:data:`POLICY_ERRORS`) keeps the rubric's score, counted in ``verifiers/invalid_response``. Requests take the run's sampling settings
-(``agent.gateway.request_sampling``); the environment's ``sampling_args`` and ``model`` name go along.
+(:data:`POLICY_ERRORS`) keeps the rubric's score, counted in ``verifiers/invalid_response``. Each request
+carries the environment's ``sampling_args`` (updated by ``agent_kwargs.sampling_args``) and ``model``; the
+gateway samples with the run's settings unless ``agent.gateway.request_sampling`` lets them apply.
 
 verifiers' classic stack (``import verifiers as vf``: ``vf.SingleTurnEnv``, ``vf.MultiTurnEnv``,
 ``vf.ToolEnv``, ``vf.Rubric``) is what runs; it is the API of verifiers 0.3 (0.4 kept only its v1 stack).
@@ -100,7 +101,7 @@ async def run(task: dict, base_url: str, api_key: str, environment: str = DEFAUL
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     try:
         output = await env.run_rollout(rollout_input(task, env), vf.OpenAIChatCompletionsClient(client), model,
-                                       dict(sampling_args or {}))
+                                       {**env.sampling_args, **(sampling_args or {})})
     finally:
         await client.close()
     error = output.get("error")
