@@ -480,8 +480,9 @@ class Gateway:
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             raise RequestError(400, f"max_tokens must be an integer >= 1, got {limit!r}", "max_tokens")
         if budget <= 0:
-            raise RequestError(400, f"the trajectory's response budget of {session.response_length} tokens "
-                                    f"(rollout.response_length) is spent", "messages", "context_length_exceeded")
+            raise RequestError(400, f"maximum context length exceeded: the trajectory's response budget of "
+                                    f"{session.response_length} tokens (rollout.response_length) is spent", "messages",
+                               "context_length_exceeded")
         sampling = session.sampling
         changes: dict[str, Any] = {"n": 1, "max_new_tokens": min(budget, limit or budget)}
         stops = set(sampling.stop_token_ids) | set(self.stop_token_ids) | set(self._stop_ids(body.get("stop")))
@@ -551,14 +552,16 @@ class Gateway:
 
     def _new_segment(self, session: Session, prompt_ids: list[int]) -> Segment:
         if len(prompt_ids) > session.prompt_length:
-            raise RequestError(400, f"the prompt is {len(prompt_ids)} tokens, more than agent.max_prompt_length="
-                                    f"{session.prompt_length}", "messages", "context_length_exceeded")
+            raise RequestError(400, f"maximum context length exceeded: the prompt is {len(prompt_ids)} tokens, more "
+                                    f"than agent.max_prompt_length={session.prompt_length}", "messages",
+                               "context_length_exceeded")
         segment = Segment(TrajectoryBuilder(prompt_ids, session.response_length), [])
         return segment
 
     def _context(self, segment: Segment, delta: Sequence[int]) -> None:
         if not segment.builder.add_context(delta):
-            raise RequestError(400, f"the new messages ({len(delta)} tokens) do not fit in what is left of the "
+            raise RequestError(400, f"maximum context length exceeded: the new messages ({len(delta)} tokens) do not "
+                                    f"fit in what is left of the "
                                     f"trajectory's response budget ({segment.builder.remaining} of "
                                     f"rollout.response_length)", "messages", "context_length_exceeded")
         segment.versions += [-1] * len(delta)
