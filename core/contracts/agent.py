@@ -242,6 +242,10 @@ class TrajectoryBuilder:
         self.response_ids: list[int] = []
         self.response_mask: list[int] = []
         self.rollout_log_probs: list[float] = []
+        self.versions: list[int] = []
+        """Per response token, the policy version that sampled it (-1 on tokens not sampled), kept once a
+        model turn reports versions (:attr:`TokenOutput.versions`)."""
+        self.has_versions = False
 
     @property
     def remaining(self) -> int:
@@ -262,6 +266,12 @@ class TrajectoryBuilder:
         self.response_ids += list(output.token_ids)
         self.response_mask += [1] * len(output.token_ids)
         self.rollout_log_probs += [float(value) for value in output.log_probs]
+        versions = getattr(output, "versions", None)
+        if versions is not None and len(versions) == len(output.token_ids):
+            self.has_versions = True
+            self.versions += [int(version) for version in versions]
+        else:
+            self.versions += [-1] * len(output.token_ids)
 
     def add_context(self, token_ids: Sequence[int]) -> bool:
         """Append tokens the model did not sample (mask 0); False, and nothing appended, when they do
@@ -271,9 +281,12 @@ class TrajectoryBuilder:
         self.response_ids += list(token_ids)
         self.response_mask += [0] * len(token_ids)
         self.rollout_log_probs += [0.0] * len(token_ids)
+        self.versions += [-1] * len(token_ids)
         return True
 
     def build(self, num_turns: int, finish_reason: str, **fields: Any) -> Trajectory:
+        if self.has_versions:
+            fields.setdefault("policy_versions", list(self.versions))
         return Trajectory(self.prompt_ids, self.response_ids, self.response_mask, self.rollout_log_probs,
                           num_turns, finish_reason, **fields)
 

@@ -71,6 +71,9 @@ class TokenOutput:
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: str
+    versions: Optional[list[int]] = None
+    """Per token, the weights version it was sampled with (:meth:`RolloutEngine.set_weights_version`), for a
+    rollout whose weights can change during a generation; None: one version throughout."""
 
 
 class RolloutEngine(abc.ABC):
@@ -93,6 +96,25 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     async def generate_tokens(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> TokenOutput:
         """Token in, token out, one sample (``sampling.n`` must be 1), for agent loops."""
+
+    partial_rollout_modes: ClassVar[tuple[str, ...]] = ()
+    """How generations in flight (``generate_tokens``) can go on when the weights change under them:
+    ``keep`` (their KV cache stays; tokens from then on come from the new weights) and ``recompute`` (the
+    cache is rebuilt from each prefix with the new weights). Empty: the rollout cannot, and the weights of
+    such a rollout change between generations only."""
+
+    def pause_generation(self) -> None:
+        """Stop every generation in flight at its next token boundary, keeping it (for a weight update
+        in between); :meth:`resume_generation` goes on. The default, for rollouts without
+        :attr:`partial_rollout_modes`: nothing (their weights change between generations only)."""
+
+    def resume_generation(self) -> None:
+        """Go on after :meth:`pause_generation`."""
+
+    def set_weights_version(self, version: int, mode: str = "keep") -> None:
+        """Number the weights now loaded ``version`` (recorded per token in :attr:`TokenOutput.versions`),
+        and say how generations in flight go on with them (one of :attr:`partial_rollout_modes`). The
+        default: nothing."""
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:

@@ -184,6 +184,9 @@ class ActorRolloutRefWorker(Worker):
             self.sync_weights()  # two generations in a row (validation, then a step): wake with the actor's weights
         self.check_instance(rollout)
         version = self.sampling_version()
+        set_version = getattr(rollout, "set_weights_version", None)  # contract method since plugin API 1.2
+        if set_version is not None:
+            set_version(version)  # token outputs of a rollout that records versions carry this one
         driver = self.rollout_driver()
         if driver is not None and driver.handles(prompts):
             output = driver.generate(prompts, sampling)

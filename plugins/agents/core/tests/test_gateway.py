@@ -401,3 +401,18 @@ def test_a_refused_request_leaves_its_session_as_it_was(gateway):
     client.chat.completions.create(model="policy", messages=history)  # the same history continues cleanly
     closed = gateway.close(session.id)
     assert closed.prefix_breaks == 0 and len(closed.segments) == 1 and closed.segments[0].calls == 2
+
+
+def test_the_tool_loop_records_the_version_of_each_sampled_token(engine, tokenizer):
+    from rlplat_agents.tools import read_tools_file
+
+    tools = {tool.name: tool for tool in (spec.build() for spec in read_tools_file(tool_demo.tools_config_file()))}
+    manager = AgentLoopManager([EngineClient(engine)], tokenizer, AgentConfig(loop="tool", loops={"tool": {"max_turns": 2}}),
+                               pad_token_id=tokenizer.pad_token_id, max_prompt_length=64, tools=tools)
+    engine.set_weights_version(5)
+    try:
+        batch = manager.generate(tool_prompts(tokenizer, 4), SamplingParams(n=4, temperature=1.0, seed=2), 40)
+    finally:
+        engine.set_weights_version(0)
+    mask, versions = batch.batch["response_mask"].bool(), batch.batch["policy_version"]
+    assert bool((versions[mask] == 5).all()) and bool((versions[~mask] == -1).all())

@@ -54,6 +54,10 @@ class TokenRequest:
     loop: Optional[asyncio.AbstractEventLoop] = None
     token_ids: list[int] = dataclasses.field(default_factory=list)
     log_probs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    """Per sampled token: the weights version (``HFRollout.weights_version``) whose logits it was drawn from."""
+    logits_version: int = 0
+    """The weights version of the row's next-token logits."""
     stream_key: Optional[int] = dataclasses.field(init=False)
     """Key of the row's own random stream (row 0 of ``sampling.seed``, :func:`stream_keys`); None draws
     from the engine's generator."""
@@ -72,7 +76,13 @@ class TokenRequest:
 
     def output(self) -> TokenOutput:
         ended = bool(self.token_ids) and self.token_ids[-1] in self.stop_token_ids
-        return TokenOutput(list(self.token_ids), list(self.log_probs), "stop" if ended else "length")
+        return TokenOutput(list(self.token_ids), list(self.log_probs), "stop" if ended else "length",
+                           versions=list(self.versions))
+
+    def last_fed(self) -> int:
+        """The token whose forward pass made the row's next-token logits: its last sampled token, else the
+        last token of its prompt."""
+        return self.token_ids[-1] if self.token_ids else self.prompt_ids[-1]
 
 
 def padded_left(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -109,8 +119,10 @@ class RunningBatch:
     """Rows decoding together with one sampling setting: their KV cache, attention mask [rows, length],
     positions of their last cached token [rows, 1] and next-token logits [rows, vocab]."""
 
-    def __init__(self, model, device: torch.device, pad_token_id: int, key: tuple):
+    def __init__(self, model, device: torch.device, pad_token_id: int, key: tuple, version: int = 0):
         self.model, self.device, self.pad_token_id, self.key = model, device, pad_token_id, key
+        self.version = version
+        """The weights version the batch's next-token logits and cache were computed with."""
         self.logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.rows: list[TokenRequest] = []
         self.cache = None
@@ -145,6 +157,8 @@ class RunningBatch:
             attention_mask = torch.cat([padded_left(self.attention_mask, length, 1), padded_left(attention_mask, length, 1)])
             positions = torch.cat([self.positions, positions])
             logits = torch.cat([self.logits, logits])
+        for request in requests:
+            request.logits_version = self.version
         self.rows = self.rows + requests
         self.cache, self.attention_mask, self.positions, self.logits = cache, attention_mask, positions, logits
 
@@ -159,6 +173,7 @@ class RunningBatch:
         for index, (row, token, log_prob) in enumerate(zip(self.rows, tokens.tolist(), log_probs.tolist())):
             row.token_ids.append(token)
             row.log_probs.append(log_prob)
+            row.versions.append(row.logits_version)
             if token in row.stop_token_ids or len(row.token_ids) >= row.sampling.max_new_tokens:
                 finished.append(row)
             else:
@@ -172,7 +187,36 @@ class RunningBatch:
             output = self.model(input_ids=tokens[:, None], attention_mask=self.attention_mask, position_ids=self.positions,
                                 past_key_values=self.cache, use_cache=True)
             self.logits = output.logits[:, -1, :]
+            for row in self.rows:
+                row.logits_version = self.version
         return finished
+
+    @torch.no_grad()
+    def continue_with(self, version: int, mode: str) -> None:
+        """Go on with new weights (``version``) at this token boundary. ``keep``: the cache stays (the tokens
+        so far were fed to the old weights); only the last fed token goes through the new weights again, so
+        every token sampled from now on comes from them. ``recompute``: the cache is rebuilt from each row's
+        prompt and its tokens so far with the new weights, as a fresh generation from that prefix would
+        build it."""
+        if mode not in ("keep", "recompute"):
+            raise ValueError(f"continue mode must be keep or recompute, got {mode!r}")
+        self.version = version
+        if not self.rows:
+            return
+        if mode == "recompute":
+            rows, self.rows = self.rows, []
+            self.cache = self.attention_mask = self.positions = self.logits = None
+            prefixes = [TokenRequest(row.prompt_ids + row.token_ids, row.sampling, row.stop_token_ids) for row in rows]
+            self.admit(prefixes)
+            self.rows = rows
+        else:
+            last = torch.tensor([[row.last_fed()] for row in self.rows], dtype=torch.long, device=self.device)
+            replace_cache_tensors(self.cache, [(keys[:, :, :-1], values[:, :, :-1]) for keys, values in cache_tensors(self.cache)])
+            output = self.model(input_ids=last, attention_mask=self.attention_mask, position_ids=self.positions,
+                                past_key_values=self.cache, use_cache=True)
+            self.logits = output.logits[:, -1, :]
+        for row in self.rows:
+            row.logits_version = version
 
     def keep(self, indices: list[int]) -> None:
         """Keep only these rows, and drop the cache columns that are padding in all of them."""
@@ -205,6 +249,24 @@ class TokenBatcher:
         self.lock = threading.Lock()
         self.pending: collections.deque[TokenRequest] = collections.deque()
         self.worker: threading.Thread | None = None
+        self.boundary = threading.Condition(self.lock)
+        self.held = False
+        """While True (:meth:`hold`), the worker waits at its next token boundary."""
+        self.waiting = False
+        """Whether the worker waits at a boundary now."""
+
+    def hold(self) -> None:
+        """Stop at the next token boundary: returns once no model call of the batcher runs and none will
+        start until :meth:`release` (sequences in flight keep their state)."""
+        with self.lock:
+            self.held = True
+            while self.worker is not None and not self.waiting:
+                self.boundary.wait()
+
+    def release(self) -> None:
+        with self.lock:
+            self.held = False
+            self.boundary.notify_all()
 
     def submit(self, request: TokenRequest) -> None:
         with self.lock:
@@ -239,6 +301,11 @@ class TokenBatcher:
         try:
             while True:
                 with self.lock:
+                    while self.held:
+                        self.waiting = True
+                        self.boundary.notify_all()
+                        self.boundary.wait()
+                    self.waiting = False
                     admitted = self.take(batch)
                     if not admitted and (batch is None or not batch.rows):
                         self.worker = None
@@ -254,9 +321,18 @@ class TokenBatcher:
     def serve_step(self, batch: RunningBatch | None, admitted: list[TokenRequest]) -> RunningBatch | None:
         """Admit ``admitted`` into ``batch`` (a new one when it has no rows), then one decoding step."""
         engine = self.engine
+        if batch is not None and batch.rows and batch.version != engine.weights_version:
+            try:  # new weights since the last step: the sequences in flight go on per the engine's mode
+                with engine.model_lock:
+                    engine.check_ready()
+                    batch.continue_with(engine.weights_version, engine.continue_mode)
+            except BaseException as error:
+                fail(batch.rows, error)
+                batch = None
         if admitted:
             if batch is None or not batch.rows:
-                batch = RunningBatch(engine.model, engine.device, engine.pad_token_id, admitted[0].key)
+                batch = RunningBatch(engine.model, engine.device, engine.pad_token_id, admitted[0].key,
+                                     engine.weights_version)
             try:
                 with engine.model_lock:
                     engine.check_ready()

@@ -105,6 +105,8 @@ class HFRollout(RolloutEngine):
         # held by the token batcher around each forward and by every change to the weights, so weights
         # change between decoding steps, never inside one
         self.model_lock = threading.RLock()
+        self.weights_version = 0
+        self.continue_mode = "keep"
         self.batcher = TokenBatcher(self, self.config.max_batch_rows)
         self.vocabulary_size = self.model.get_input_embeddings().num_embeddings
         # weight name -> that weight as last loaded in full, for the modules an adapter targeted
@@ -203,6 +205,23 @@ class HFRollout(RolloutEngine):
         # the worker starts after every task ready in this event-loop iteration has queued its request
         loop.call_soon(self.batcher.start)
         return await waiter
+
+    partial_rollout_modes = ("keep", "recompute")
+
+    def pause_generation(self) -> None:
+        """The token batcher stops at its next token boundary; sequences in flight keep their state."""
+        self.batcher.hold()
+
+    def resume_generation(self) -> None:
+        self.batcher.release()
+
+    def set_weights_version(self, version: int, mode: str = "keep") -> None:
+        """At its next step the token batcher carries its sequences in flight over to these weights per
+        ``mode`` (:meth:`rlplat_rollout_hf.batching.RunningBatch.continue_with`)."""
+        if mode not in self.partial_rollout_modes:
+            raise ValueError(f"hf rollout: mode must be one of {self.partial_rollout_modes}, got {mode!r}")
+        with self.model_lock:
+            self.weights_version, self.continue_mode = int(version), mode
 
     def checked_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
         vocabulary = self.vocabulary_size
