@@ -252,6 +252,44 @@ class RolloutEngineConformance:
         finally:
             rollout.update_weights(named_weights)
 
+    def test_generations_in_flight_if_supported_take_new_weights_and_record_their_versions(
+            self, rollout, prompt_token_lists, named_weights):
+        """For each of ``partial_rollout_modes``: a ``generate_tokens`` call paused, given new weights numbered
+        v + 1 and resumed finishes, its tokens numbered v then v + 1 (``TokenOutput.versions``)."""
+        import threading
+
+        modes = tuple(type(rollout).partial_rollout_modes)
+        if not modes:
+            pytest.skip("this rollout cannot carry generations in flight over new weights (partial_rollout_modes)")
+        if named_weights is None:
+            pytest.skip("no named_weights fixture")
+        changed = [(name, tensor * 1.01) for name, tensor in named_weights]
+        try:
+            for number, mode in enumerate(modes):
+                version = 10 * (number + 1)
+                rollout.set_weights_version(version, mode)
+                outcome: dict = {}
+
+                def generate() -> None:
+                    sampling = SamplingParams(temperature=1.0, seed=3, max_new_tokens=64)
+                    outcome["output"] = asyncio.run(rollout.generate_tokens(prompt_token_lists[0], sampling))
+
+                thread = threading.Thread(target=generate)
+                thread.start()
+                rollout.pause_generation()
+                try:
+                    rollout.update_weights(changed)
+                    rollout.set_weights_version(version + 1, mode)
+                finally:
+                    rollout.resume_generation()
+                thread.join(timeout=120)
+                output = outcome["output"]
+                assert output.versions is not None and len(output.versions) == len(output.token_ids), mode
+                assert output.versions == sorted(output.versions) and set(output.versions) <= {version, version + 1}, mode
+        finally:
+            rollout.update_weights(named_weights)
+            rollout.set_weights_version(0, modes[0])
+
     def test_a_staged_wake_up_weights_then_kv_cache_reproduces_the_samples(self, rollout, prompts, named_weights):
         if named_weights is None:
             pytest.skip("no named_weights fixture")
