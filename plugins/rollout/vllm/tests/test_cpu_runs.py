@@ -96,17 +96,17 @@ def test_the_tool_demo_calls_its_calculator_more_often_through_vllm(tmp_path):
 
 def test_a_blackbox_openai_agent_trains_through_the_gateway_on_vllm(tmp_path):
     """The tools-blackbox demo: an agent written only against the ``openai`` client, served by the rollout
-    worker's gateway over vLLM's ``generate_tokens``; every call recorded, its tool-call rate rises (6 steps;
+    worker's gateway over vLLM's ``generate_tokens``; every call recorded, its tool-call rate rises (5 steps;
     over 20 it went 0.27 -> 0.97)."""
     from rlplat_demo import preset
 
     config = load_config(overrides=[*preset("tools-blackbox"), *VLLM, *QUIET, f"trainer.output_dir={tmp_path / 'blackbox'}",
-                                    "trainer.total_training_steps=6", "trainer.test_freq=0"], algo="grpo")
+                                    "trainer.total_training_steps=5", "trainer.test_freq=0"], algo="grpo")
     records = fit_run(config)
     rates = [record["agent/tool_call_rate"] for record in records if "agent/tool_call_rate" in record]
     print(f"tool-call rate per step: {[round(rate, 3) for rate in rates]}")
-    assert len(rates) == 6
-    assert sum(rates[-3:]) / 3 > rates[0] + 0.3, rates  # measured over 20 steps: 0.27 -> 0.97
+    assert len(rates) == 5
+    assert sum(rates[-2:]) / 2 > rates[0] + 0.3, rates  # measured over 20 steps: 0.27 -> 0.97
     assert all(record["agent/agent_errors/mean"] <= 0.05 for record in records if "agent/agent_errors/mean" in record)
     assert max(probed(records)) < 1e-5
 
