@@ -41,7 +41,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Optional, Sequence
 
 from rlplat.contracts.agent import TrajectoryBuilder
 from rlplat.contracts.rollout import SamplingParams
@@ -606,14 +606,9 @@ class Gateway:
 
         tools_key = key_of(tools)
         session = self.find(self._session_id(request), messages, tools_key)
-        if session.lock is None:
-            session.lock = asyncio.Lock()
-        async with session.lock:
-            if session.closed:
-                raise RequestError(410, f"session {session.id!r} is closed", None, "session_closed")
-            with self._undone_on_error(session):
-                segment = self._chat_segment(session, messages, tools, tools_key)
-                output = await self._generate(session, segment, body)
+        async with self._serving(session):
+            segment = self._chat_segment(session, messages, tools, tools_key)
+            output = await self._generate(session, segment, body)
             text = self._text(output.token_ids)
             calls, content = [], text
             if tools and self.parser is not None:
@@ -683,6 +678,17 @@ class Gateway:
         session.segments.append(segment)
         return segment
 
+    @contextlib.asynccontextmanager
+    async def _serving(self, session: Session) -> AsyncIterator[None]:
+        """One request of ``session`` at a time, never on a closed session, undone if it fails."""
+        if session.lock is None:
+            session.lock = asyncio.Lock()
+        async with session.lock:
+            if session.closed:
+                raise RequestError(410, f"session {session.id!r} is closed", None, "session_closed")
+            with self._undone_on_error(session):
+                yield
+
     @contextlib.contextmanager
     def _undone_on_error(self, session: Session) -> Iterator[None]:
         """A request that fails (refused, or its generation raised) leaves its session as it found it: the
@@ -733,14 +739,9 @@ class Gateway:
         if body.get("echo") or body.get("suffix") or body.get("best_of") not in (None, 1):
             raise RequestError(400, "echo, suffix and best_of are not supported")
         session = self.find(self._session_id(request), None, None, text)
-        if session.lock is None:
-            session.lock = asyncio.Lock()
-        async with session.lock:
-            if session.closed:
-                raise RequestError(410, f"session {session.id!r} is closed", None, "session_closed")
-            with self._undone_on_error(session):
-                segment = self._completion_segment(session, prompt, text)
-                output = await self._generate(session, segment, body)
+        async with self._serving(session):
+            segment = self._completion_segment(session, prompt, text)
+            output = await self._generate(session, segment, body)
             completion = self._text(output.token_ids)
             segment.text = text + completion
             ended = output.finish_reason == "stop"
