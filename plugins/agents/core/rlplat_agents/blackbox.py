@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import importlib
 import inspect
 import json
 import logging
@@ -86,16 +85,15 @@ class AgentFailed(Exception):
 
 def load_function(path: str) -> Any:
     """The callable at ``"pkg.module:function"``; :class:`ValueError` naming what is missing."""
+    from rlplat.registry import resolve_dotted_path
+
     module_name, _, attribute = path.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        target = resolve_dotted_path(path)
     except ImportError as error:
         raise ValueError(f"agent.loops.blackbox.agent={path!r}: cannot import {module_name!r}: {error}") from None
-    target: Any = module
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise ValueError(f"agent.loops.blackbox.agent={path!r}: {module_name} has no {attribute!r}")
-        target = getattr(target, part)
+    except AttributeError:
+        raise ValueError(f"agent.loops.blackbox.agent={path!r}: {module_name} has no {attribute!r}") from None
     if not callable(target):
         raise ValueError(f"agent.loops.blackbox.agent={path!r} is a {type(target).__name__}, not a function")
     return target

@@ -28,7 +28,6 @@ verifiers' classic stack (``import verifiers as vf``: ``vf.SingleTurnEnv``, ``vf
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import signal
 import threading
@@ -117,14 +116,14 @@ def _function(path: str) -> Any:
     module_name, _, attribute = path.partition(":")
     if not module_name or not attribute:
         raise ValueError(f"agent_kwargs.environment must be \"module:function\", got {path!r}")
+    from rlplat.registry import resolve_dotted_path
+
     try:
-        target: Any = importlib.import_module(module_name)
+        target = resolve_dotted_path(path)
     except ImportError as error:
         raise ValueError(f"agent_kwargs.environment={path!r}: cannot import {module_name!r}: {error}") from None
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise ValueError(f"agent_kwargs.environment={path!r}: {module_name} has no {attribute!r}")
-        target = getattr(target, part)
+    except AttributeError:
+        raise ValueError(f"agent_kwargs.environment={path!r}: {module_name} has no {attribute!r}") from None
     if not callable(target):
         raise ValueError(f"agent_kwargs.environment={path!r} is a {type(target).__name__}, not a function")
     return target
