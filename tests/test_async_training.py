@@ -1,5 +1,7 @@
 """Asynchronous training (``trainer.mode``): the staleness bound, colocate_async at staleness 0 equal to
-sync, dropped samples regenerated, a separate rollout pool, and lossless resume after kills."""
+sync, dropped samples regenerated, a separate rollout pool, lossless resume after kills, and partial rollouts
+(``trainer.partial_rollout``): weight loads that land during the generations in flight of a rollout in a pool
+of its own, the bound counted per token, and unfinished sequences in the checkpoint."""
 
 from __future__ import annotations
 
@@ -13,12 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
+import rlplat
 from rlplat.config import load_config
 from rlplat.config_node import ConfigError
 from rlplat.data import write_parquet
 from rlplat.testing.fork_server import ForkServer
 from rlplat.testing.runs import fit_run
 from rlplat.testing.tiny_models import save_tiny_model
+from rlplat.trainer.rollout_dump import read_batch, step_file
+from rlplat.trainer.tracking import read_metrics
 
 pytestmark = pytest.mark.slow  # whole runs, some of them on Ray: left out of `make test-fast`
 
@@ -211,3 +216,102 @@ def test_a_run_killed_ten_times_trains_every_prompt_of_each_epoch_once(assets, t
     fit(load_config(overrides=arguments, algo="grpo"))
     assert trained(run) == trained(straight)
     assert_each_prompt_once_per_epoch(trained(run), epochs=4)
+
+
+# A rollout in its own pool on Ray, one process, half a core; responses never end early (no EOS), so that a
+# generation takes longer than a training step and weight loads and checkpoints find it in flight.
+SEPARATE = ["trainer.mode=separate_async", "cluster.backend=ray", "roles.rollout.devices_per_node=1",
+            "cluster.cpus_per_process=0.5", "rollout.config.eos_token_ids=[]", "rollout.response_length=64"]
+
+
+def token_staleness(run: Path, steps: int) -> list[torch.Tensor]:
+    """Per trained step, each trained token's staleness ((step - 1) - the version that sampled it), from the
+    batches the run dumped."""
+    found = []
+    for step in range(1, steps + 1):
+        batch = read_batch(step_file(run / "dump", step))
+        mask = batch.batch["response_mask"].bool()
+        found.append((step - 1) - batch.batch["policy_version"][mask])
+    return found
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["trainer.partial_rollout=sometimes"], "trainer.partial_rollout must be one of off, keep, recompute"),
+    (["trainer.mode=colocate_async", "trainer.partial_rollout=keep"], "a weight update never lands during a generation"),
+    (["trainer.partial_rollout=keep"], "only trainer.mode=separate_async has"),
+    (["trainer.mode=separate_async", "cluster.backend=ray", "trainer.partial_rollout=keep", "rollout.free_between_phases=true"],
+     "set rollout.free_between_phases=false"),
+    (["trainer.mode=separate_async", "cluster.backend=ray", "trainer.partial_rollout=recompute", "rollout.name=steady"],
+     "rollout 'steady' does not list 'recompute' in its partial_rollout_modes \\(it cannot carry"),
+])
+def test_partial_rollouts_are_refused_where_they_cannot_work(assets, tmp_path, extra, message):
+    from rlplat import registry
+    from rlplat_rollout_hf.rollout import HFRollout
+
+    class SteadyRollout(HFRollout):
+        partial_rollout_modes = ()
+
+    class Plugin:
+        @rlplat.hookimpl
+        def register_rollouts(self, register):
+            register("steady", SteadyRollout, config_schema="rlplat_rollout_hf.config:HFRolloutConfig")
+
+    registry.register_plugin(Plugin(), name="steady-rollout")
+    try:
+        with pytest.raises(ConfigError, match=message):
+            load_config(overrides=overrides(assets, tmp_path, *extra), algo="grpo")
+    finally:
+        registry.unregister_plugin("steady-rollout")
+
+
+@pytest.mark.slow
+def test_loads_land_during_generations_and_no_token_is_trained_beyond_the_bound_over_200_steps(assets, tmp_path):
+    mode, steps = "keep", 200  # recompute: the kill-ten-times test below
+    run = tmp_path / mode
+    records = fit_run(load_config(overrides=overrides(
+        assets, run, *SEPARATE, f"trainer.partial_rollout={mode}", "trainer.max_staleness=1",
+        f"trainer.total_training_steps={steps}", f"trainer.rollout_dump_dir={run / 'dump'}"), algo="grpo"))
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    staleness = token_staleness(run, steps)
+    assert max(int(tokens.max()) for tokens in staleness) <= 1 and min(int(tokens.min()) for tokens in staleness) >= 0
+    # the loads landed during generations: samples whose tokens come from two versions, trained
+    mixed = sum(r["async/partial_samples"] for r in records)
+    assert mixed > 0, "no weight load landed during a generation"
+    print(f"{mode}: {mixed:.0f} of {steps * 4} samples sampled by two policy versions; staleness per token "
+          f"{torch.cat(staleness).float().mean():.3f} on average")
+    assert all(r["async/samples_dropped"] == 0 for r in records)
+    assert max(line["staleness_max"] for line in trained(run)) <= 1
+    assert_each_prompt_once_per_epoch(trained(run), epochs=steps * 2 // PROMPTS)
+
+
+@pytest.mark.slow
+def test_a_run_with_partials_in_flight_killed_ten_times_trains_every_prompt_of_each_epoch_once(assets, tmp_path):
+    """SIGKILL at random points, resume from the last checkpoint each time: the checkpoints store the generations
+    in flight cut short, with their tokens' versions, and the resumed run continues them."""
+    settings = [*SEPARATE, "trainer.partial_rollout=recompute", "trainer.max_staleness=2", "trainer.save_freq=1",
+                "trainer.total_training_steps=24"]
+    run = tmp_path / "killed"
+    import ray
+
+    from rlplat.controller.ray_backend import start_ray
+
+    # one Ray cluster, started here, for every try: a killed driver's workers go with it, the cluster stays
+    start_ray()
+    try:
+        arguments = overrides(assets, run, *settings, f"cluster.address={ray.get_runtime_context().gcs_address}")
+        preload = ["torch", "transformers", "ray", "rlplat.config", "rlplat.trainer.loop", "rlplat.testing.runs"]
+        with ForkServer(preload, log=tmp_path / "tries.log") as server:
+            kills = kill_and_restart(server, arguments, run, random.Random(23))
+        assert kills >= 5, "the run finished too quickly to be killed often"
+        fit_run(load_config(overrides=arguments, algo="grpo"))  # to the end, on the same cluster
+    finally:
+        ray.shutdown()
+    records = read_metrics(run)
+    assert records[-1]["step"] == 24
+    cut = sum(record.get("async/continued_samples", 0) for record in records)
+    assert cut > 0, "no checkpoint found a generation in flight"
+    lines = trained(run)
+    assert [line["step"] for line in lines] == list(range(1, 25))
+    assert max(line["staleness_max"] for line in lines) <= 2
+    assert_each_prompt_once_per_epoch(lines, epochs=24 * 2 // PROMPTS)
+    print(f"{kills} kills; samples cut short by a checkpoint and continued: {cut}")

@@ -207,6 +207,14 @@ class TrainerConfig(SharedTrainerConfig):
     """``separate_async``: ``split`` (each generation split over the rollout's processes) or ``replica``
     (each generation whole on one process, step ``s`` on process ``s % processes``: the processes generate
     different steps at once, so one batch's slow tail overlaps the next batch's generation)."""
+    partial_rollout: str = "off"
+    """``separate_async``: what a weight update does to the generations in flight. ``off``: it waits for the
+    generations started before it (each generation samples from one policy version). ``keep`` or
+    ``recompute``: it lands at the next token boundary and the generations go on with the new weights,
+    keeping their KV cache (``keep``) or rebuilding it from each prefix (``recompute``); every token
+    records the version that sampled it, and each rollout process serves several generations at once
+    (continuous batching across steps). The rollout must list the mode in its ``partial_rollout_modes``.
+    See :mod:`rlplat.trainer.pipeline`."""
     sentinel: SentinelConfig = dataclasses.field(default_factory=SentinelConfig)
     """The run sentinel: named errors for silent faults (weight syncs, policy versions, scorers, templates,
     NaN or Inf, collapse) and what to do on each (:mod:`rlplat.trainer.sentinel`)."""

@@ -110,6 +110,12 @@ class Role(abc.ABC):
             settings = dataclasses.replace(settings, placement=self.default_placement)
         return settings
 
+    def concurrent_calls(self, run: RunContext) -> int:
+        """How many calls one process of the role runs at once when the role has a pool of its own (each on a
+        thread of its own): 1, the default, runs them one at a time in the order they were made. More lets a
+        call land while others run (a weight update during generations: ``trainer.partial_rollout``)."""
+        return 1
+
     @abc.abstractmethod
     def worker(self, run: RunContext) -> "WorkerSpec":
         """The worker class and its constructor arguments, built in each of the role's processes."""

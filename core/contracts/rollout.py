@@ -66,7 +66,8 @@ class RolloutBuildConfig:
 class TokenOutput:
     """Result of :meth:`RolloutEngine.generate_tokens`: the new tokens (stop token included when one
     ended generation), the log-probability of each under the sampling distribution, and why it ended
-    (``"stop"`` or ``"length"``)."""
+    (``"stop"`` or ``"length"``; ``"abort"`` when :meth:`RolloutEngine.abort_generation` cut it short: the
+    tokens so far, to be continued from their prefix)."""
 
     token_ids: list[int]
     log_probs: list[float]
@@ -115,6 +116,13 @@ class RolloutEngine(abc.ABC):
         """Number the weights now loaded ``version`` (recorded per token in :attr:`TokenOutput.versions`),
         and say how generations in flight go on with them (one of :attr:`partial_rollout_modes`). The
         default: nothing."""
+
+    def abort_generation(self) -> None:
+        """End every ``generate_tokens`` call in flight or queued now, at a token boundary: each returns the
+        tokens it has (possibly none), their log-probs and versions, with ``finish_reason="abort"`` (a
+        checkpoint stores them and a resumed run continues them from their prefix). Calls made afterwards
+        are served as usual. Required of rollouts with :attr:`partial_rollout_modes`; the default, for
+        the others, does nothing (their generations are waited for)."""
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:

@@ -86,6 +86,11 @@ class DataFuture:
         trimmed = [trim(value, pad) for value, pad in zip(values, pads)] if pads else values
         return self.plan.merge(trimmed)
 
+    def done(self) -> bool:
+        """Whether every rank's call has finished (successfully or not), without waiting."""
+        ready = getattr(self.backend, "ready", None)
+        return True if ready is None else ready(self.results + self.pads)
+
     def shards(self, count: int) -> list[Shard]:
         """How ``count`` workers each fetch their part of this future's value."""
         positions = self.plan.shard_positions

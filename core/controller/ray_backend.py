@@ -426,6 +426,13 @@ class RayBackend:
                                       f"the worker process died ({type(error).__name__}): {error}") from error
         return values
 
+    def ready(self, refs: list) -> bool:
+        """Whether all of ``refs`` are ready now (values or errors), without waiting."""
+        if not refs:
+            return True
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0, fetch_local=False)
+        return len(ready) == len(refs)
+
     def dispatch_infos(self, role: str) -> list[tuple[int, int, bool]]:
         refs = [host.dispatch_info.remote(role) for host in self.hosts]
         return self.wait(refs, [RankCall(rank, (), {}) for rank in range(len(self.hosts))], f"{role}.dispatch_info")
@@ -449,8 +456,9 @@ class RayBackend:
                 ray.kill(host)
 
 
-def start_hosts(pool: ResourcePool, init_distributed: bool = True) -> RayBackend:
-    """One host actor per bundle of ``pool``, with ``torch.distributed`` set up across them."""
+def start_hosts(pool: ResourcePool, init_distributed: bool = True, concurrent_calls: int = 1) -> RayBackend:
+    """One host actor per bundle of ``pool``, with ``torch.distributed`` set up across them; each runs up to
+    ``concurrent_calls`` calls at once, on threads of its own (1: one at a time, in order)."""
     slots = pool.slots()
     share = 1.0 / pool.max_colocate_count
     host_class = ray.remote(WorkerHost)
@@ -460,6 +468,7 @@ def start_hosts(pool: ResourcePool, init_distributed: bool = True) -> RayBackend
             num_cpus=pool.cpus_per_process * share,
             num_gpus=share if pool.use_gpu else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle),
+            max_concurrency=max(1, int(concurrent_calls)),
         ).remote(rank, len(slots), local_rank, ray.get, processes_on_node=on_node[address], threads=pool.threads_per_process)
         for rank, (group, bundle, address, local_rank) in enumerate(slots)
     ]
@@ -476,9 +485,9 @@ class RayWorkerGroup(WorkerGroup):
     """A worker per bundle of ``pool``: ``RayWorkerGroup(pool, WorkerSpec(ActorWorker, config), role="actor")``."""
 
     def __init__(self, pool: ResourcePool, spec: WorkerSpec | type, role: str = "worker", *,
-                 init_distributed: bool = True, _backend: RayBackend | None = None):
+                 init_distributed: bool = True, concurrent_calls: int = 1, _backend: RayBackend | None = None):
         spec = spec if isinstance(spec, WorkerSpec) else WorkerSpec(spec)
-        backend = _backend or start_hosts(pool, init_distributed)
+        backend = _backend or start_hosts(pool, init_distributed, concurrent_calls)
         calls = [RankCall(rank, (), {}) for rank in range(len(backend.hosts))]
         backend.wait([host.create.remote(role, spec) for host in backend.hosts], calls, f"{role}.__init__")
         self.pool = pool

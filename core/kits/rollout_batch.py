@@ -8,6 +8,7 @@ the padding, position and masking rules in one place.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import queue
 import threading
@@ -16,6 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from rlplat.contracts.rollout import RolloutEngine, SamplingParams, TokenOutput
+from rlplat.kits.aio import run_async
 from rlplat.protocol import DataProto
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -50,7 +52,8 @@ def assemble_rollout(prompts: DataProto, samples: Sequence[TokenOutput], n: int,
     """The contract's output batch from ``len(prompts) * n`` samples, those of one prompt adjacent.
 
     Responses are right padded with ``pad_token_id`` to ``max_new_tokens``; ``response_mask`` is 1 over
-    each sample's tokens; positions continue from each prompt's last position.
+    each sample's tokens; positions continue from each prompt's last position. Samples that record their
+    tokens' weights versions (``TokenOutput.versions``) give ``policy_version`` [rows, R] (-1 where none).
     """
     rows = len(prompts) * n
     if len(samples) != rows:
@@ -58,6 +61,7 @@ def assemble_rollout(prompts: DataProto, samples: Sequence[TokenOutput], n: int,
     responses = torch.full((rows, max_new_tokens), pad_token_id, dtype=torch.long)
     log_probs = torch.zeros(rows, max_new_tokens, dtype=torch.float32)
     response_mask = torch.zeros(rows, max_new_tokens, dtype=torch.long)
+    versions: torch.Tensor | None = None
     for row, sample in enumerate(samples):
         if len(sample.token_ids) > max_new_tokens or len(sample.log_probs) != len(sample.token_ids):
             raise ValueError(
@@ -68,6 +72,13 @@ def assemble_rollout(prompts: DataProto, samples: Sequence[TokenOutput], n: int,
         responses[row, :length] = torch.tensor(sample.token_ids, dtype=torch.long)
         log_probs[row, :length] = torch.tensor(sample.log_probs, dtype=torch.float32)
         response_mask[row, :length] = 1
+        if sample.versions is not None:
+            if len(sample.versions) != length:
+                raise ValueError(f"sample {row} has {length} tokens and {len(sample.versions)} versions; the engine "
+                                 "returned an inconsistent sample")
+            if versions is None:
+                versions = torch.full((rows, max_new_tokens), -1, dtype=torch.long)
+            versions[row, :length] = torch.tensor(sample.versions, dtype=torch.long)
     repeated = prompts.repeat(n, interleave=True) if n > 1 else prompts
     prompt_ids, prompt_mask, prompt_positions = (repeated.batch[key] for key in PROMPT_KEYS)
     response_positions = prompt_positions[:, -1:] + torch.arange(1, max_new_tokens + 1)
@@ -80,6 +91,7 @@ def assemble_rollout(prompts: DataProto, samples: Sequence[TokenOutput], n: int,
             "input_ids": torch.cat([prompt_ids, responses], dim=1),
             "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
             "position_ids": torch.cat([prompt_positions, response_positions], dim=1),
+            **({"policy_version": versions} if versions is not None else {}),
         },
         non_tensors=repeated.non_tensor_batch,
         meta_info=prompts.meta_info,
@@ -249,3 +261,77 @@ class BackendRolloutEngine(RolloutEngine):
                 backend.close()
             except Exception:
                 pass
+
+
+MIN_VERSION = "min_policy_version"
+"""``meta_info`` key of a batch to generate: the policy version the rollout must hold before it starts (the
+newest whose weights were sent before the batch); a rollout worker with partial rollouts waits for it."""
+
+ABORTED_KEY = "rollout_aborted"
+"""Per row of a batch generated through :func:`generate_through_tokens`: 1 where
+:meth:`RolloutEngine.abort_generation` cut the sample short (its tokens so far are kept, to be continued)."""
+
+
+def row_seed(seed: int, row: int, done: int = 0) -> int:
+    """The sampling seed of row ``row`` of a generation seeded ``seed`` (``done``: tokens the row had before
+    this call, so that a continued row draws a stream of its own)."""
+    return (int(seed) * 1_000_003 + int(row) * 7_919 + int(done) * 104_729) % (2**63 - 1)
+
+
+def generate_through_tokens(rollout: RolloutEngine, prompts: DataProto, sampling: SamplingParams, pad_token_id: int,
+                            version: int) -> DataProto:
+    """The contract's ``generate`` output for ``prompts``, made of one concurrent ``generate_tokens`` call per
+    sample, so that the rollout can carry them over weight updates at token boundaries (partial rollouts)
+    and record each token's weights version (``policy_version``, ``version`` where the rollout records none).
+
+    A batch whose ``meta_info["continue"]`` is set is a stored output of this function (every key of it,
+    ``sampling.n`` samples already made): its rows with :data:`ABORTED_KEY` 1 go on from their prompt and the
+    tokens they have, up to ``sampling.max_new_tokens`` in all; the others are kept as they are. Rows seeded
+    with ``sampling.seed`` draw from streams of their own (:func:`row_seed`). The output carries
+    :data:`ABORTED_KEY`."""
+    budget = sampling.max_new_tokens
+    continuing = bool(prompts.meta_info.get("continue"))
+    if continuing:
+        width = prompts.batch["prompts"].shape[1]
+        prompt_part = DataProto.from_dict(
+            tensors={"input_ids": prompts.batch["prompts"], "attention_mask": prompts.batch["attention_mask"][:, :width],
+                     "position_ids": prompts.batch["position_ids"][:, :width]},
+            non_tensors=prompts.non_tensor_batch, meta_info={k: v for k, v in prompts.meta_info.items() if k != "continue"})
+        n = 1
+        mask = prompts.batch["response_mask"].bool()
+        had = [TokenOutput(prompts.batch["responses"][row][mask[row]].tolist(),
+                           prompts.batch["rollout_log_probs"][row][mask[row]].tolist(), "abort",
+                           versions=prompts.batch["policy_version"][row][mask[row]].tolist())
+               for row in range(len(prompts))]
+        aborted = prompts.batch[ABORTED_KEY].bool().tolist()
+    else:
+        prompt_part, n = prompts, sampling.n
+        had = [TokenOutput([], [], "abort", versions=[]) for _ in range(len(prompts) * n)]
+        aborted = [True] * len(had)
+    token_lists = prompt_token_lists(prompt_part, "partial")
+    requests = []
+    for row, sample in enumerate(had):
+        if not aborted[row]:
+            continue
+        done = len(sample.token_ids)
+        if done >= budget:
+            raise ValueError(f"row {row} of the continued batch already has {done} tokens, the whole budget ({budget}); "
+                             "it cannot have been cut short")
+        seed = None if sampling.seed is None else row_seed(sampling.seed, row, done)
+        params = dataclasses.replace(sampling, n=1, max_new_tokens=budget - done, seed=seed)
+        requests.append((row, token_lists[row // n] + list(sample.token_ids), params))
+
+    async def run_all() -> list[TokenOutput]:
+        return await asyncio.gather(*(rollout.generate_tokens(prompt, params) for _, prompt, params in requests))
+
+    outputs = run_async(run_all()) if requests else []
+    samples, cut = list(had), [0] * len(had)
+    for (row, _, _), output in zip(requests, outputs):
+        before = had[row]
+        versions = output.versions if output.versions is not None else [version] * len(output.token_ids)
+        samples[row] = TokenOutput(before.token_ids + list(output.token_ids), before.log_probs + list(output.log_probs),
+                                   output.finish_reason, versions=list(before.versions or []) + list(versions))
+        cut[row] = int(output.finish_reason == "abort")
+    result = assemble_rollout(prompt_part, samples, n, budget, pad_token_id)
+    result.batch[ABORTED_KEY] = torch.tensor(cut, dtype=torch.int8)
+    return result

@@ -178,9 +178,11 @@ class Trainer:
                 return self.rollout.call_rank(replica, "generate_sequences", prompts)
             return self.rollout.call_async("generate_sequences", prompts)
 
+        partial = self.async_settings.mode == "separate_async" and self.config.trainer.partial_rollout != "off"
         self.pipeline = RolloutPipeline(self.async_settings, self.train_loader, start=start,
                                         regenerate=lambda prompts, replica: start(prompts, replica).get(),
-                                        seed_of=self.step_seed, replicas=replicas)
+                                        seed_of=self.step_seed, replicas=replicas,
+                                        abort=self.rollout.abort_generations if partial else None)
 
     def step_seed(self, step: int) -> int:
         """The sampling seed of step ``step``'s first generation."""
@@ -193,11 +195,15 @@ class Trainer:
         if self.rollout is self.actor:
             reports = self.actor.sync_weights()
             return {key: value for key, value in reports[0].items() if key.startswith("sync/")} if reports else {}
-        if self.async_settings.mode == "separate_async" and self.pipeline is not None:
-            # queued behind the generations already started; checked once a later generation finished
-            self.pipeline.add_load(self.rollout.call_async("load_weights", self.actor.call_async("export_weights", full)))
-        else:
+        if self.async_settings.mode == "separate_async" and self.pipeline is not None and not full:
+            # queued behind the generations already started (with partial rollouts: landing during them);
+            # checked once a later generation finished (or once it finished)
+            self.pipeline.add_load(self.rollout.call_async("load_weights", self.actor.call_async("export_weights", full)),
+                                   version=self.step)
+        else:  # the first weights of a rollout in its own pool are in before it generates anything
             self.rollout.load_weights(self.actor.call_async("export_weights", full))
+            if self.pipeline is not None:
+                self.pipeline.sent_version = self.step
         return {}
 
     def stage(self, name: str, batch: DataProto) -> DataProto:
@@ -300,7 +306,10 @@ class Trainer:
 
     def generate(self, prompts: DataProto, sampling: SamplingParams | None = None) -> DataProto:
         overrides = dataclasses.asdict(sampling) if sampling is not None else {}
-        return self.rollout.generate_sequences(prompts.with_meta_info({**prompts.meta_info, **overrides}))
+        prompts = prompts.with_meta_info({**prompts.meta_info, **overrides})
+        if self.pipeline is not None:  # partial rollouts: after the newest weights sent, not beside their load
+            prompts = self.pipeline.with_min_version(prompts)
+        return self.rollout.generate_sequences(prompts)
 
     def train_step(self) -> dict[str, float]:
         timing: dict[str, float] = {}
@@ -373,7 +382,8 @@ class Trainer:
             metrics.update(self.sync_weights())
         if self.sync_probe.due(self.step):
             metrics.update(self.sync_probe.run(self.rollout, self.actor, self.step,
-                                               on_meta_info=lambda meta: self.sentinel.take_events(meta, self.step)))
+                                               on_meta_info=lambda meta: self.sentinel.take_events(meta, self.step),
+                                               prepare=self.pipeline.with_min_version))
         self.stage("updated", batch)
         if self.trained_prompts is not None:
             self.trained_prompts.write(self.step, batch)

@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional
 MODES = ("sync", "colocate_async", "separate_async")
 POLICIES = ("wait", "drop")
 DISPATCHES = ("split", "replica")
+PARTIAL_MODES = ("off", "keep", "recompute")
 BUFFER_DIRECTORY = "rollout_buffer"
 TRAINED_PROMPTS_FILE = "trained_prompts.jsonl"
 
@@ -104,6 +105,39 @@ def check_trainer_mode(config: Any) -> None:
     if trainer.mode == "colocate_async" and given == "separate":
         raise ConfigError("trainer.mode=colocate_async keeps the rollout in the actor's processes, but "
                           "roles.rollout.placement=separate; use trainer.mode=separate_async.")
+    check_partial_rollout(config)
+
+
+def check_partial_rollout(config: Any) -> None:
+    """``trainer.partial_rollout``: a known mode, with ``separate_async`` and a rollout that can do it."""
+    from rlplat import registry
+    from rlplat.config_node import ConfigError
+
+    trainer = config.trainer
+    mode = trainer.get("partial_rollout", "off")
+    if mode not in PARTIAL_MODES:
+        raise ConfigError(f"trainer.partial_rollout must be one of {', '.join(PARTIAL_MODES)}, got {mode!r}.")
+    if mode == "off":
+        return
+    if trainer.mode != "separate_async":
+        why = ("its generations run in the actor's processes, which run one call at a time: a weight update never "
+               "lands during a generation" if trainer.mode == "colocate_async" else "nothing generates while the weights change")
+        raise ConfigError(f"trainer.partial_rollout={mode} carries generations in flight over weight updates, which only "
+                          f"trainer.mode=separate_async has; with trainer.mode={trainer.mode} {why}. Set "
+                          "trainer.mode=separate_async or trainer.partial_rollout=off.")
+    if config.rollout.get("free_between_phases"):
+        raise ConfigError(f"trainer.partial_rollout={mode} with rollout.free_between_phases=true: a rollout that frees its "
+                          "weights after each generation drops the generations in flight; set rollout.free_between_phases=false.")
+    try:
+        rollout = registry.get("rollout", config.rollout.name)
+    except Exception:  # an unknown rollout is named by the config check of rollout.name
+        return
+    modes = tuple(getattr(rollout, "partial_rollout_modes", ()) or ())
+    if mode not in modes:
+        can = f"it can do {', '.join(modes)}" if modes else "it cannot carry generations over new weights at all"
+        raise ConfigError(f"trainer.partial_rollout={mode}: rollout {config.rollout.name!r} does not list {mode!r} in its "
+                          f"partial_rollout_modes ({can}); use " + (f"trainer.partial_rollout={modes[0]}, " if modes else "")
+                          + "trainer.partial_rollout=off or a rollout that can (hf: keep, recompute).")
 
 
 def row_versions(batch: Any) -> Any:
@@ -155,6 +189,8 @@ class Generation:
     """Calls made to that process before this one (weight loads queued earlier ran before it)."""
     future: Any = None
     result: Any = None
+    continued: int = 0
+    """Partial rollouts: samples a checkpoint cut short and this generation went on with afterwards."""
 
     def wait(self) -> Any:
         if self.result is None:
@@ -173,8 +209,12 @@ class RolloutPipeline:
     is the sampling seed of a step's first generation, as ``sync`` mode uses it."""
 
     def __init__(self, settings: AsyncSettings, loader: Any, start: Callable[[Any, int], Any],
-                 regenerate: Callable[[Any, int], Any], seed_of: Callable[[int], int], replicas: int = 1):
+                 regenerate: Callable[[Any, int], Any], seed_of: Callable[[int], int], replicas: int = 1,
+                 abort: Optional[Callable[[], None]] = None):
         self.settings = settings
+        self.abort = abort
+        """Partial rollouts: ends the generations in flight now, each returning what it has (checkpoints);
+        None: generations run to the end, and a weight load comes after those started before it."""
         self.loader = loader
         self.start_generation, self.regenerate = start, regenerate
         self.seed_of = seed_of
@@ -184,25 +224,44 @@ class RolloutPipeline:
         self.calls = [0] * replicas  # calls made to each rollout process, in order
         self.finished = [0] * replicas  # of those, how many are known to have finished
         self.loads: list[tuple[tuple[int, ...], Any]] = []  # weight loads not yet checked: (calls before it, future)
+        self.sent_version: Optional[int] = None  # the policy version of the newest load sent
 
     def replica_of(self, step: int) -> int:
         return step % self.replicas
 
-    def add_load(self, future: Any) -> None:
-        """A weight load sent to every rollout process without waiting; its outcome is checked once a
-        later call has finished on each of them (a process runs its calls in order), never by waiting."""
+    def add_load(self, future: Any, version: Optional[int] = None) -> None:
+        """A weight load (of policy ``version``) sent to every rollout process without waiting; its outcome
+        is checked once a later call has finished on each of them (a process runs its calls in order; with
+        partial rollouts, once it finished), never by waiting."""
         self.loads.append((tuple(self.calls), future))
+        if version is not None:
+            self.sent_version = int(version)
         self.calls = [count + 1 for count in self.calls]
 
     def settle_loads(self) -> None:
-        """Raise the error of any load that every process has run by now."""
-        done = [future for before, future in self.loads if all(b < f for b, f in zip(before, self.finished))]
-        self.loads = [(before, future) for before, future in self.loads if not all(b < f for b, f in zip(before, self.finished))]
+        """Raise the error of any load that every process has run by now (with partial rollouts, which
+        land during generations: any load that finished)."""
+        if self.abort is not None:
+            finished = [future.done() for _, future in self.loads]
+        else:
+            finished = [all(b < f for b, f in zip(before, self.finished)) for before, _ in self.loads]
+        done = [future for (_, future), over in zip(self.loads, finished) if over]
+        self.loads = [load for load, over in zip(self.loads, finished) if not over]
         for future in done:
             future.get()
 
+    def with_min_version(self, prompts: Any) -> Any:
+        """Partial rollouts: ``prompts`` to start from the newest weights sent (their load runs beside the
+        generations, not before them)."""
+        from rlplat.kits.rollout_batch import MIN_VERSION
+
+        if self.abort is None or self.sent_version is None:
+            return prompts
+        return prompts.with_meta_info({**prompts.meta_info, MIN_VERSION: self.sent_version})
+
     def submit(self, step: int, prompts: Any, seed: int) -> Generation:
         replica = self.replica_of(step)
+        prompts = self.with_min_version(prompts)
         generation = Generation(step, prompts, seed, replica, self.calls[replica], future=self.start_generation(prompts, replica))
         self.calls[replica] += 1
         return generation
@@ -210,9 +269,27 @@ class RolloutPipeline:
     def next_step(self, current: int) -> int:
         return self.queue[-1].step + 1 if self.queue else current + 1
 
+    def continue_cut(self, generation: Generation) -> bool:
+        """Send a generation that a checkpoint cut short (partial rollouts) to go on from the tokens it has;
+        whether it was one."""
+        from rlplat.kits.rollout_batch import ABORTED_KEY
+
+        batch = generation.result
+        if batch is None or ABORTED_KEY not in batch.batch.keys() or not bool(batch.batch[ABORTED_KEY].any()):
+            return False
+        generation.continued += int(batch.batch[ABORTED_KEY].sum())
+        replica = self.replica_of(generation.step)
+        batch = self.with_min_version(batch.with_meta_info({**batch.meta_info, "continue": True}))
+        generation.future = self.start_generation(batch, replica)
+        generation.result, generation.number = None, -1
+        self.calls[replica] += 1
+        return True
+
     def fill(self, current: int, total_steps: int) -> None:
         """Start generations for the steps after ``current`` until ``ahead`` are in flight (never past
-        ``total_steps``)."""
+        ``total_steps``), and continue those a checkpoint cut short."""
+        for generation in self.queue:
+            self.continue_cut(generation)
         while len(self.queue) < self.settings.ahead and self.next_step(current) <= total_steps:
             step = self.next_step(current)
             prompts = self.loader.next_batch()
@@ -227,13 +304,17 @@ class RolloutPipeline:
         self.fill(step - 1, total_steps)
         generation = self.queue.popleft()
         batch = generation.wait()
+        while self.continue_cut(generation):  # cut short by a checkpoint (of this run or the one resumed)
+            batch = generation.wait()
         if generation.number >= 0:  # not one restored from a checkpoint
             self.finished[generation.replica] = max(self.finished[generation.replica], generation.number + 1)
-            self.settle_loads()
+        self.settle_loads()
         waited = time.perf_counter() - started
         metrics = dict(batch.meta_info.get("metrics") or {})
         window = pop_window(metrics, "generation")
         result: dict[str, float] = {"async/wait_s": waited, "async/samples_dropped": 0.0}
+        if self.abort is not None:
+            result["async/continued_samples"] = float(generation.continued)
         if window is not None and window[1] > window[0]:
             overlap = overlap_seconds(window, list(self.update_windows))
             result["async/overlap_s"] = overlap
@@ -243,13 +324,23 @@ class RolloutPipeline:
             result["async/samples_dropped"] += len(batch)
             attempt += 1
             prompts = generation.prompts.with_meta_info({**generation.prompts.meta_info, "seed": generation.seed + 104_729 * attempt})
+            prompts = self.with_min_version(prompts)
             replica = self.replica_of(step)
             self.calls[replica] += 1
             batch = self.regenerate(prompts, replica)
             self.finished[replica] = self.calls[replica]
             self.settle_loads()
-        batch.meta_info["metrics"] = {key: value for key, value in (batch.meta_info.get("metrics") or {}).items()
-                                      if not key.startswith("async/generation_")}
+        from rlplat.kits.rollout_batch import ABORTED_KEY
+
+        if ABORTED_KEY in batch.batch.keys():
+            batch.pop(batch_keys=[ABORTED_KEY])
+        metrics = batch.meta_info.get("metrics") or {}
+        for key in ("async/partial_samples", "async/aborted_samples"):
+            if key in metrics:
+                value = metrics[key]
+                result[key] = float(sum(value) if isinstance(value, (list, tuple)) else value)
+        batch.meta_info["metrics"] = {key: value for key, value in metrics.items()
+                                      if not key.startswith(("async/generation_", "async/partial_", "async/aborted_"))}
         result["async/in_flight"] = float(len(self.queue))
         return batch, result
 
@@ -266,9 +357,13 @@ class RolloutPipeline:
 
     def write(self, directory: Path) -> None:
         """Wait for every generation in flight and write it, with its prompts, under
-        ``directory/rollout_buffer``."""
+        ``directory/rollout_buffer``. With partial rollouts the generations are cut short first: each is
+        stored with the tokens it has and their versions, and goes on from them afterwards (here, or in the
+        run that resumes from this checkpoint)."""
         if not self.queue:
             return
+        if self.abort is not None and any(generation.result is None for generation in self.queue):
+            self.abort()
         folder = directory / BUFFER_DIRECTORY
         folder.mkdir()
         for generation, entry in zip(self.queue, self.index()):

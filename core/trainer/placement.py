@@ -46,7 +46,7 @@ def place(roles: dict[str, Role], run: RunContext) -> Placement:
     for name, role in roles.items():
         settings = role.settings(run, name)
         if settings.placement == "separate":
-            separate[name] = (role.worker(run), settings)
+            separate[name] = (role.worker(run), settings, role.concurrent_calls(run))
         else:
             specs[name] = role.worker(run)
     if cluster.backend == "local":
@@ -66,10 +66,10 @@ def place(roles: dict[str, Role], run: RunContext) -> Placement:
     pool = ResourcePool([cluster.devices_per_node] * cluster.nnodes, use_gpu=cluster.use_gpu,
                         cpus_per_process=cluster.cpus_per_process, threads_per_process=cluster.threads_per_process)
     placement = Placement(RayWorkerGroup.colocated(pool, specs), roles, [pool])
-    for name, (spec, settings) in separate.items():
+    for name, (spec, settings, concurrent) in separate.items():
         own = ResourcePool([settings.devices_per_node or cluster.devices_per_node] * (settings.nnodes or cluster.nnodes),
                            use_gpu=cluster.use_gpu, cpus_per_process=cluster.cpus_per_process, name_prefix=f"rlplat_{name}",
                            threads_per_process=cluster.threads_per_process)
         placement.pools.append(own)
-        placement.groups[name] = RayWorkerGroup(own, spec, role=name)
+        placement.groups[name] = RayWorkerGroup(own, spec, role=name, concurrent_calls=concurrent)
     return placement

@@ -63,11 +63,13 @@ class SyncProbe:
         freq = self.settings.freq
         return freq > 0 and (step == 1 or step % freq == 0)
 
-    def run(self, rollout: Any, actor: Any, step: int, on_meta_info: Any = None) -> dict[str, float]:
+    def run(self, rollout: Any, actor: Any, step: int, on_meta_info: Any = None, prepare: Any = None) -> dict[str, float]:
         """Probe now: ``rollout`` and ``actor`` are the worker groups; ``on_meta_info`` is given the probe
-        generation's ``meta_info`` (its health events are the run's). Raises :class:`SyncProbeError`."""
+        generation's ``meta_info`` (its health events are the run's); ``prepare`` (prompts -> prompts), when
+        given, finishes the probe's prompts as the trainer's own generations are. Raises :class:`SyncProbeError`."""
         started = time.perf_counter()
-        batch = rollout.generate_sequences(self.prompts.with_meta_info({**self.prompts.meta_info, **self.meta}))
+        prompts = self.prompts.with_meta_info({**self.prompts.meta_info, **self.meta})
+        batch = rollout.generate_sequences(prepare(prompts) if prepare is not None else prompts)
         if on_meta_info is not None:
             on_meta_info(batch.meta_info)
         if "rollout_log_probs" not in batch.batch.keys():

@@ -23,6 +23,7 @@ driver's sentinel as a health event in the output's ``meta_info["health_events"]
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from rlplat.contracts.health import HEALTH_EVENTS, HealthEvent
 from rlplat.contracts.rollout import SamplingParams
 from rlplat.controller.decorator import Dispatch, register
 from rlplat.controller.worker import Worker, without_padding_weight
+from rlplat.kits.rollout_batch import ABORTED_KEY, MIN_VERSION, generate_through_tokens, pad_and_eos_token_ids
 from rlplat.protocol import DataProto
 from rlplat.registry import EngineRegistry
 from rlplat.config_node import read_config_node
@@ -117,6 +119,10 @@ class ActorRolloutRefWorker(Worker):
         self.acked_instance: Any = NOT_ACKED  # the rollout engine's instance_id() at that acknowledgement
         self.health_events: list[HealthEvent] = []  # for the driver, with the next generation's output
         self.weights_verified = 0.0  # 1: the rollout's weights are known to be those sent (checked, or shared)
+        # partial rollouts: generations and a weight load run on threads of their own; this orders a load
+        # against the version a generation starts from
+        self.weights_lock = threading.Lock()
+        self.weights_loaded = threading.Condition(self.weights_lock)  # notified after each load
 
     def has(self, role: str) -> bool:
         return role in self.config.roles
@@ -183,13 +189,19 @@ class ActorRolloutRefWorker(Worker):
         if self.rollout_asleep and self.actor is not None:
             self.sync_weights()  # two generations in a row (validation, then a step): wake with the actor's weights
         self.check_instance(rollout)
-        version = self.sampling_version()
-        set_version = getattr(rollout, "set_weights_version", None)  # contract method since plugin API 1.2
-        if set_version is not None:
-            set_version(version)  # token outputs of a rollout that records versions carry this one
+        partial = self.config.partial_rollout != "off"
+        with self.weights_lock:
+            if partial and prompts.meta_info.get(MIN_VERSION) is not None:
+                self.wait_for_version(int(prompts.meta_info[MIN_VERSION]))
+            version, acked = self.sampling_version(), self.acked_version
+            set_version = getattr(rollout, "set_weights_version", None)  # contract method since plugin API 1.2
+            if set_version is not None:  # token outputs of a rollout that records versions carry this one
+                set_version(version, self.config.partial_rollout) if partial else set_version(version)
         driver = self.rollout_driver()
         if driver is not None and driver.handles(prompts):
             output = driver.generate(prompts, sampling)
+        elif partial:  # one generate_tokens call per sample: a weight load lands between two of their tokens
+            output = generate_through_tokens(rollout, prompts, sampling, self.pad_token_id(rollout), version)
         else:
             output = rollout.generate(prompts, sampling)
         if self.config.free_rollout_between_phases:
@@ -200,19 +212,32 @@ class ActorRolloutRefWorker(Worker):
             output.batch["policy_version"] = torch.where(versions < 0, torch.full_like(versions, version), versions)
         else:
             output.batch["policy_version"] = torch.full(output.batch["responses"].shape, version, dtype=torch.long)
-        if self.acked_version != version:
+        if acked != version:  # as the generation started (a partial rollout's load may land during it)
             self.health_events.append(HealthEvent(
                 "policy_version", f"the rollout sampled from policy version {version}, but the last weights whose "
-                f"apply it acknowledged are version {self.acked_version}", role="rollout", rank=self.rank,
-                figures={"version": version, "acked_version": self.acked_version}))
+                f"apply it acknowledged are version {acked}", role="rollout", rank=self.rank,
+                figures={"version": version, "acked_version": acked}))
         # the sampling keys were settings of this call: outputs of different calls must concat cleanly
-        meta = {key: value for key, value in output.meta_info.items() if key not in SAMPLING_KEYS}
+        meta = {key: value for key, value in output.meta_info.items() if key not in SAMPLING_KEYS and key != MIN_VERSION}
+        if partial:
+            versions, mask = output.batch["policy_version"], output.batch["response_mask"].bool()
+            spans = [len(set(row[keep].tolist())) for row, keep in zip(versions, mask)]
+            meta["metrics_partial"] = {"async/partial_samples": float(sum(count > 1 for count in spans)),
+                                       "async/aborted_samples": float(output.batch[ABORTED_KEY].sum())}
         metrics = {"timing_s/generate_worker": time.perf_counter() - started,
                    "async/generation_start": window_start, "async/generation_end": time.time(),
-                   "sentinel/weights_verified": self.weights_verified}
+                   "sentinel/weights_verified": self.weights_verified, **meta.pop("metrics_partial", {})}
         events = [*meta.pop(HEALTH_EVENTS, ()), *(event.as_dict() for event in self.health_events)]
         self.health_events = []
         return output.with_meta_info({**meta, "metrics": metrics, **({HEALTH_EVENTS: events} if events else {})})
+
+    def wait_for_version(self, version: int, timeout_s: float = 600.0) -> None:
+        """Holding ``weights_lock``: wait until the rollout holds policy version ``version`` or newer (partial
+        rollouts: a load sent before this generation runs beside it, and the generation starts after it, as
+        the staleness bound assumes)."""
+        if not self.weights_loaded.wait_for(lambda: self.rollout_version >= version, timeout=timeout_s):
+            raise TimeoutError(f"rollout rank {self.rank}: the weights of policy version {version}, sent before this "
+                               f"generation, did not arrive within {timeout_s:.0f} s (it holds version {self.rollout_version})")
 
     def check_instance(self, rollout: Any) -> None:
         """A rollout engine that restarted since its last acknowledged sync (:meth:`RolloutEngine.instance_id`)
@@ -456,20 +481,49 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def load_weights(self, exported: list) -> None:
         """Load what ``export_weights`` produced (the result of a ONE_TO_ALL call: one entry per actor
-        rank); the rollout then samples from the exported policy version."""
+        rank); the rollout then samples from the exported policy version. With partial rollouts it lands
+        during the generations in flight: they pause at a token boundary, the weights change, and they go
+        on with them in the configured mode, their tokens from then on numbered with the new version (a
+        load older than the weights held, overtaken by a newer one, is skipped)."""
         rollout = self.require("rollout", "load_weights")
         weights = next(part for part in exported if part is not None)
-        rollout.wake_up_weights()
-        sent = self.sent_fingerprints()
-        for bucket in weights["buckets"]:
-            rollout.update_weights(bucket)
-            sent.add(bucket)
-        if weights.get("adapter") is not None:
-            rollout.load_adapter(*weights["adapter"])
-            sent.enabled = False  # adapters are merged into the served weights: not fingerprinted
-        rollout.wake_up_kv_cache()
-        self.rollout_asleep, self.rollout_version = False, int(weights["version"])
-        self.acknowledge(sent, self.rollout_version)
+        partial = self.config.partial_rollout != "off"
+        with self.weights_lock:
+            if partial and int(weights["version"]) < self.rollout_version:
+                return
+            if partial:
+                rollout.pause_generation()
+            try:
+                rollout.wake_up_weights()
+                sent = self.sent_fingerprints()
+                for bucket in weights["buckets"]:
+                    rollout.update_weights(bucket)
+                    sent.add(bucket)
+                if weights.get("adapter") is not None:
+                    rollout.load_adapter(*weights["adapter"])
+                    sent.enabled = False  # adapters are merged into the served weights: not fingerprinted
+                rollout.wake_up_kv_cache()
+                self.rollout_asleep, self.rollout_version = False, int(weights["version"])
+                if partial:
+                    rollout.set_weights_version(self.rollout_version, self.config.partial_rollout)
+            finally:
+                if partial:
+                    rollout.resume_generation()
+            self.acknowledge(sent, self.rollout_version)
+            self.weights_loaded.notify_all()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def abort_generations(self) -> None:
+        """End the generations in flight now (partial rollouts): each returns its samples with the tokens
+        they have, those cut short marked in ``rollout_aborted``, for a checkpoint to store them."""
+        self.require("rollout", "abort_generations").abort_generation()
+
+    def pad_token_id(self, rollout: Any) -> int:
+        """The rollout's pad token (its ``pad_token_id``), else the tokenizer's model's."""
+        pad = getattr(rollout, "pad_token_id", None)
+        if pad is None:
+            pad, _ = pad_and_eos_token_ids(self.config.tokenizer_path, None, None, type(rollout).__name__)
+        return int(pad)
 
     @register(Dispatch.ONE_TO_ALL)
     def sleep_rollout(self) -> None:

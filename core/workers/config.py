@@ -69,6 +69,11 @@ class ActorRolloutRefConfig:
     """The run's ``reward`` node (``manager``, ``scorer``, ``custom_function``, ``config``): a rollout driver
     asks the manager built from it for its :meth:`~rlplat.contracts.reward.RewardManager.trajectory_scorer`."""
 
+    partial_rollout: str = "off"
+    """``trainer.partial_rollout`` of a rollout in a pool of its own: ``keep`` or ``recompute`` makes a weight
+    load land during the generations in flight (each a set of ``generate_tokens`` calls), which go on with the
+    new weights in that mode; ``off`` (and always for a colocated rollout): loads come between generations."""
+
     weight_checks: bool = True
     """``trainer.sentinel.weight_checks`` (with the sentinel on): after each weight sync, compare the rollout's
     weights with what was sent (:mod:`rlplat.kits.weights`) and count the policy version as applied only

@@ -61,6 +61,7 @@ def actor_rollout_config(run: RunContext, roles: list[str]) -> dict[str, Any]:
         "prompt_length": config.data.max_prompt_length,
         "template_kwargs": OmegaConf.to_container(config.data.apply_chat_template_kwargs, resolve=True) or {},
         "reward": reward_node(config),
+        "partial_rollout": config.trainer.get("partial_rollout", "off") if config.trainer.mode == "separate_async" else "off",
     }
 
 
@@ -124,6 +125,14 @@ class RolloutRole(Role):
         if run.config.trainer.get("mode") == "separate_async" and settings.placement != "separate":
             settings = dataclasses.replace(settings, placement="separate")
         return settings
+
+    def concurrent_calls(self, run: RunContext) -> int:
+        """With ``trainer.partial_rollout``: every generation in flight, a weight load and an abort at once."""
+        from rlplat.trainer.pipeline import AsyncSettings
+
+        if run.config.trainer.get("partial_rollout", "off") == "off":
+            return 1
+        return AsyncSettings.of(run.config.trainer).ahead + 3
 
     def worker(self, run: RunContext) -> WorkerSpec:
         from rlplat.controller.host import WorkerSpec

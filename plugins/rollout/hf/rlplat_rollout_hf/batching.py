@@ -74,10 +74,10 @@ class TokenRequest:
         (fed at the next step)."""
         return len(self.prompt_ids) + max(len(self.token_ids) - 1, 0)
 
-    def output(self) -> TokenOutput:
+    def output(self, aborted: bool = False) -> TokenOutput:
         ended = bool(self.token_ids) and self.token_ids[-1] in self.stop_token_ids
-        return TokenOutput(list(self.token_ids), list(self.log_probs), "stop" if ended else "length",
-                           versions=list(self.versions))
+        reason = "abort" if aborted else "stop" if ended else "length"
+        return TokenOutput(list(self.token_ids), list(self.log_probs), reason, versions=list(self.versions))
 
     def last_fed(self) -> int:
         """The token whose forward pass made the row's next-token logits: its last sampled token, else the
@@ -254,6 +254,8 @@ class TokenBatcher:
         """While True (:meth:`hold`), the worker waits at its next token boundary."""
         self.waiting = False
         """Whether the worker waits at a boundary now."""
+        self.aborting = False
+        """Set by :meth:`abort`: at its next boundary the worker ends every request with what it has."""
 
     def hold(self) -> None:
         """Stop at the next token boundary: returns once no model call of the batcher runs and none will
@@ -262,6 +264,17 @@ class TokenBatcher:
             self.held = True
             while self.worker is not None and not self.waiting:
                 self.boundary.wait()
+
+    def abort(self) -> None:
+        """End every request queued or in flight at the next token boundary: each gets the tokens it has,
+        ``finish_reason="abort"``. Requests submitted afterwards are served as usual."""
+        with self.lock:
+            if self.worker is None:  # nothing decoding: only requests not yet started
+                waiting = list(self.pending)
+                self.pending.clear()
+            else:
+                self.aborting, waiting = True, []
+        deliver([(request, request.output(aborted=True)) for request in waiting])
 
     def release(self) -> None:
         with self.lock:
@@ -306,6 +319,11 @@ class TokenBatcher:
                         self.boundary.notify_all()
                         self.boundary.wait()
                     self.waiting = False
+                    if self.aborting:
+                        ended = list(self.pending) + (batch.rows if batch is not None else [])
+                        self.pending.clear()
+                        self.aborting, batch = False, None
+                        deliver([(request, request.output(aborted=True)) for request in ended])
                     admitted = self.take(batch)
                     if not admitted and (batch is None or not batch.rows):
                         self.worker = None

@@ -31,7 +31,8 @@ class HFRolloutConfig(RolloutBuildConfig):
     """Token written after a response ends; defaults to the model config's pad (or EOS) token."""
 
     eos_token_ids: tuple[int, ...] | None = None
-    """Tokens that end a response (kept, with mask 1); defaults to the model config's EOS token(s)."""
+    """Tokens that end a response (kept, with mask 1); None: the model config's EOS token(s); empty: none
+    (every response runs to ``max_new_tokens`` unless a stop token of the call ends it)."""
 
     max_batch_rows: int = 256
     """Rows sampled together in one pass: ``generate`` processes larger batches in slices of this size,

@@ -91,7 +91,7 @@ class HFRollout(RolloutEngine):
         self.device = resolve_device(self.config.device)
         self.model = build_model(self.config, self.device)
         model_config = self.model.config
-        eos = self.config.eos_token_ids or model_config.eos_token_id
+        eos = self.config.eos_token_ids if self.config.eos_token_ids is not None else model_config.eos_token_id
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         pad = self.config.pad_token_id if self.config.pad_token_id is not None else model_config.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
@@ -214,6 +214,11 @@ class HFRollout(RolloutEngine):
 
     def resume_generation(self) -> None:
         self.batcher.release()
+
+    def abort_generation(self) -> None:
+        """Every ``generate_tokens`` call in flight or queued returns at the next token boundary with the
+        tokens it has (``finish_reason="abort"``)."""
+        self.batcher.abort()
 
     def set_weights_version(self, version: int, mode: str = "keep") -> None:
         """At its next step the token batcher carries its sequences in flight over to these weights per
