@@ -290,6 +290,32 @@ class RolloutEngineConformance:
             rollout.update_weights(named_weights)
             rollout.set_weights_version(0, modes[0])
 
+    def test_abort_if_supported_returns_a_paused_generation_cut_short_and_then_serves_as_usual(self, rollout, prompt_token_lists):
+        """A rollout with ``partial_rollout_modes``: a ``generate_tokens`` call paused, then aborted, returns its
+        tokens so far with ``finish_reason="abort"``; the next call is served to its end."""
+        import threading
+
+        if not tuple(type(rollout).partial_rollout_modes):
+            pytest.skip("this rollout cannot carry generations in flight over new weights (partial_rollout_modes)")
+        sampling = SamplingParams(temperature=1.0, seed=5, max_new_tokens=64, stop_token_ids=())
+        outcome: dict = {}
+        thread = threading.Thread(target=lambda: outcome.update(
+            output=asyncio.run(rollout.generate_tokens(prompt_token_lists[0], sampling))))
+        rollout.pause_generation()
+        try:
+            thread.start()
+            thread.join(timeout=1.0)  # the request reaches the rollout and waits there
+            rollout.abort_generation()
+        finally:
+            rollout.resume_generation()
+        thread.join(timeout=120)
+        output = outcome["output"]
+        assert output.finish_reason == "abort" and len(output.token_ids) < 64
+        assert len(output.log_probs) == len(output.token_ids)
+        assert output.versions is None or len(output.versions) == len(output.token_ids)
+        after = asyncio.run(rollout.generate_tokens(prompt_token_lists[0], SamplingParams(seed=5, max_new_tokens=3)))
+        assert after.finish_reason in ("stop", "length") and 1 <= len(after.token_ids) <= 3
+
     def test_a_staged_wake_up_weights_then_kv_cache_reproduces_the_samples(self, rollout, prompts, named_weights):
         if named_weights is None:
             pytest.skip("no named_weights fixture")

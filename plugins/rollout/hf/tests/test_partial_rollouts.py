@@ -109,3 +109,62 @@ def test_a_paused_generation_takes_new_weights_and_goes_on(model_dir):
     assert set(versions) <= {0, 1} and versions[-1] == 1
     with pytest.raises(ValueError, match="mode must be one of"):
         engine.set_weights_version(2, "discard")
+
+
+def abort_after(engine, steps: int) -> None:
+    """Make the engine's token batcher abort everything after ``steps`` decoding steps (from its own thread, so
+    the point is exact)."""
+    serve_step, done = engine.batcher.serve_step, [0]
+
+    def counted(batch, admitted):
+        done[0] += 1
+        if done[0] == steps:
+            engine.abort_generation()
+        return serve_step(batch, admitted)
+
+    engine.batcher.serve_step = counted
+
+
+def test_abort_ends_every_request_with_its_tokens_so_far_and_later_requests_are_served(model_dir):
+    engine = engine_for(model_dir)
+    engine.eos_token_ids = ()  # nothing ends early: only the abort does
+    abort_after(engine, 20)
+
+    async def requests() -> list:
+        return await asyncio.gather(*(engine.generate_tokens(PROMPT[:length], SamplingParams(seed=length, max_new_tokens=200))
+                                      for length in (3, 4, 5)))
+
+    outputs = asyncio.run(requests())
+    assert [output.finish_reason for output in outputs] == ["abort"] * 3
+    assert [len(output.token_ids) for output in outputs] == [20] * 3
+    assert all(len(output.log_probs) == len(output.versions) == 20 for output in outputs)
+    after = asyncio.run(engine.generate_tokens(PROMPT, SamplingParams(seed=1, max_new_tokens=4)))
+    assert after.finish_reason == "length" and len(after.token_ids) == 4
+
+
+def test_a_batch_cut_short_is_continued_to_its_full_length_with_the_versions_of_both_parts(model_dir):
+    from rlplat.kits.rollout_batch import ABORTED_KEY, generate_through_tokens
+    from rlplat.protocol import DataProto
+
+    engine = engine_for(model_dir)
+    engine.eos_token_ids = ()
+    prompts = DataProto.from_dict(tensors={
+        "input_ids": torch.tensor([[0, 0, 3, 5, 7], [9, 11, 3, 5, 7]]),
+        "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]),
+        "position_ids": torch.tensor([[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]])})
+    params = SamplingParams(n=2, seed=8, max_new_tokens=150)
+    engine.set_weights_version(3, "recompute")
+    abort_after(engine, 30)
+    first = generate_through_tokens(engine, prompts, params, 0, 3)
+    assert first.batch[ABORTED_KEY].tolist() == [1] * 4
+    assert first.batch["response_mask"].sum(-1).tolist() == [30] * 4  # every sample cut short, with what it had
+    engine.update_weights(next_weights(engine))
+    engine.set_weights_version(4, "recompute")
+    done = generate_through_tokens(engine, first.with_meta_info({"continue": True}), params, 0, 4)
+    assert not done.batch[ABORTED_KEY].any()
+    assert done.batch["response_mask"].sum(-1).tolist() == [150] * 4
+    for row in range(4):
+        assert torch.equal(done.batch["responses"][row, :30], first.batch["responses"][row, :30])  # kept as it was
+        assert done.batch["policy_version"][row].tolist() == [3] * 30 + [4] * 120
+    assert torch.equal(done.batch["prompts"], first.batch["prompts"])
+    assert torch.equal(done.batch["input_ids"][:, 5:], done.batch["responses"])
