@@ -451,3 +451,45 @@ def test_bypass_rejection_needs_no_old_log_prob_pass():
 
     config = load_config(overrides=[*preset("arith"), "algorithm.rollout_correction.preset=bypass_pg_geo_rs"], algo="grpo")
     assert old_log_prob_pass_reasons(config, registry.get("algorithm", "grpo")()) == []
+
+
+def staleness_batch(**extra) -> DataProto:
+    """Two rows sampled by versions 2..4 (partial rollouts), the last token of row 1 padding; version 4 trained."""
+    return DataProto.from_dict(tensors={"policy_version": torch.tensor([[2, 3, 4, 4], [3, 3, 4, 4]]),
+                                        "response_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]), **extra})
+
+
+def test_staleness_decay_weights_each_token_by_the_version_that_sampled_it():
+    from rlplat.losses.rollout_correction import apply
+
+    batch = staleness_batch()
+    metrics = apply(batch, config(staleness_decay=0.5), trained_version=4)
+    close(batch.batch["rollout_is_weights"], [[0.25, 0.5, 1.0, 1.0], [0.5, 0.5, 1.0, 0.0]])
+    assert metrics["rollout_corr/token_staleness_mean"] == pytest.approx((2 + 1 + 1 + 1) / 7)
+    assert metrics["rollout_corr/staleness_weight_mean"] == pytest.approx((0.25 + 0.5 + 1 + 1 + 0.5 + 0.5 + 1) / 7)
+    # on top of token importance weights: the product
+    batch = staleness_batch(old_log_probs=LOG_RATIO.float(), rollout_log_probs=torch.zeros(2, 4))
+    apply(batch, config(rollout_is="token", staleness_decay=0.5), trained_version=4)
+    close(batch.batch["rollout_is_weights"], [[2.0 * 0.25, 1.0 * 0.5, 0.5, 2.0], [2.0 * 0.5, 1.5 * 0.5, 2.0, 0.0]])
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"staleness_decay": 0.0}, r"staleness_decay must be in \(0, 1\]"),
+    ({"staleness_decay": 1.5}, r"staleness_decay must be in \(0, 1\]"),
+    ({"staleness_decay": 0.9, "bypass_mode": True}, "staleness_decay weights the loss in decoupled mode"),
+])
+def test_a_bad_staleness_decay_is_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        config(**fields)
+
+
+def test_staleness_decay_alone_corrects_an_asynchronous_run_without_an_old_log_prob_pass():
+    from rlplat.config import old_log_prob_pass_reasons
+    from rlplat.losses.rollout_correction import apply
+
+    run = load_config(overrides=[*preset("arith"), "trainer.mode=colocate_async", "trainer.max_staleness=1",
+                                 "algorithm.rollout_correction.staleness_decay=0.8"], algo="grpo")
+    assert not any("rollout_correction" in reason for reason in old_log_prob_pass_reasons(run, None))
+    apply(staleness_batch(), config(staleness_decay=0.8), trained_version=4)  # no log-probs needed
+    with pytest.raises(RuntimeError, match="needs each token's policy_version"):
+        apply(DataProto.from_dict(tensors={"response_mask": torch.ones(1, 2)}), config(staleness_decay=0.8), trained_version=1)

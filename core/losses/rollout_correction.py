@@ -76,6 +76,13 @@ class RolloutCorrectionConfig:
     rollout policy; rejection only, no weights) or ``reinforce`` (policy gradient ``-A * w * log_prob``
     with the detached weights ``w``, no ratio, no clipping)."""
 
+    staleness_decay: Optional[float] = None
+    """Weight each token's policy loss by ``staleness_decay ** s``, ``s`` the policy versions between the one that
+    sampled it (the batch's per-token ``policy_version``) and the one trained: with partial rollouts a sample's
+    tokens come from several versions, and the older ones count less. In (0, 1]; None: no such weight. Applied in
+    decoupled mode, on top of ``rollout_is`` (whose token-level ratio already compares each token with the policy
+    that sampled it) or alone (rlplat's key, not verl's)."""
+
     allow_uncorrected: bool = False
     """Train an asynchronous run whose samples may be stale (``trainer.max_staleness`` > 0) with no weights,
     rejection or bypass: refused at load otherwise, since its PPO ratio then ignores the policies that
@@ -98,6 +105,12 @@ class RolloutCorrectionConfig:
         if self.bypass_mode and self.loss_type == "ppo_clip" and self.rollout_is is not None:
             problems.append("bypass_mode applies no weights with loss_type=ppo_clip (its ratio already is pi_theta / "
                             "pi_rollout): set rollout_is to null, or loss_type to reinforce")
+        if self.staleness_decay is not None:
+            if isinstance(self.staleness_decay, bool) or not 0 < float(self.staleness_decay) <= 1:
+                problems.append(f"staleness_decay must be in (0, 1] or null, got {self.staleness_decay!r}")
+            elif self.bypass_mode:
+                problems.append("staleness_decay weights the loss in decoupled mode; bypass_mode corrects inside the loss "
+                                "per micro-batch: set bypass_mode to false, or staleness_decay to null")
         if problems:
             raise ValueError("; ".join(problems))
         if self.rollout_rs is not None:
@@ -106,7 +119,12 @@ class RolloutCorrectionConfig:
     @property
     def enabled(self) -> bool:
         """Whether it changes training (weights, rejection or bypass); metrics are computed either way."""
-        return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
+        return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode or self.staleness_decay is not None
+
+    @property
+    def compares_log_probs(self) -> bool:
+        """Whether it reads the rollout's log-probs against ``old_log_probs`` (weights or rejection)."""
+        return self.rollout_is is not None or self.rollout_rs is not None
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -328,11 +346,39 @@ def offpolicy_metrics(train_log_probs: Any, rollout_log_probs: Any, mask: Any) -
     return {f"rollout_corr/{key}": value for key, value in metrics.items()}
 
 
-def apply(batch: Any, config: RolloutCorrectionConfig) -> dict[str, float]:
+def apply(batch: Any, config: RolloutCorrectionConfig, trained_version: Optional[int] = None) -> dict[str, float]:
     """Decoupled correction of ``batch`` in place (it holds ``old_log_probs`` and ``rollout_log_probs``):
-    rejection narrows ``response_mask``, importance weights go to ``rollout_is_weights``. Returns the
-    metrics (computed on the mask before rejection)."""
+    rejection narrows ``response_mask``, importance weights go to ``rollout_is_weights``, times
+    ``staleness_decay`` to the power of each token's staleness (``trained_version`` minus its
+    ``policy_version``) when set. Returns the metrics (computed on the mask before rejection)."""
     tensors = batch.batch
+    metrics: dict[str, float] = {}
+    if config.compares_log_probs:
+        metrics.update(apply_log_ratio(tensors, config))
+    if config.staleness_decay is not None:
+        metrics.update(apply_staleness_decay(tensors, config.staleness_decay, trained_version))
+    return metrics
+
+
+def apply_staleness_decay(tensors: Any, decay: float, trained_version: Optional[int]) -> dict[str, float]:
+    import torch
+
+    if "policy_version" not in tensors.keys() or trained_version is None:
+        raise RuntimeError("algorithm.rollout_correction.staleness_decay needs each token's policy_version and the "
+                           "version trained; this batch has no policy_version")
+    mask = tensors["response_mask"]
+    staleness = (int(trained_version) - tensors["policy_version"]).clamp(min=0)
+    weights = torch.pow(torch.full_like(staleness, float(decay), dtype=torch.float32), staleness) * mask.to(torch.float32)
+    if "rollout_is_weights" in tensors.keys():
+        weights = tensors["rollout_is_weights"] * weights.to(tensors["rollout_is_weights"].dtype)
+    tensors["rollout_is_weights"] = weights
+    valid = mask.bool()
+    return {"rollout_corr/token_staleness_mean": float(staleness[valid].float().mean()) if valid.any() else 0.0,
+            "rollout_corr/staleness_weight_mean": float(torch.pow(torch.tensor(float(decay)), staleness[valid].float()).mean())
+            if valid.any() else 1.0}
+
+
+def apply_log_ratio(tensors: Any, config: RolloutCorrectionConfig) -> dict[str, float]:
     log_ratio = (tensors["old_log_probs"] - tensors["rollout_log_probs"]).to(tensors["old_log_probs"].dtype)
     mask = tensors["response_mask"]
     metrics: dict[str, float] = {}

@@ -345,13 +345,13 @@ class Trainer:
             metrics["actor/entropy"] = float((batch.batch["entropys"] * mask).sum() / mask.sum().clamp(min=1))
         sampled_mask = batch.batch["response_mask"]
         if correction is not None and correction.enabled:
-            if "rollout_log_probs" not in batch.batch.keys():
+            if "rollout_log_probs" not in batch.batch.keys() and (bypass or correction.compares_log_probs):
                 raise RuntimeError(f"step {self.step}: algorithm.rollout_correction needs the rollout's log-probs, and rollout "
                                    f"{self.config.rollout.name!r} returned no rollout_log_probs")
             if bypass:  # the rollout's policy is the old one: the PPO ratio is pi_theta / pi_rollout
                 batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"].clone()
             else:
-                metrics.update(rollout_correction.apply(batch, correction))
+                metrics.update(rollout_correction.apply(batch, correction, trained_version=self.step - 1))
         if self.use_reference:
             with self.timed(timing, "ref"):
                 batch = batch.union(self.actor.compute_ref_log_prob(batch))
