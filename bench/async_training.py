@@ -15,15 +15,21 @@ Both contenders run ``rlplat run`` on a private Ray cluster, one after the other
   ``trainer.max_staleness``, default 1) of ``--replicas`` processes (default 2) that each generate whole
   batches (``trainer.rollout_dispatch=replica``), so one batch's slow tail overlaps the next batch's
   generation; one thread per process (``cluster.cpus_per_process=0.5``: three processes share the two
-  cores).
+  cores);
+* ``partial``: the same, with partial rollouts (``trainer.partial_rollout``, ``--partial``, default
+  ``keep``): each rollout process runs the generations in flight at once (one batch's slow tail overlaps the
+  next batch on the same process) and a weight load lands between two tokens instead of after the
+  generations started before it.
 
 Wall time is from the step-0 record (written after the validation before training) to the record of the
 last step (``--steps``) less that step's validation (``timing_s/validate``): the steps and everything
 between them, start-up and validations outside, the same for both. The table gives each one's wall
 time, median step time, the final greedy validation accuracy (200 prompts), and the separate run's
-staleness and overlap; the last line is the speed-up (sync / separate_async) and the accuracy gap.
+staleness and overlap; the last lines are the speed-ups (sync / separate_async, separate_async / partial) and
+the accuracy gaps.
 
 Run: python bench/async_training.py [--steps 50] [--delay 2.0] [--slow-fraction 0.1] [--staleness 1]
+[--replicas 2] [--partial keep] [--modes sync,separate_async,partial]
 """
 
 from __future__ import annotations
@@ -127,32 +133,38 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, default=1)
     parser.add_argument("--replicas", type=int, default=2, help="rollout processes of separate_async")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--override", action="append", default=[], help="KEY=VALUE for both runs")
+    parser.add_argument("--partial", default="keep", choices=["keep", "recompute"], help="the partial contender's mode")
+    parser.add_argument("--modes", default="sync,separate_async,partial", help="contenders to run, comma-separated")
+    parser.add_argument("--override", action="append", default=[], help="KEY=VALUE for every run")
     args = parser.parse_args()
+    separate = ["trainer.mode=separate_async", f"trainer.max_staleness={args.staleness}", "cluster.threads_per_process=1",
+                "algorithm.rollout_correction.allow_uncorrected=true",  # as the README's figure was measured
+                f"roles.rollout.devices_per_node={args.replicas}", "cluster.cpus_per_process=0.5",
+                f"trainer.rollout_dispatch={'replica' if args.replicas > 1 else 'split'}"]
+    contenders = {"sync": ["trainer.mode=sync"], "separate_async": separate,
+                  "partial": [*separate, f"trainer.partial_rollout={args.partial}"]}
+    modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
+    unknown = sorted(set(modes) - set(contenders))
+    if unknown:
+        raise SystemExit(f"--modes: unknown {unknown}; the contenders are {', '.join(contenders)}")
     with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
         root = Path(tmp)
         site = root / "site"
         write_plugin(site)
-        results = {
-            "sync": summary(run("sync", ["trainer.mode=sync"], args, site, root)),
-            "separate_async": summary(run("separate_async", [
-                "trainer.mode=separate_async", f"trainer.max_staleness={args.staleness}", "cluster.threads_per_process=1",
-                "algorithm.rollout_correction.allow_uncorrected=true",  # as the README's figure was measured
-                f"roles.rollout.devices_per_node={args.replicas}", "cluster.cpus_per_process=0.5",
-                f"trainer.rollout_dispatch={'replica' if args.replicas > 1 else 'split'}"],
-                args, site, root)),
-        }
+        results = {mode: summary(run(mode, contenders[mode], args, site, root)) for mode in modes}
     print(f"{args.steps} steps of the retry-single demo; {args.slow_fraction:.0%} of prompts wait {args.delay} s longer "
-          f"in the environment; max_staleness={args.staleness}; separate_async on {args.replicas} rollout process(es)")
+          f"in the environment; max_staleness={args.staleness}; separate_async and partial ({args.partial}) on "
+          f"{args.replicas} rollout process(es)")
     print(f"{'mode':<16}{'wall s':>9}{'step s (median)':>17}{'val acc before':>16}{'after':>8}"
           f"{'staleness mean/max':>20}{'overlap':>9}{'dropped':>9}")
     for name, result in results.items():
         print(f"{name:<16}{result['wall_s']:>9.1f}{result['step_s']:>17.2f}{result['acc_before']:>16.3f}{result['acc_after']:>8.3f}"
               f"{result['staleness_mean']:>13.2f} / {result['staleness_max']:<4.0f}{result['overlap_fraction']:>9.2f}"
               f"{result['dropped']:>9.0f}")
-    sync, separate = results["sync"], results["separate_async"]
-    print(f"speed-up (sync wall / separate_async wall): {sync['wall_s'] / separate['wall_s']:.2f}x; "
-          f"validation accuracy after: {separate['acc_after'] - sync['acc_after']:+.3f} (separate_async - sync)")
+    for slow, fast in (("sync", "separate_async"), ("separate_async", "partial")):
+        if slow in results and fast in results:
+            print(f"speed-up ({slow} wall / {fast} wall): {results[slow]['wall_s'] / results[fast]['wall_s']:.2f}x; "
+                  f"validation accuracy after: {results[fast]['acc_after'] - results[slow]['acc_after']:+.3f} ({fast} - {slow})")
 
 
 if __name__ == "__main__":

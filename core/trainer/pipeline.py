@@ -24,9 +24,18 @@ than ``K`` when its step comes is never trained: it is dropped and its prompts g
 current weights (``staleness_policy=drop`` lets the rollout run further ahead than ``K + 1`` at that
 price; ``wait``, the default, never starts a generation that could end up beyond the bound).
 
+**Partial rollouts** (``trainer.partial_rollout`` ``keep`` or ``recompute``, ``separate_async`` only). The
+rollout's processes run several calls at once (:meth:`rlplat.contracts.role.Role.concurrent_calls`): the
+generations in flight share forward passes, and a weight load lands during them at a token boundary (the
+sequences go on with the new weights, keeping or recomputing their KV cache), so it never waits for a slow
+tail. Every token records the version that sampled it, and a generation starts only once the newest weights
+sent before it have arrived (``min_policy_version``), so the bound above holds per token. Loads are checked
+once they finished (:meth:`DataFuture.done`).
+
 **Lossless resume.** A checkpoint waits for the generations in flight and stores them, finished, with
 their versions (``rollout_buffer/`` in the checkpoint); the data loader's position is already past
-their prompts. A resumed run trains exactly the samples the uninterrupted run would have: every prompt
+their prompts. With partial rollouts it first cuts them short (``abort_generations``): each is stored with
+the tokens it has, and is sent again to go on from them (here, or in the run resumed from the checkpoint). A resumed run trains exactly the samples the uninterrupted run would have: every prompt
 of an epoch once. ``trained_prompts.jsonl`` in the run directory records each step's prompt uids and
 their staleness (lines past the resumed step are dropped on resume, like the metrics).
 """

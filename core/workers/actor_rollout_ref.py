@@ -222,8 +222,9 @@ class ActorRolloutRefWorker(Worker):
         if partial:
             versions, mask = output.batch["policy_version"], output.batch["response_mask"].bool()
             spans = [len(set(row[keep].tolist())) for row, keep in zip(versions, mask)]
+            cut = float(output.batch[ABORTED_KEY].sum()) if ABORTED_KEY in output.batch.keys() else 0.0
             meta["metrics_partial"] = {"async/partial_samples": float(sum(count > 1 for count in spans)),
-                                       "async/aborted_samples": float(output.batch[ABORTED_KEY].sum())}
+                                       "async/aborted_samples": cut}
         metrics = {"timing_s/generate_worker": time.perf_counter() - started,
                    "async/generation_start": window_start, "async/generation_end": time.time(),
                    "sentinel/weights_verified": self.weights_verified, **meta.pop("metrics_partial", {})}
@@ -515,8 +516,12 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def abort_generations(self) -> None:
         """End the generations in flight now (partial rollouts): each returns its samples with the tokens
-        they have, those cut short marked in ``rollout_aborted``, for a checkpoint to store them."""
-        self.require("rollout", "abort_generations").abort_generation()
+        they have, those cut short marked in ``rollout_aborted``, for a checkpoint to store them. Not with a
+        rollout driver: an agent's conversation cut short cannot go on from its tokens alone (its tools and
+        environment have state), so its generations run to their end and the checkpoint waits for them."""
+        rollout = self.require("rollout", "abort_generations")
+        if self.config.rollout_driver is None:
+            rollout.abort_generation()
 
     def pad_token_id(self, rollout: Any) -> int:
         """The rollout's pad token (its ``pad_token_id``), else the tokenizer's model's."""
