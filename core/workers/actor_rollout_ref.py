@@ -198,9 +198,10 @@ class ActorRolloutRefWorker(Worker):
             if set_version is not None:  # token outputs of a rollout that records versions carry this one
                 set_version(version, self.config.partial_rollout) if partial else set_version(version)
         driver = self.rollout_driver()
-        if driver is not None and driver.handles(prompts):
+        continuing = bool(prompts.meta_info.get("continue"))  # samples a checkpoint cut short, to go on with
+        if driver is not None and driver.handles(prompts) and not continuing:
             output = driver.generate(prompts, sampling)
-        elif partial:  # one generate_tokens call per sample: a weight load lands between two of their tokens
+        elif partial or continuing:  # one generate_tokens call per sample: a load lands between two of their tokens
             output = generate_through_tokens(rollout, prompts, sampling, self.pad_token_id(rollout), version)
         else:
             output = rollout.generate(prompts, sampling)
