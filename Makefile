@@ -104,6 +104,7 @@ bench: $(BENCH_STAMP) $(VLLM_CPU_STAMP)
 	$(BENCH_VENV)/bin/python bench/packing.py
 	$(BENCH_VENV)/bin/python bench/math_scorers.py
 	$(BENCH_VENV)/bin/python bench/async_training.py
+	$(BENCH_VENV)/bin/python bench/async_training.py --replicas 1 --modes separate_async,partial
 	$(BENCH_VENV)/bin/python bench/sft_vs_trl.py
 	$(BENCH_VENV)/bin/python bench/megatron_vs_fsdp2.py
 	$(BENCH_VENV)/bin/python bench/scorer_isolation.py
