@@ -124,3 +124,37 @@ def test_server_settings_problems_are_sentences():
     assert ServerSettings().server_problems("hybrid", None) == ["model_path is required (a local Hugging Face directory)"]
     assert ServerSettings(server_url="http://x").server_problems("hybrid", "/m") == ["server_url is a server-mode key; set mode=server to use it"]
     assert ServerSettings(server_port=70000).server_problems("server", "/m") == ["server_port must be in 0..65535, got 70000"]
+
+
+def test_a_server_whose_owner_is_killed_is_stopped_with_it(tmp_path):
+    """The process that started a server is SIGKILLed (no atexit, no stop()): the server and its own children
+    are gone soon after, not left holding their memory."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f'''
+        import subprocess, sys, time
+        from rlplat.kits.rollout_server import ServerProcess, free_port
+        port = free_port()
+        grandchild = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); time.sleep(300)"
+        server = ServerProcess([sys.executable, "-c", grandchild], base_url=f"http://127.0.0.1:{{port}}", health_path="/h",
+                               log_path={str(tmp_path / "log")!r})
+        print(server.process.pid, flush=True)
+        time.sleep(300)
+    ''')], stdout=subprocess.PIPE, text=True)
+    group = int(owner.stdout.readline())
+    time.sleep(1.0)  # the server and its child are up
+    assert os.killpg(group, 0) is None
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.killpg(group, signal.SIGKILL)
+    pytest.fail("the server's process group outlived its owner by 20 s")

@@ -63,7 +63,8 @@ class ServerProcess:
     """A server started from ``argv``, its output in ``log_path``; ``wait_ready`` polls ``health_url``.
 
     The child gets its own process group, so :meth:`stop` (also run at interpreter exit) ends the
-    server's own workers with it.
+    server's own workers with it. It runs under :func:`guard`, which ends that group when this process dies
+    without stopping it (SIGKILL, a crash): no server is left holding its memory after its owner is gone.
     """
 
     def __init__(self, argv: Sequence[str], *, base_url: str, health_path: str, env: Mapping[str, str] | None = None,
@@ -74,8 +75,9 @@ class ServerProcess:
             os.close(handle)
         self.log_path = Path(log_path)
         self.log_file = open(self.log_path, "ab")
+        guarded = [sys.executable, "-c", GUARD_COMMAND, str(os.getpid()), *self.argv]
         self.process = subprocess.Popen(
-            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
+            guarded, stdout=self.log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
         )
         atexit.register(self.stop)
 
@@ -115,6 +117,30 @@ class ServerProcess:
                 pass
         if not self.log_file.closed:
             self.log_file.close()
+
+
+GUARD_COMMAND = "import sys; from rlplat.kits.rollout_server import guard; sys.exit(guard(int(sys.argv[1]), sys.argv[2:]))"
+
+
+def guard(owner: int, argv: Sequence[str], poll_s: float = 0.5, grace_s: float = 30.0) -> int:
+    """Run ``argv`` as a child in this process's group (a new session, :class:`ServerProcess`) and return its
+    exit code; if process ``owner`` (the one that started this) dies first, end the whole group: SIGTERM,
+    then SIGKILL after ``grace_s``. A SIGTERM to the group (:meth:`ServerProcess.stop`) reaches the child
+    too; the guard then waits for it, so its exit is the server's."""
+    child = subprocess.Popen(list(argv))
+    signal.signal(signal.SIGTERM, lambda *_: None)  # the child got it as well: wait for it below
+    while True:
+        try:
+            return child.wait(timeout=poll_s)
+        except subprocess.TimeoutExpired:
+            pass
+        if os.getppid() != owner:  # orphaned: the owner died without stopping the server
+            os.killpg(0, signal.SIGTERM)
+            try:
+                return child.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(0, signal.SIGKILL)
+                return -signal.SIGKILL
 
 
 def python_module_argv(module: str, arguments: Sequence[str]) -> list[str]:
