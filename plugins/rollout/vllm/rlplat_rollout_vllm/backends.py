@@ -2,30 +2,39 @@
 HTTP. Both offer the same methods: generation, sleep/wake, prefix-cache reset, the four calls of
 vLLM's weight-sync client protocol (``init_weight_transfer_engine``, ``start_weight_update``,
 ``update_weights``, ``finish_weight_update``), ``load_weights`` (one bucket through the worker extension,
-for the ``load`` weight path), and one LoRA adapter served with every request (``load_adapter``,
-``drop_adapter``).
+for the ``load`` weight path), one LoRA adapter served with every request (``load_adapter``,
+``drop_adapter``), and what partial rollouts need: ``pause_generation`` (drained for a weight update, or kept
+in flight at a token boundary), ``resume_generation`` (carrying the requests in flight over new weights),
+``set_weights_label`` (the version vLLM records per sampled token) and ``abort_generation``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import importlib
 import os
 import tempfile
 import threading
+import time
 import urllib.parse
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Mapping, Sequence
 
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
-from rlplat.kits.rollout_batch import RequestBatcher
-from rlplat.kits.rollout_server import request_json
+from rlplat.kits.rollout_server import ServerError, request_json
 from rlplat_rollout_vllm.config import VLLMRolloutConfig
+from rlplat_rollout_vllm.token_loop import TokenLoop, TokenRequest
 from rlplat_rollout_vllm.translate import (
+    cache_salt,
     completion_payload,
     engine_kwargs,
+    generate_payload,
     repeat_greedy,
     sample_from_completion,
+    sample_from_generate_response,
     samples_from_completion_response,
     samples_per_request,
     sampling_kwargs,
@@ -47,6 +56,16 @@ INSECURE_SERIALIZATION = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 SERVER_ENV = {**INSECURE_SERIALIZATION, "VLLM_SERVER_DEV_MODE": "1"}
 # /v1/load_lora_adapter and /v1/unload_lora_adapter exist only with runtime LoRA updating on.
 LORA_SERVER_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+#: vLLM's token-in, token-out routes (``generate_tokens`` in server mode): the request's weights-version spans come
+#: back, and a request named by its id can be aborted with the tokens it has. vLLM registers them with its
+#: scale-out endpoints: ``vllm serve --enable-scale-out`` (:func:`scale_out_arguments`).
+GENERATE_ROUTE, ABORT_ROUTE = "/inference/v1/generate", "/inference/v1/abort_requests"
+#: The id vLLM's engine knows a token-route request by (the route prefixes the id it is given); the abort route
+#: takes engine ids.
+ENGINE_REQUEST_ID = "generate-tokens-{}"
+#: How often an abort is sent again for calls that have not returned (one whose request had not reached the server
+#: when the abort did is aborted by the next).
+ABORT_RETRY_S = 0.25
 
 
 # The worker's own torch.distributed rendezvous (set for the training engine). vLLM's engine processes,
@@ -121,9 +140,10 @@ def bucket_file(bucket: Sequence[tuple[str, Any]]) -> str:
 
 
 class InProcessBackend:
-    """A ``vllm.LLM`` owned by this worker. ``LLM`` is not thread safe, so calls are serialised by a lock;
-    concurrent :meth:`generate_one` calls (agent loops) are gathered into one ``LLM.generate`` batch
-    with a sampling-parameter object per prompt."""
+    """A ``vllm.LLM`` owned by this worker. ``LLM`` is not thread safe, so calls are serialised by a lock.
+    ``generate_one`` calls (agent loops) go through a :class:`~rlplat_rollout_vllm.token_loop.TokenLoop`, which
+    steps the engine for all of them together, token by token; a batch ``generate`` is one ``LLM.generate`` call
+    with a sampling-parameter object per prompt, given the engine to itself."""
 
     def __init__(self, config: VLLMRolloutConfig, cpu: bool = False):
         os.environ.update(INSECURE_SERIALIZATION)
@@ -133,13 +153,12 @@ class InProcessBackend:
         self.in_process = runs_in_process(config, cpu)
         env = {**(cpu_environment(config) if cpu else {}), **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if self.in_process else {})}
         with without_distributed_env(), environment(env):
-            self.llm = vllm.LLM(**engine_kwargs(config, cpu))
+            self.llm = vllm.LLM(**engine_kwargs(config, cpu, in_process=self.in_process))
         self.owner_pid = os.getpid()
         self.adapter: Any = None  # the LoRARequest every generation uses, if any
         self.lock = threading.Lock()
-        self.generation_open = threading.Event()
-        self.generation_open.set()
-        self.batcher = RequestBatcher(self.run_pending, "vllm-rollout-batcher")
+        self.loop = TokenLoop(self.llm, self.lock, self.in_process)
+        self.weights_loaded = 0  # weight updates finished: the prefix-cache salt (translate.cache_salt)
 
     def run(self, token_lists: Sequence[Sequence[int]], sampling_list: Sequence[SamplingParams], eos_token_ids: Sequence[int],
             first_rows: Sequence[int]) -> list[TokenOutput]:
@@ -152,9 +171,10 @@ class InProcessBackend:
             if key not in built:
                 built[key] = self.vllm.SamplingParams(**sampling_kwargs(sampling, eos_token_ids, key[1]))
             params.append(built[key])
-        with self.lock:
-            outputs = self.llm.generate([{"prompt_token_ids": list(tokens)} for tokens in token_lists], params, use_tqdm=False,
-                                        lora_request=self.adapter)
+        salt = cache_salt(self.weights_loaded)
+        with self.loop.engine_to_itself(), self.lock:
+            outputs = self.llm.generate([{"prompt_token_ids": list(tokens), "cache_salt": salt} for tokens in token_lists], params,
+                                        use_tqdm=False, lora_request=self.adapter)
         samples = []
         for request, sampling in zip(outputs, sampling_list):
             completions = sorted(request.outputs, key=lambda completion: completion.index)
@@ -170,22 +190,47 @@ class InProcessBackend:
         return self.run(token_lists, [sampling] * len(token_lists), eos_token_ids, [index * per_request for index in range(len(token_lists))])
 
     async def generate_one(self, token_ids: list[int], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> TokenOutput:
-        return await self.batcher.submit((token_ids, sampling, tuple(eos_token_ids)))
+        """One request to the token loop: sampled as row 0 of a ``generate`` with ``sampling.seed``, its tokens
+        numbered with the weights version that sampled each."""
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
 
-    def run_pending(self, items: list[tuple]) -> list[TokenOutput]:
-        """One ``LLM.generate`` call for queued single-prompt requests (one engine: one EOS set)."""
-        self.generation_open.wait()
-        return self.run([item[0] for item in items], [item[1] for item in items], items[0][2], [0] * len(items))
+        params = self.vllm.SamplingParams(**sampling_kwargs(sampling, eos_token_ids))
+        params.output_kind = RequestOutputKind.DELTA  # every step's tokens, so that an abort has them
+        request = TokenRequest(f"rlplat-{uuid.uuid4().hex}", tokens_input(list(token_ids), cache_salt=cache_salt(self.weights_loaded)),
+                               params, frozenset(sampling.stop_token_ids) | frozenset(eos_token_ids), sampling.max_new_tokens,
+                               self.adapter)
+        return await asyncio.wrap_future(self.loop.submit(request))
 
-    def pause_generation(self) -> None:
-        """Hold new generation until :meth:`resume_generation` (calls from this thread finish the weight
-        update first; the agent-loop batcher waits)."""
-        self.generation_open.clear()
+    def pause_generation(self, keep: bool = False) -> None:
+        """``keep``: stop at the next token boundary, the requests in flight kept (their KV cache too) until
+        :meth:`resume_generation`. Otherwise drain: admit nothing new and wait for the requests in flight to end
+        (a weight update between generations)."""
+        if not keep:
+            self.loop.drain()
+            return
+        if self.in_process and self.llm.llm_engine.vllm_config.scheduler_config.async_scheduling:
+            raise RuntimeError("vllm rollout: generations in flight stop at token boundaries only without vLLM's async scheduling "
+                               "(rollout.config.engine_kwargs sets async_scheduling=true; remove it)")
+        self.loop.pause()
 
-    def resume_generation(self) -> None:
-        self.generation_open.set()
+    def resume_generation(self, carry: str | None = None) -> None:
+        """Go on after :meth:`pause_generation`; ``carry`` (``keep`` or ``recompute``): the weights changed, and
+        the requests in flight go on so (:meth:`TokenLoop.resume`)."""
+        self.loop.resume(carry)
+
+    def set_weights_label(self, version: int) -> None:
+        """The weights now loaded are ``version``: recorded on every token sampled from now on."""
+        self.loop.set_version(version)
+        with self.lock:
+            self.llm.llm_engine.set_weight_version(str(version))
+
+    def abort_generation(self) -> None:
+        self.loop.abort()
 
     def sleep(self, level: int) -> None:
+        # vLLM drops the KV cache: generations still in flight end now, with the tokens they have
+        self.loop.abort()
         with self.lock:
             self.llm.sleep(level=level)
 
@@ -211,6 +256,9 @@ class InProcessBackend:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         with self.lock:
             self.llm.finish_weight_update(weight_version=weight_version)
+        if weight_version is not None:
+            self.weights_loaded += 1
+            self.loop.set_version(int(weight_version))
 
     def load_weights(self, bucket: Sequence[tuple[str, Any]]) -> None:
         """One bucket into the model through the worker extension: by reference in this process, else as a
@@ -250,10 +298,26 @@ class InProcessBackend:
             engine_core.shutdown()
 
 
+def scale_out_arguments() -> list[str]:
+    """The ``vllm serve`` flag that registers the token-in, token-out routes (:data:`GENERATE_ROUTE`), where the
+    installed vLLM's command line has it (``--enable-scale-out``, a field of its ``FrontendArgs``)."""
+    for module in ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.launchers.cli_args"):
+        try:
+            frontend = importlib.import_module(module).FrontendArgs
+        except (ImportError, AttributeError):
+            continue
+        return ["--enable-scale-out"] if "enable_scale_out" in {field.name for field in dataclasses.fields(frontend)} else []
+    return []
+
+
 class ServerBackend:
     """A vLLM OpenAI-compatible server: started here (``vllm serve`` with this environment's Python, on
-    loopback, dev routes on) or attached to at ``server_url``. An attached server must run with
-    ``VLLM_SERVER_DEV_MODE=1`` and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` on the same node's GPUs."""
+    loopback, dev and scale-out routes on) or attached to at ``server_url``. An attached server must run with
+    ``VLLM_SERVER_DEV_MODE=1`` and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` on the same node's GPUs, and with
+    ``--enable-scale-out`` for ``generate_tokens``.
+
+    ``generate_one`` calls go to vLLM's token-in, token-out route, one request each, named so that an abort can
+    end them; the server batches concurrent requests itself."""
 
     def __init__(self, config: VLLMRolloutConfig, cpu: bool = False):
         self.config = config
@@ -261,12 +325,17 @@ class ServerBackend:
         self.adapter: str | None = None  # the LoRA adapter's name, sent as the model of every completion
         env = {**SERVER_ENV, **(LORA_SERVER_ENV if config.max_lora_rank else {}), **(cpu_environment(config) if cpu else {})}
         self.base_url, self.server = config.start_or_attach(
-            "rlplat_rollout_vllm.server_main", lambda host, port: server_arguments(config, host, port, cpu),
+            "rlplat_rollout_vllm.server_main", lambda host, port: server_arguments(config, host, port, cpu) + scale_out_arguments(),
             health_path="/health", env=env, name="vllm server",
         )
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
         self.weights = HTTPVLLMWeightSyncClient(self.base_url, timeout=config.request_timeout_s)
+        self.weights_loaded = 0  # weight updates finished: the prefix-cache salt (translate.cache_salt)
+        self.condition = threading.Condition()
+        self.in_flight: set[str] = set()  # ids of the generate_one requests sent and not answered
+        self.batches = 0  # generate calls running
+        self.held = False  # pause_generation(keep=True) until resume_generation
 
     def post(self, path: str, payload: Any = None, query: list[tuple[str, Any]] | None = None) -> Any:
         url = self.base_url + path + ("?" + urllib.parse.urlencode(query) if query else "")
@@ -274,30 +343,108 @@ class ServerBackend:
 
     def generate(self, token_lists: Sequence[Sequence[int]], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> list[TokenOutput]:
         """One ``/v1/completions`` request for the batch; a seeded call one request per prompt, sent at once
-        (a request has one seed, and each prompt needs its own: :func:`request_seed`)."""
+        (a request has one seed, and each prompt needs its own: :func:`request_seed`). Waits while generation
+        is paused with requests kept in flight: a batch is sampled with one version of the weights."""
+        with self.condition:
+            while self.held:
+                self.condition.wait()
+            self.batches += 1
+        try:
+            return self.generate_batch(token_lists, sampling, eos_token_ids)
+        finally:
+            with self.condition:
+                self.batches -= 1
+                self.condition.notify_all()
+
+    def generate_batch(self, token_lists: Sequence[Sequence[int]], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> list[TokenOutput]:
         per_request, stop = samples_per_request(sampling), set(sampling.stop_token_ids) | set(eos_token_ids)
+        salt = cache_salt(self.weights_loaded)
         if sampling.seed is None or sampling.greedy or len(token_lists) == 1:
-            response = self.post("/v1/completions", completion_payload(token_lists, sampling, eos_token_ids, self.adapter))
+            response = self.post("/v1/completions", completion_payload(token_lists, sampling, eos_token_ids, self.adapter, salt=salt))
             samples = samples_from_completion_response(response, len(token_lists), per_request, stop, sampling.max_new_tokens)
             return repeat_greedy(samples, sampling)
 
         def one(index: int) -> list[TokenOutput]:
-            payload = completion_payload([token_lists[index]], sampling, eos_token_ids, self.adapter, first_row=index * per_request)
+            payload = completion_payload([token_lists[index]], sampling, eos_token_ids, self.adapter, first_row=index * per_request, salt=salt)
             return samples_from_completion_response(self.post("/v1/completions", payload), 1, per_request, stop, sampling.max_new_tokens)
 
         with ThreadPoolExecutor(max_workers=min(SEEDED_REQUESTS_IN_FLIGHT, len(token_lists)), thread_name_prefix="vllm-seeded") as pool:
             return [sample for samples in pool.map(one, range(len(token_lists))) for sample in samples]
 
     async def generate_one(self, token_ids: list[int], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> TokenOutput:
-        # concurrent requests are batched by the server itself
-        return (await asyncio.to_thread(self.generate, [token_ids], sampling, eos_token_ids))[0]
+        """One request to vLLM's token-in, token-out route: sampled as row 0 of a ``generate`` with
+        ``sampling.seed``, its tokens numbered with the weights version vLLM recorded sampling each."""
+        request_id = f"rlplat-{uuid.uuid4().hex}"
+        payload = generate_payload(request_id, token_ids, sampling, eos_token_ids, self.adapter, cache_salt(self.weights_loaded))
+        return await asyncio.to_thread(self.generate_named, request_id, payload, set(sampling.stop_token_ids) | set(eos_token_ids),
+                                       sampling.max_new_tokens)
 
-    def pause_generation(self) -> None:
-        """Let requests in flight finish, hold new ones (the weights are meta tensors during an update)."""
-        self.post("/pause", query=[("mode", "wait")])
+    def generate_named(self, request_id: str, payload: Mapping[str, Any], stop: set[int], max_new_tokens: int) -> TokenOutput:
+        with self.condition:
+            self.in_flight.add(request_id)
+            self.condition.notify_all()
+        try:
+            response = self.post(GENERATE_ROUTE, payload)
+        except ServerError as error:
+            if " answered 404" in str(error) or " answered 403" in str(error):
+                raise RuntimeError(f"vllm rollout: the server at {self.base_url} does not serve {GENERATE_ROUTE}, which generate_tokens "
+                                   "uses (token ids out with the weights version of each): start it with --enable-scale-out") from error
+            raise
+        finally:
+            with self.condition:
+                self.in_flight.discard(request_id)
+                self.condition.notify_all()
+        return sample_from_generate_response(response, stop, max_new_tokens)
 
-    def resume_generation(self) -> None:
+    def pause_generation(self, keep: bool = False) -> None:
+        """``keep``: stop at the next token boundary (vLLM's ``/pause?mode=keep``), the requests in flight kept
+        with their KV cache until :meth:`resume_generation`; batch ``generate`` calls running are waited for
+        first, and new ones wait. Otherwise let requests in flight finish and hold new ones (a weight update
+        between generations: the weights are meta tensors during an update)."""
+        if not keep:
+            self.post("/pause", query=[("mode", "wait")])
+            return
+        with self.condition:
+            self.held = True
+            while self.batches:
+                self.condition.wait()
+        self.post("/pause", query=[("mode", "keep"), ("clear_cache", "false")])
+
+    def resume_generation(self, carry: str | None = None) -> None:
+        """Go on after :meth:`pause_generation`. ``carry`` (``keep`` or ``recompute``): the weights changed, and
+        the requests in flight keep their KV cache, or are preempted with the prefix cache
+        (``/reset_prefix_cache?reset_running_requests=true``), which makes vLLM rebuild each from its prompt and
+        tokens so far with the new weights. The prefix cache is reset too where no request in flight holds it
+        (new requests never meet stale entries anyway: their cache salt names the weights)."""
+        with self.condition:
+            in_flight = bool(self.in_flight)
+        if carry == "recompute":
+            self.post("/reset_prefix_cache", query=[("reset_running_requests", "true")])
+        elif carry == "keep" and not in_flight:
+            self.post("/reset_prefix_cache")
         self.post("/resume")
+        with self.condition:
+            self.held = False
+            self.condition.notify_all()
+
+    def set_weights_label(self, version: int) -> None:
+        """The weights now loaded are ``version``: vLLM records it on every token sampled from now on."""
+        self.post("/update_weight_version", {"new_version": str(version)})
+
+    def abort_generation(self) -> None:
+        """End every ``generate_one`` call in flight now (vLLM answers each with the tokens it has and
+        ``finish_reason="abort"``); the abort is sent again for calls that have not returned, until they have."""
+        with self.condition:
+            targets = set(self.in_flight)
+        deadline = time.monotonic() + self.config.request_timeout_s
+        while targets:
+            self.post(ABORT_ROUTE, {"request_ids": [ENGINE_REQUEST_ID.format(request_id) for request_id in sorted(targets)]})
+            with self.condition:
+                self.condition.wait_for(lambda: not targets & self.in_flight, timeout=ABORT_RETRY_S)
+                targets &= self.in_flight
+            if targets and time.monotonic() > deadline:
+                raise RuntimeError(f"vllm rollout: {len(targets)} generate_tokens calls did not end within "
+                                   f"rollout.config.request_timeout_s={self.config.request_timeout_s} s of their abort")
 
     def sleep(self, level: int) -> None:
         self.post("/sleep", query=[("level", level)])
@@ -319,6 +466,8 @@ class ServerBackend:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.weights.finish_weight_update(weight_version)
+        if weight_version is not None:
+            self.weights_loaded += 1
 
     def load_weights(self, bucket: Sequence[tuple[str, Any]]) -> None:
         """One bucket through the worker extension (``/collective_rpc``, a dev route): the server reads it

@@ -15,12 +15,24 @@ LoRA adapters (``rollout.config.max_lora_rank`` above 0) go through vLLM's LoRA 
 :meth:`load_adapter` writes the adapter as a peft folder and loads it (``LLMEngine.add_lora`` with a
 ``LoRARequest``; server: ``/v1/load_lora_adapter``), every later generation uses it, and the previous one
 is unloaded. Full weights loaded later are the new base: the adapter is dropped until loaded again.
+
+Partial rollouts (``partial_rollout_modes`` ``keep`` and ``recompute``): ``generate_tokens`` calls in flight
+are carried over a weight update made between :meth:`~VLLMRollout.pause_generation` and
+:meth:`~VLLMRollout.resume_generation`, and every token records the weights version that sampled it (the
+version :meth:`~VLLMRollout.set_weights_version` set, which vLLM also labels its weights with). How each backend
+does it is in :mod:`rlplat_rollout_vllm.token_loop` (a ``vllm.LLM``: the rollout steps its engine) and
+:class:`~rlplat_rollout_vllm.backends.ServerBackend` (vLLM's pause, prefix-cache reset and abort routes, and its
+token-in, token-out route, which returns each token's version). ``recompute`` rebuilds the KV cache of each
+request in flight from its prompt and tokens so far (vLLM preempts them: ``reset_prefix_cache`` with
+``reset_running_requests``). A seeded request keeps its random stream across the switch, so its continuation is
+not a fresh seeded generation from its prefix; greedy continuations are.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import weakref
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -53,10 +65,12 @@ class VLLMRollout(BackendRolloutEngine):
     States: awake; weights only (after :meth:`wake_up_weights`); asleep. Generation needs awake and,
     after a sleep that dropped the weights (``sleep_level`` 2), at least one :meth:`update_weights`.
     A weight update opened by :meth:`update_weights` is finished (and the prefix cache reset) by the
-    next :meth:`wake_up_kv_cache`, :meth:`generate` or :meth:`sleep`.
+    next :meth:`wake_up_kv_cache`, :meth:`generate` or :meth:`sleep`; one made while generation is paused
+    (:meth:`pause_generation`) by :meth:`resume_generation`.
     """
 
     supports_adapters = True
+    partial_rollout_modes = ("keep", "recompute")
 
     @classmethod
     def estimate_memory(cls, config: Any, model_config: Mapping[str, Any], context: Any) -> Any:
@@ -84,8 +98,14 @@ class VLLMRollout(BackendRolloutEngine):
         self.state = AWAKE
         self.needs_weights = False
         self.updating = False
-        self.paused = False
-        self.weight_version = 0
+        self.names_loaded: set[str] = set()  # the weights loaded in the open update bracket
+        self.paused = False  # generation drained by update_weights (no pause_generation before it)
+        self.held = False  # pause_generation: generations in flight kept until resume_generation
+        self.changed_while_held = False
+        self.update_lock = threading.RLock()  # the update bracket's state, shared with generate_tokens' thread
+        self.version = 0
+        self.continue_mode = "keep"
+        self.backend.set_weights_label(self.version)
         self.adapters_loaded = 0
         self.adapter_root: Path | None = None
         self.adapter_folder: Path | None = None
@@ -109,7 +129,52 @@ class VLLMRollout(BackendRolloutEngine):
             raise RuntimeError(f"vllm rollout is {self.state}: call {step} before generating")
         if self.needs_weights:
             raise RuntimeError("vllm rollout woke up without its weights: call update_weights() with the full weights before generating")
-        self.finish_weight_update()
+        if not self.held:  # a paused rollout's update is finished by resume_generation; the call waits until then
+            self.finish_weight_update()
+
+    # -- partial rollouts ------------------------------------------------------------------------------
+
+    def pause_generation(self) -> None:
+        """Stop every generation at its next token boundary, keeping it with its KV cache: returns once no
+        forward pass runs, and none starts until :meth:`resume_generation`. Calls made meanwhile wait; a batch
+        :meth:`generate` running is waited for (it is sampled with one version of the weights)."""
+        with self.update_lock:
+            if self.held:
+                return
+            self.backend.pause_generation(keep=True)
+            self.held, self.changed_while_held = True, False
+
+    def resume_generation(self) -> None:
+        """Finish the weight update made while paused (vLLM labels the new weights with the version of
+        :meth:`set_weights_version`) and go on: the generations in flight per that call's mode."""
+        with self.update_lock:
+            if not self.held and not self.paused:
+                return
+            carry = self.continue_mode if self.held and (self.updating or self.changed_while_held) else None
+            if self.updating:
+                self.close_update()
+            if self.needs_weights:
+                # a failed update left layers unloaded: nothing may step with them, so the generations in flight
+                # end now with the tokens they have (new ones are refused until a full update)
+                self.backend.abort_generation()
+            self.held = self.paused = False
+            self.backend.resume_generation(carry)
+
+    def set_weights_version(self, version: int, mode: str = "keep") -> None:
+        """Number the weights now loaded ``version``: every token sampled from now on records it (``TokenOutput.versions``);
+        ``mode`` says how generations in flight go on with them at :meth:`resume_generation`."""
+        if mode not in self.partial_rollout_modes:
+            raise ValueError(f"vllm rollout: mode must be one of {self.partial_rollout_modes}, got {mode!r}")
+        with self.update_lock:
+            self.version, self.continue_mode = int(version), mode
+            if not self.updating:  # else the update's finish labels the new weights
+                self.backend.set_weights_label(self.version)
+
+    def abort_generation(self) -> None:
+        """End every ``generate_tokens`` call in flight or queued now: each returns the tokens it has (their
+        log-probs and versions) with ``finish_reason="abort"``. Calls made afterwards are served as usual (after
+        :meth:`resume_generation` when paused)."""
+        self.backend.abort_generation()
 
     # -- weights ---------------------------------------------------------------------------------------
 
@@ -119,14 +184,26 @@ class VLLMRollout(BackendRolloutEngine):
         bucket = [(name, self.for_transfer(tensor)) for name, tensor in with_tied_aliases(list(named_tensors), self.tied)]
         if not bucket:
             return
+        with self.update_lock:
+            self.load_bucket(bucket)
+
+    def load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        names = {name for name, _ in bucket}
+        if self.updating and names & self.names_loaded:
+            # vLLM reloads each layer once per update bracket: a weight sent again (a second full update with no
+            # generation between) goes into a bracket of its own
+            self.close_update()
         if not self.updating:
             self.backend.drop_adapter()  # full weights are a new base: the adapter is off until loaded again
-            if self.state == AWAKE:
+            if self.state == AWAKE and not self.held and not self.paused:
                 # parameters are meta tensors between start and finish: no generation may run meanwhile
                 self.backend.pause_generation()
                 self.paused = True
             self.backend.start_weight_update()
-            self.updating = True
+            self.updating, self.names_loaded = True, set()
+        self.names_loaded |= names
+        if self.held:
+            self.changed_while_held = True
         if self.weight_path == "load":
             try:
                 self.backend.load_weights(bucket)
@@ -201,21 +278,25 @@ class VLLMRollout(BackendRolloutEngine):
         return transfer_copy(tensor, self.config.dtype, torch.cuda.current_device())
 
     def finish_weight_update(self) -> None:
-        if not self.updating:
-            return
-        self.weight_version += 1
-        self.backend.finish_weight_update(str(self.weight_version))
+        with self.update_lock:
+            if not self.updating:
+                return
+            self.close_update()
+            if self.state == AWAKE and not self.held:
+                # prefix-cache entries were computed with the old weights (a sleep already dropped them)
+                self.backend.reset_prefix_cache()
+            self.resume_if_paused()
+
+    def close_update(self) -> None:
+        """Close vLLM's update bracket, labelling the new weights with the rollout's version."""
+        self.backend.finish_weight_update(str(self.version))
         self.updating = False
-        if self.state == AWAKE:
-            # prefix-cache entries were computed with the old weights (a sleep already dropped them)
-            self.backend.reset_prefix_cache()
-        self.resume_if_paused()
         if self.weight_path == "ipc":
             torch.cuda.ipc_collect()
             torch.cuda.empty_cache()  # give the buckets' buffers back before vLLM maps its KV cache again
 
     def resume_if_paused(self) -> None:
-        if self.paused:
+        if self.paused and not self.held:
             self.backend.resume_generation()
             self.paused = False
 

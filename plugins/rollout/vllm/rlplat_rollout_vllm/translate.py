@@ -101,9 +101,10 @@ def weight_path(config: VLLMRolloutConfig, cpu: bool) -> str:
     return config.weight_transfer_backend
 
 
-def engine_kwargs(config: VLLMRolloutConfig, cpu: bool = False) -> dict[str, Any]:
+def engine_kwargs(config: VLLMRolloutConfig, cpu: bool = False, in_process: bool = False) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` / ``vllm.EngineArgs`` (``engine_kwargs`` last, so it wins).
-    ``cpu``: for vLLM's CPU platform (no sleep mode, the KV cache in GiB, weights by ``load``)."""
+    ``cpu``: for vLLM's CPU platform (no sleep mode, the KV cache in GiB, weights by ``load``). ``in_process``:
+    vLLM's engine core runs in this process, stepped by the rollout (:mod:`rlplat_rollout_vllm.token_loop`)."""
     values: dict[str, Any] = {
         "model": config.model_path,
         "dtype": config.dtype,
@@ -133,6 +134,10 @@ def engine_kwargs(config: VLLMRolloutConfig, cpu: bool = False) -> dict[str, Any
         values["enable_chunked_prefill"] = False
         if config.max_num_batched_tokens is None:
             values["max_num_batched_tokens"] = max(CPU_BATCHED_TOKENS, config.max_model_len or model_max_length(config.model_path))
+    if in_process:
+        # with async scheduling a step returns while the next forward pass runs: the rollout's pauses between
+        # steps would not be token boundaries, nor the version it numbers a step's tokens with theirs
+        values["async_scheduling"] = False
     if weight_path(config, cpu) == "load":
         values["worker_extension_cls"] = WORKER_EXTENSION
     if config.max_lora_rank:
@@ -159,17 +164,93 @@ def server_arguments(config: VLLMRolloutConfig, host: str, port: int, cpu: bool 
     return ["serve", model, *flags, "--host", host, "--port", str(port)]
 
 
+def cache_salt(weights: int) -> str:
+    """The prefix-cache salt of every request sampled with the ``weights``-th weights the engine loaded: vLLM
+    shares cached KV only between requests of the same salt, so a request never meets KV computed with other
+    weights, also where the cache cannot be reset (requests carried over new weights hold their blocks)."""
+    return f"rlplat-weights-{weights}"
+
+
 def completion_payload(token_lists: Sequence[Sequence[int]], sampling: SamplingParams, eos_token_ids: Sequence[int], model: str | None,
-                       first_row: int = 0) -> dict[str, Any]:
+                       first_row: int = 0, salt: str | None = None) -> dict[str, Any]:
     """A ``/v1/completions`` request for a batch of token-id prompts: the same sampling keywords, the
     sampled tokens' ids and log-probs returned (``return_token_ids``, ``logprobs``). One request has one
-    seed: a seeded call sends each prompt as a request of its own (``first_row``: its first sample's row)."""
+    seed: a seeded call sends each prompt as a request of its own (``first_row``: its first sample's row).
+    ``salt``: the prefix-cache salt (:func:`cache_salt`)."""
     values = sampling_kwargs(sampling, eos_token_ids, first_row)
     values.pop("detokenize")  # not a request field; the server detokenizes, which costs little
     payload = {"prompt": [list(tokens) for tokens in token_lists], "return_token_ids": True, **values}
     if model is not None:
         payload["model"] = model
+    if salt is not None:
+        payload["cache_salt"] = salt
     return payload
+
+
+def generate_payload(request_id: str, token_ids: Sequence[int], sampling: SamplingParams, eos_token_ids: Sequence[int],
+                     model: str | None, salt: str | None = None) -> dict[str, Any]:
+    """A request to vLLM's token-in, token-out route (``/inference/v1/generate``) for one ``generate_tokens``
+    call: token ids in, token ids, their log-probs and their weights-version spans out. ``request_id`` names
+    the request for an abort."""
+    payload: dict[str, Any] = {"request_id": request_id, "token_ids": list(token_ids), "output_mode": "tokens",
+                               "sampling_params": sampling_kwargs(sampling, eos_token_ids)}
+    if model is not None:
+        payload["model"] = model
+    if salt is not None:
+        payload["cache_salt"] = salt
+    return payload
+
+
+def token_finish_reason(token_ids: Sequence[int], stop_token_ids: Iterable[int], max_new_tokens: int, reported: str | None) -> str:
+    """The kit's :func:`~rlplat.kits.rollout_batch.finish_reason`, with vLLM's ``"abort"`` kept: the request was
+    ended by :meth:`~rlplat.contracts.rollout.RolloutEngine.abort_generation`, with the tokens it had."""
+    if reported == "abort":
+        return "abort"
+    return finish_reason(list(token_ids), list(stop_token_ids), max_new_tokens, reported)
+
+
+def versions_from_spans(spans: Any, count: int) -> list[int]:
+    """Per token, the weights version vLLM recorded sampling it: its ``weight_versions`` spans (``version``,
+    ``start``, ``end`` over the output tokens; vLLM's objects or their JSON) as ``count`` numbers. The rollout
+    labels vLLM's weights with its integer versions (``set_weight_version``)."""
+    if not spans:
+        if count == 0:
+            return []
+        raise RuntimeError(f"vllm recorded no weights versions for {count} sampled tokens (the rollout labels its weights "
+                           "at start-up; a server attached by server_url must not be relabelled by others)")
+    versions: list[int] = []
+    for span in spans:
+        version, start, end = ((span["version"], span["start"], span["end"]) if isinstance(span, Mapping)
+                               else (span.version, span.start, span.end))
+        if start != len(versions) or end < start:
+            raise RuntimeError(f"vllm's weights-version spans {list(spans)} do not cover the {count} tokens in order")
+        try:
+            number = int(version)
+        except (TypeError, ValueError):
+            raise RuntimeError(f"vllm sampled tokens {start}-{end} with weights labelled {version!r}, not a version the "
+                               "rollout set (set_weights_version)") from None
+        versions += [number] * (end - start)
+    if len(versions) != count:
+        raise RuntimeError(f"vllm's weights-version spans cover {len(versions)} tokens of {count}")
+    return versions
+
+
+def sample_from_generate_response(response: Mapping[str, Any], stop_token_ids: Iterable[int], max_new_tokens: int) -> TokenOutput:
+    """The one choice of a ``/inference/v1/generate`` answer as a TokenOutput, with its tokens' versions."""
+    choices = response.get("choices") or []
+    if len(choices) != 1:
+        raise RuntimeError(f"vllm server returned {len(choices)} choices for one generate_tokens request")
+    choice = choices[0]
+    tokens = choice.get("token_ids")
+    content = (choice.get("logprobs") or {}).get("content")
+    if content is None and tokens == []:
+        content = []
+    if tokens is None or content is None or len(content) != len(tokens):
+        raise RuntimeError("vllm server's answer lacks token_ids or their log-probs (logprobs=0 was asked)")
+    values = [float(entry["logprob"]) for entry in content]
+    versions = versions_from_spans(choice.get("weight_versions"), len(tokens))
+    reason = token_finish_reason(tokens, stop_token_ids, max_new_tokens, choice.get("finish_reason"))
+    return TokenOutput(list(tokens), values, reason, versions=versions)
 
 
 def sample_from_completion(token_ids: Sequence[int], logprobs: Any, reported: str | None, stop_token_ids: Iterable[int], max_new_tokens: int) -> TokenOutput:

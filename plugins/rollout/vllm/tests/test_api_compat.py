@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import importlib
 import inspect
 import json
@@ -33,7 +34,8 @@ import rlplat_rollout_vllm  # noqa: E402
 from rlplat_rollout_vllm import backends, rollout as rollout_module  # noqa: E402
 from rlplat_rollout_vllm.config import VLLMRolloutConfig  # noqa: E402
 from rlplat_rollout_vllm.translate import (  # noqa: E402
-    WORKER_EXTENSION, completion_payload, engine_kwargs, packed_update_info, sampling_kwargs, server_arguments,
+    WORKER_EXTENSION, completion_payload, engine_kwargs, generate_payload, packed_update_info, sample_from_generate_response,
+    sampling_kwargs, server_arguments,
 )
 from rlplat_rollout_vllm.worker_extension import WeightLoader  # noqa: E402
 
@@ -111,10 +113,12 @@ def call_functions():
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.packed_tensor import packed_ipc_producer
     from vllm.entrypoints.cli.main import main as cli_main
+    from vllm.inputs import tokens_input
     from vllm.lora.request import LoRARequest
 
     return {
         "packed_ipc_producer": packed_ipc_producer,
+        "tokens_input": tokens_input,
         "LoRARequest": LoRARequest,
         "HTTPVLLMWeightSyncClient": HTTPVLLMWeightSyncClient,
         "vllm.LLM": vllm.LLM,
@@ -165,7 +169,9 @@ def test_every_vllm_method_the_plugin_calls_exists_and_accepts_its_arguments():
             "self.llm.finish_weight_update", "self.llm.init_weight_transfer_engine", "self.llm.reset_prefix_cache",
             "packed_ipc_producer", "vllm.LLM", "engine_core.shutdown", "self.weights.update_weights",
             "self.llm.llm_engine.add_lora", "self.llm.llm_engine.remove_lora", "LoRARequest",
-            "self.llm.collective_rpc", "current_platform.is_cpu", "self.model_runner.model.load_weights", "main"} <= set(checked)
+            "self.llm.collective_rpc", "current_platform.is_cpu", "self.model_runner.model.load_weights", "main",
+            "self.llm.llm_engine.add_request", "self.llm.llm_engine.step", "self.llm.llm_engine.abort_request",
+            "self.llm.llm_engine.set_weight_version", "tokens_input"} <= set(checked)
 
 
 def test_the_llm_engine_keeps_its_engine_core_client():
@@ -196,6 +202,37 @@ def test_the_server_request_samples_as_the_in_process_engine_does(sampling):
     assert request.return_token_ids is True and request.prompt == [[1, 2, 3], [4]]
 
 
+@pytest.mark.parametrize("sampling", SAMPLINGS[:2], ids=["defaults", "every-field"])
+def test_the_token_route_request_samples_as_the_in_process_engine_does(sampling):
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+
+    sampling = dataclasses.replace(sampling, n=1)
+    payload = generate_payload("rlplat-1", [1, 2, 3], sampling, eos_token_ids=(2,), model="adapter", salt="rlplat-weights-3")
+    request = GenerateRequest.model_validate(payload)
+    local = vllm.SamplingParams(**sampling_kwargs(sampling, eos_token_ids=(2,)))
+    for key in ("n", "temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop_token_ids", "seed", "logprobs", "ignore_eos", "detokenize"):
+        assert getattr(request.sampling_params, key) == getattr(local, key), key
+    assert (request.request_id, request.token_ids, request.model, request.cache_salt, request.output_mode) == (
+        "rlplat-1", [1, 2, 3], "adapter", "rlplat-weights-3", "tokens")
+    assert request.is_sampling_param_provided("max_tokens")  # the server keeps max_new_tokens, not its own default
+
+
+def test_a_real_token_route_response_parses_with_each_tokens_weights_version():
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+        GenerateLogProbs, GenerateLogProbsContent, GenerateTokensChoice, GenerateTokensResponse,
+    )
+    from vllm.outputs import WeightVersionSpan
+
+    content = [GenerateLogProbsContent(token_id=token, logprob=-0.5 * (index + 1)) for index, token in enumerate([5, 6, 7])]
+    spans = [WeightVersionSpan("10", 0, 1), WeightVersionSpan("11", 1, 3)]
+    choice = GenerateTokensChoice(index=0, token_ids=[5, 6, 7], finish_reason="abort", logprobs=GenerateLogProbs(content=content),
+                                  weight_versions=spans)
+    body = json.loads(GenerateTokensResponse(choices=[choice]).model_dump_json())
+    sample = sample_from_generate_response(body, stop_token_ids={2}, max_new_tokens=8)
+    assert sample.token_ids == [5, 6, 7] and sample.log_probs == [-0.5, -1.0, -1.5]
+    assert sample.versions == [10, 11, 11] and sample.finish_reason == "abort"
+
+
 def test_the_lora_engine_arguments_make_a_lora_config_vllm_accepts():
     kwargs = engine_kwargs(VLLMRolloutConfig(model_path="/models/tiny", max_lora_rank=8))
     inspect.signature(vllm.LLM.__init__).bind(object(), **kwargs)
@@ -222,6 +259,7 @@ def test_the_engine_arguments_are_engine_args_fields_and_keep_their_values():
     assert engine_args.load_format == "dummy" and engine_args.logprobs_mode == "processed_logprobs"
     assert engine_args.enable_sleep_mode is True and engine_args.max_model_len == 256 and engine_args.max_logprobs == 4
     assert engine_args.weight_transfer_config.backend == "ipc"
+    assert vllm.EngineArgs(**engine_kwargs(config, in_process=True)).async_scheduling is False  # the rollout steps it token by token
 
 
 def test_the_cpu_platforms_engine_arguments_are_engine_args_fields_and_keep_their_values():
@@ -268,9 +306,10 @@ def test_vllm_serve_parses_the_server_arguments_to_the_same_engine_arguments(max
     make_arg_parser = importlib.import_module(known("cli_args_module")).make_arg_parser
     config = VLLMRolloutConfig(mode="server", model_path="/models/tiny", load_weights=False, enable_prefix_caching=False, max_model_len=300,
                                max_lora_rank=max_lora_rank, cpu_kv_cache_gib=0.5)
-    argv = server_arguments(config, "127.0.0.1", 8011, cpu=cpu)
+    argv = server_arguments(config, "127.0.0.1", 8011, cpu=cpu) + backends.scale_out_arguments()
     assert argv[0] == "serve"
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[1:])
+    assert args.enable_scale_out is True  # the token-in, token-out routes generate_tokens uses
     args.model = args.model_tag  # what `vllm serve` does with the positional model
     parsed = vllm.AsyncEngineArgs.from_cli_args(args)
     for key, value in engine_kwargs(config, cpu=cpu).items():
@@ -313,17 +352,32 @@ def test_the_http_routes_the_server_mode_uses_exist():
 
     from vllm.entrypoints.rl.online.api_router import router as rl_router
 
-    routers = (completion_router, cache_router, rpc_router, sleep_router, health_router, rl_router)
+    from vllm.entrypoints.scale_out.token_in_token_out.api_router import router as token_router
+
+    routers = (completion_router, cache_router, rpc_router, sleep_router, health_router, rl_router, token_router)
     routes = {(route.path, method) for router in routers for route in router.routes for method in route.methods}
     for needed in [("/v1/completions", "POST"), ("/sleep", "POST"), ("/wake_up", "POST"), ("/reset_prefix_cache", "POST"),
-                   ("/health", "GET"), ("/pause", "POST"), ("/resume", "POST"), ("/collective_rpc", "POST")]:
+                   ("/health", "GET"), ("/pause", "POST"), ("/resume", "POST"), ("/collective_rpc", "POST"),
+                   ("/update_weight_version", "POST"), (backends.GENERATE_ROUTE, "POST"), (backends.ABORT_ROUTE, "POST")]:
         assert needed in routes, needed
     pause_endpoint = next(route.endpoint for route in rl_router.routes if route.path == "/pause")
-    assert "mode" in inspect.signature(pause_endpoint).parameters and "wait" in vllm.v1.engine.PauseMode.__args__
+    assert {"mode", "clear_cache"} <= set(inspect.signature(pause_endpoint).parameters)
+    assert {"wait", "keep"} <= set(vllm.v1.engine.PauseMode.__args__)
+    reset_endpoint = next(route.endpoint for route in cache_router.routes if route.path == "/reset_prefix_cache")
+    assert "reset_running_requests" in inspect.signature(reset_endpoint).parameters
+    version_endpoint = next(route.endpoint for route in rl_router.routes if route.path == "/update_weight_version")
+    assert "new_version" in inspect.signature(version_endpoint).parameters
     sleep_endpoint = next(route.endpoint for route in sleep_router.routes if route.path == "/sleep")
     assert "level" in inspect.signature(sleep_endpoint).parameters
     wake_source = inspect.getsource(next(route.endpoint for route in sleep_router.routes if route.path == "/wake_up"))
     assert 'query_params.getlist("tags")' in wake_source
+
+
+def test_the_token_route_names_its_engine_request_as_the_abort_route_is_told():
+    from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
+
+    named = 'f"generate-tokens-{self._base_request_id(raw_request, request.request_id)}"'
+    assert named in inspect.getsource(ServingTokens.serve_tokens) and backends.ENGINE_REQUEST_ID == "generate-tokens-{}"
 
 
 class WorkerWithExtension(WeightLoader):
@@ -452,10 +506,25 @@ class RecordingLLM:
 
 class RecordingLLMEngine:
     """Stands in for ``LLM.llm_engine``: its calls go to the LLM's record as ``llm_engine.<name>``
-    (answering True, as ``add_lora`` does on success); ``engine_core`` is the LLM itself."""
+    (answering True, as ``add_lora`` does on success); ``engine_core`` is the LLM itself. ``step`` ends every
+    request added since the last step, with the LLM's answer to it as one delta."""
 
     def __init__(self, llm):
         self.engine_core = llm
+        self.added = []
+        self.vllm_config = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(async_scheduling=False))
+
+    def add_request(self, request_id, prompt, params, **kwargs):
+        self.engine_core.calls.append(("llm_engine.add_request", (request_id, prompt, params), kwargs))
+        self.added.append((request_id, prompt, params))
+
+    def step(self):
+        self.engine_core.calls.append(("llm_engine.step", (), {}))
+        added, self.added = self.added, []
+        outputs = self.engine_core.outputs([prompt for _, prompt, _ in added], [params for _, _, params in added])
+        for output, (request_id, _, _) in zip(outputs, added):
+            output.request_id = request_id
+        return outputs
 
     def __getattr__(self, name):
         def record(*args, **kwargs):
@@ -513,10 +582,11 @@ def test_hybrid_generation_calls_vllm_correctly_and_assembles_the_batch(hybrid):
     out = hybrid.generate(prompts, SamplingParams(n=2, max_new_tokens=4, stop_token_ids=(2,), seed=3))
     calls = hybrid.backend.llm.calls
     check_recorded_calls(calls)
-    assert [name for name, _, _ in calls] == ["__init__", "init_weight_transfer_engine", "generate"]
-    assert calls[1][1] == ({"init_info": {"packed": True}},)
-    generate_args = calls[2][1]
-    assert generate_args[0] == [{"prompt_token_ids": [1, 5, 6]}, {"prompt_token_ids": [1, 4]}]
+    assert [name for name, _, _ in calls] == ["__init__", "init_weight_transfer_engine", "llm_engine.set_weight_version", "generate"]
+    assert calls[1][1] == ({"init_info": {"packed": True}},) and calls[2][1] == ("0",)  # the weights are version 0
+    generate_args = calls[3][1]
+    salt = "rlplat-weights-0"  # the prefix cache is shared by requests sampled with the same weights only
+    assert generate_args[0] == [{"prompt_token_ids": [1, 5, 6], "cache_salt": salt}, {"prompt_token_ids": [1, 4], "cache_salt": salt}]
     assert all(isinstance(params, vllm.SamplingParams) for params in generate_args[1])
     # each request its own seeds: vLLM seeds a request's n=2 samples seed + i, so rows 0-1 and 2-3 of the call
     assert [params.seed for params in generate_args[1]] == [3 * 1_000_003, 3 * 1_000_003 + 2]
@@ -541,7 +611,7 @@ def test_the_staged_wake_up_and_sleep_call_vllm_in_order_on_a_cuda_platform(make
     hybrid.close()
     calls = hybrid.backend.llm.calls
     check_recorded_calls(calls)
-    assert [(name, args, kwargs) for name, args, kwargs in calls[2:]] == [
+    assert [(name, args, kwargs) for name, args, kwargs in calls[3:]] == [
         ("sleep", (), {"level": 2}), ("wake_up", (), {"tags": ["weights"]}), ("wake_up", (), {"tags": ["kv_cache"]}), ("shutdown", (), {}),
     ]
 
@@ -558,7 +628,7 @@ def test_on_vllms_cpu_platform_sleep_and_wake_up_change_the_state_only_and_keep_
     hybrid.generate(left_padded_prompts([[1, 5]], pad_token_id=0), SamplingParams(max_new_tokens=3, stop_token_ids=(2,)))
     calls = hybrid.backend.llm.calls
     check_recorded_calls(calls)
-    assert [name for name, _, _ in calls] == ["__init__", "init_weight_transfer_engine", "generate"]
+    assert [name for name, _, _ in calls] == ["__init__", "init_weight_transfer_engine", "llm_engine.set_weight_version", "generate"]
 
 
 def test_the_load_weight_path_hands_each_bucket_to_the_worker_extension_inside_vllms_update_bracket(make_hybrid):
@@ -570,10 +640,10 @@ def test_the_load_weight_path_hands_each_bucket_to_the_worker_extension_inside_v
     hybrid.generate(left_padded_prompts([[1, 5]], pad_token_id=0), SamplingParams(max_new_tokens=3, stop_token_ids=(2,)))
     calls = hybrid.backend.llm.calls
     check_recorded_calls(calls)
-    assert [name for name, _, _ in calls] == ["__init__", "init_weight_transfer_engine", "start_weight_update", "collective_rpc",
-                                              "finish_weight_update", "reset_prefix_cache", "generate"]
-    _, (method,), kwargs = calls[3]
-    assert method == backends.LOAD_METHOD and calls[4][2] == {"weight_version": "1"}
+    assert [name for name, _, _ in calls] == ["__init__", "init_weight_transfer_engine", "llm_engine.set_weight_version", "start_weight_update",
+                                              "collective_rpc", "finish_weight_update", "reset_prefix_cache", "generate"]
+    _, (method,), kwargs = calls[4]
+    assert method == backends.LOAD_METHOD and calls[5][2] == {"weight_version": "0"}  # labelled with the rollout's version
     worker = WorkerWithExtension()
     assert run_method(worker, method, kwargs["args"], {}) == 2  # an engine in this process gets the tensors themselves
     # the tiny model ties its output layer to the embedding: vLLM's CPU backend needs it under both names
@@ -588,17 +658,23 @@ def test_greedy_asks_vllm_for_one_sample_per_prompt_and_repeats_it(hybrid):
     assert len(out) == 6 and out.batch["responses"].tolist() == [[10, 11, 2, 0]] * 6
 
 
-def test_generate_tokens_batches_concurrent_requests_into_one_generate_call(hybrid):
+def test_concurrent_generate_tokens_calls_are_stepped_together_through_vllms_engine(hybrid):
     async def three():
-        sampling = SamplingParams(max_new_tokens=3, stop_token_ids=(2,))
+        sampling = SamplingParams(max_new_tokens=3, stop_token_ids=(2,), seed=4)
         return await asyncio.gather(*(hybrid.generate_tokens([1, 4 + k], sampling) for k in range(3)))
 
+    hybrid.set_weights_version(7)
     results = asyncio.run(three())
     assert [r.token_ids for r in results] == [[10, 11, 2]] * 3 and all(r.finish_reason == "stop" for r in results)
-    generate_calls = [call for call in hybrid.backend.llm.calls if call[0] == "generate"]
-    assert 1 <= len(generate_calls) <= 3
-    assert sum(len(call[1][0]) for call in generate_calls) == 3
-    check_recorded_calls(hybrid.backend.llm.calls)
+    assert [r.versions for r in results] == [[7, 7, 7]] * 3
+    calls = hybrid.backend.llm.calls
+    check_recorded_calls(calls)
+    added = [args for name, args, _ in calls if name == "llm_engine.add_request"]
+    assert sorted(prompt["prompt_token_ids"] for _, prompt, _ in added) == [[1, 4], [1, 5], [1, 6]]
+    assert all(prompt["type"] == "token" and prompt["cache_salt"] == "rlplat-weights-0" for _, prompt, _ in added)
+    assert all(params.seed == 4 * 1_000_003 and params.output_kind == vllm.sampling_params.RequestOutputKind.DELTA for _, _, params in added)
+    assert 1 <= sum(name == "llm_engine.step" for name, _, _ in calls) <= 3
+    assert not any(name == "generate" for name, _, _ in calls)
 
 
 def test_the_ipc_weight_path_needs_a_cuda_device(make_hybrid):
@@ -607,7 +683,7 @@ def test_the_ipc_weight_path_needs_a_cuda_device(make_hybrid):
     hybrid = make_hybrid(cpu=False)  # weight_transfer_backend auto: ipc on a CUDA platform
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         hybrid.update_weights([("model.norm.weight", torch.zeros(128))])
-    assert [name for name, _, _ in hybrid.backend.llm.calls] == ["__init__", "init_weight_transfer_engine"]
+    assert [name for name, _, _ in hybrid.backend.llm.calls] == ["__init__", "init_weight_transfer_engine", "llm_engine.set_weight_version"]
 
 
 
@@ -678,7 +754,7 @@ def test_generation_uses_the_adapter_and_the_next_one_replaces_it(lora_hybrid):
     lora_hybrid.generate(prompts, SamplingParams(max_new_tokens=4, stop_token_ids=(2,)))
     calls = lora_hybrid.backend.llm.calls
     check_recorded_calls(calls)
-    assert [(name, args[0] if name == "llm_engine.remove_lora" else None) for name, args, _ in calls[2:5]] == [
+    assert [(name, args[0] if name == "llm_engine.remove_lora" else None) for name, args, _ in calls[3:6]] == [
         ("llm_engine.add_lora", None), ("llm_engine.add_lora", None), ("llm_engine.remove_lora", 1)]
     assert calls[-1][0] == "generate" and calls[-1][2]["lora_request"].lora_int_id == 2
     assert not first_folder.exists() and lora_hybrid.adapter_folder.is_dir()

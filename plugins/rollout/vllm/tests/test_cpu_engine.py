@@ -12,6 +12,7 @@ tolerance is the sync probe's 1e-5 in float32; a stale or missing tensor moves t
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -194,3 +195,146 @@ def test_log_probs_after_every_sync_from_the_fsdp2_engine_equal_the_engines(engi
         engine.update_weights(trainer_weights(tiny_causal_lm(seed=0)))
     print(f"rollout vs fsdp2 log-probs after each sync: {differences}")
     assert max(differences) < SYNC_TOLERANCE
+
+
+# -- partial rollouts: generations carried over new weights, aborted ------------------------------------------
+
+PARTIAL_PROMPT, PARTIAL_TOKENS = [1, 5, 6, 14, 7], 40
+#: tokens a hybrid generation has made at least when it is paused (the rollout's own weights sample ``7`` greedily
+#: after this prompt, never the stop token, so every generation reaches it)
+PAUSED_AT = 5
+
+
+class InFlight:
+    """One ``generate_tokens`` call run in a thread of its own (an agent loop's event loop)."""
+
+    def __init__(self, engine, prompt, sampling):
+        self.result: dict = {}
+        self.thread = threading.Thread(target=lambda: self.result.update(output=asyncio.run(engine.generate_tokens(prompt, sampling))))
+        self.thread.start()
+
+    def output(self):
+        self.thread.join(timeout=120)
+        return self.result["output"]
+
+
+def pause_in_flight(engine, tokens: int = PAUSED_AT) -> None:
+    """Pause generation with a ``generate_tokens`` call in flight. Hybrid: once the call has ``tokens`` tokens (the
+    token loop's lock is held from the check to the pause, so at most the step running then adds more). Server: once
+    the call was sent (it may not have reached vLLM yet: it is then queued there, with no tokens)."""
+    if engine.config.mode == "hybrid":
+        loop = engine.backend.loop
+        with loop.condition:
+            assert loop.condition.wait_for(lambda: any(len(r.token_ids) >= tokens for r in loop.running.values()), timeout=60)
+            engine.pause_generation()
+        return
+    backend = engine.backend
+    with backend.condition:
+        assert backend.condition.wait_for(lambda: backend.in_flight, timeout=60)
+    engine.pause_generation()
+
+
+def new_weights() -> list[tuple[str, torch.Tensor]]:
+    """Weights whose greedy continuation of the prompt varies (the tiny models' own repeat ``7``), for 20 tokens
+    and more after every pause point from 5 to 8 tokens (measured with transformers)."""
+    return random_weights(trainer_weights(tiny_causal_lm(seed=0)), seed=1)
+
+
+def greedy(tokens: int) -> SamplingParams:
+    return SamplingParams(greedy=True, max_new_tokens=tokens)
+
+
+def switched(engine, mode: str, sampling: SamplingParams, weights) -> tuple:
+    """A call paused in flight, given ``weights`` as version 11 (it started with 10) and resumed with ``mode``."""
+    engine.set_weights_version(10, mode)
+    call = InFlight(engine, PARTIAL_PROMPT, sampling)
+    pause_in_flight(engine)
+    try:
+        engine.update_weights(weights)
+        engine.set_weights_version(11, mode)
+    finally:
+        engine.resume_generation()
+    output = call.output()
+    return output, output.versions.count(10)
+
+
+@pytest.fixture
+def restored(engine):
+    """The engine's own weights, version 0, back after the test."""
+    yield engine
+    engine.update_weights(trainer_weights(tiny_causal_lm(seed=0)))
+    engine.set_weights_version(0)
+
+
+def test_keep_numbers_the_tokens_before_the_pause_with_the_old_version_and_the_rest_with_the_new(hybrid_engine):
+    """A seeded call paused after k tokens (the KV cache kept), new weights: versions [10] * k + [11] * (n - k),
+    and the first k tokens are those of the same call uninterrupted with the old weights."""
+    sampling = SamplingParams(temperature=1.0, seed=3, max_new_tokens=PARTIAL_TOKENS)  # no stop token in its 40
+    before = asyncio.run(hybrid_engine.generate_tokens(PARTIAL_PROMPT, sampling))
+    try:
+        output, k = switched(hybrid_engine, "keep", sampling, new_weights())
+    finally:
+        hybrid_engine.update_weights(trainer_weights(tiny_causal_lm(seed=0)))
+        hybrid_engine.set_weights_version(0)
+    n = len(output.token_ids)
+    print(f"keep: paused after {k} of {n} tokens")
+    assert PAUSED_AT <= k < n and output.versions == [10] * k + [11] * (n - k)
+    assert output.token_ids[:k] == before.token_ids[:k] and output.token_ids != before.token_ids and len(output.log_probs) == n
+
+
+def test_recompute_continues_as_a_fresh_greedy_generation_with_the_new_weights_from_the_same_prefix(restored):
+    """vLLM rebuilds the paused call's KV cache from its prompt and tokens so far with the new weights: what it
+    samples from then on is what a new call from that prefix samples with them (greedy: seeded sampling keeps the
+    call's random stream, which a new call starts afresh; the next test checks that stream)."""
+    engine = restored
+    output, k = switched(engine, "recompute", greedy(PARTIAL_TOKENS), new_weights())
+    n = len(output.token_ids)
+    print(f"recompute ({engine.config.mode}): paused after {k} of {n} tokens: {output.token_ids}")
+    assert output.versions == [10] * k + [11] * (n - k) and k < n
+    fresh = asyncio.run(engine.generate_tokens(PARTIAL_PROMPT + output.token_ids[:k], greedy(PARTIAL_TOKENS - k)))
+    assert fresh.token_ids == output.token_ids[k:] and fresh.finish_reason == output.finish_reason
+    assert (torch.tensor(fresh.log_probs) - torch.tensor(output.log_probs[k:])).abs().max() < KERNEL_TOLERANCE
+
+
+def test_recompute_with_unchanged_weights_keeps_a_seeded_calls_random_stream(hybrid_engine):
+    """The same weights loaded again while paused: the rebuilt cache and the call's own random stream give
+    exactly the tokens of the uninterrupted call."""
+    sampling = SamplingParams(temperature=1.0, seed=3, max_new_tokens=PARTIAL_TOKENS)  # no stop token in its 40
+    uninterrupted = asyncio.run(hybrid_engine.generate_tokens(PARTIAL_PROMPT, sampling))
+    try:
+        output, k = switched(hybrid_engine, "recompute", sampling, trainer_weights(tiny_causal_lm(seed=0)))
+    finally:
+        hybrid_engine.set_weights_version(0)
+    assert k >= PAUSED_AT and output.token_ids == uninterrupted.token_ids
+    assert (torch.tensor(output.log_probs) - torch.tensor(uninterrupted.log_probs)).abs().max() < KERNEL_TOLERANCE
+
+
+def test_abort_returns_each_call_its_tokens_so_far_and_later_calls_are_served(engine):
+    """Paused with one call in flight and another queued: an abort gives the first its tokens so far (hybrid: at
+    least k; server: those made before the pause) and the second none, both ``finish_reason="abort"``; after the
+    resume a new call is served to its end."""
+    engine.set_weights_version(4)
+    try:
+        running = InFlight(engine, PARTIAL_PROMPT, greedy(PARTIAL_TOKENS))
+        pause_in_flight(engine)
+        queued = InFlight(engine, [1, 9, 14], greedy(PARTIAL_TOKENS))
+        backend = engine.backend
+        if engine.config.mode == "hybrid":
+            condition, waiting = backend.loop.condition, lambda: len(backend.loop.pending) == 1
+        else:
+            condition, waiting = backend.condition, lambda: len(backend.in_flight) == 2
+        with condition:
+            assert condition.wait_for(waiting, timeout=60)
+        engine.abort_generation()
+        first, second = running.output(), queued.output()
+    finally:
+        engine.resume_generation()
+        engine.set_weights_version(0)
+    k = len(first.token_ids)
+    print(f"abort ({engine.config.mode}): the call in flight had {k} tokens")
+    full = asyncio.run(engine.generate_tokens(PARTIAL_PROMPT, greedy(PARTIAL_TOKENS)))
+    assert first.finish_reason == "abort" and k < PARTIAL_TOKENS and first.versions == [4] * k
+    assert first.token_ids == full.token_ids[:k] and len(first.log_probs) == k
+    assert engine.config.mode == "server" or k >= PAUSED_AT
+    assert (second.token_ids, second.versions, second.finish_reason) == ([], [], "abort")
+    assert full.finish_reason == "length" and full.versions == [0] * PARTIAL_TOKENS

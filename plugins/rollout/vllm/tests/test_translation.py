@@ -12,14 +12,19 @@ from rlplat.config_node import read_config_node
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
 from rlplat_rollout_vllm.config import VLLMRolloutConfig
 from rlplat_rollout_vllm.translate import (
+    cache_salt,
     completion_payload,
     engine_kwargs,
+    generate_payload,
     packed_update_info,
     repeat_greedy,
     sample_from_completion,
+    sample_from_generate_response,
     samples_from_completion_response,
     sampling_kwargs,
     server_arguments,
+    token_finish_reason,
+    versions_from_spans,
     weight_path,
     write_adapter,
 )
@@ -270,3 +275,66 @@ def test_a_missing_cpp_compiler_is_named_before_vllms_cpu_backend_starts(monkeyp
     assert cpp_compiler_problem() is None
     monkeypatch.setenv("CXX", "/nonexistent/clang++")
     assert cpp_compiler_problem() == "CXX='/nonexistent/clang++' is not an executable on PATH"
+
+
+# -- partial rollouts: versions, aborts, the token route ----------------------------------------------------
+
+class TestVersionsFromSpans:
+    def test_spans_become_one_version_per_token_from_vllms_objects_or_their_json(self):
+        objects = [types.SimpleNamespace(version="3", start=0, end=2), types.SimpleNamespace(version="4", start=2, end=5)]
+        assert versions_from_spans(objects, 5) == [3, 3, 4, 4, 4]
+        assert versions_from_spans([{"version": "7", "start": 0, "end": 1}], 1) == [7]
+
+    def test_no_tokens_need_no_spans(self):
+        assert versions_from_spans(None, 0) == [] and versions_from_spans([], 0) == []
+
+    @pytest.mark.parametrize("spans, count, message", [
+        (None, 2, "no weights versions for 2"),
+        ([{"version": "1", "start": 0, "end": 2}], 3, "cover 2 tokens of 3"),
+        ([{"version": "1", "start": 1, "end": 2}], 2, "do not cover"),
+        ([{"version": "default", "start": 0, "end": 2}], 2, "labelled 'default'"),
+    ], ids=["missing", "short", "gap", "not-a-version"])
+    def test_spans_that_do_not_number_every_token_are_refused(self, spans, count, message):
+        with pytest.raises(RuntimeError, match=message):
+            versions_from_spans(spans, count)
+
+
+def test_an_abort_is_kept_as_the_finish_reason_and_the_others_are_checked_as_before():
+    assert token_finish_reason([5, 6], {2}, 8, "abort") == "abort"
+    assert token_finish_reason([], {2}, 8, "abort") == "abort"
+    assert token_finish_reason([5, 2], {2}, 8, "stop") == "stop"
+    with pytest.raises(RuntimeError, match="finish reason 'error'"):
+        token_finish_reason([5], {2}, 8, "error")
+
+
+def test_every_request_names_the_weights_it_is_sampled_with_in_its_prefix_cache_salt():
+    assert cache_salt(0) != cache_salt(1) and cache_salt(3) == "rlplat-weights-3"
+    payload = completion_payload([[1, 2]], SamplingParams(), (2,), None, salt=cache_salt(1))
+    assert payload["cache_salt"] == "rlplat-weights-1"
+    assert "cache_salt" not in completion_payload([[1, 2]], SamplingParams(), (2,), None)
+
+
+def test_the_token_route_request_names_the_request_and_samples_as_the_completion_does():
+    sampling = SamplingParams(temperature=0.5, max_new_tokens=9, stop_token_ids=(4,), seed=2)
+    payload = generate_payload("rlplat-1", (1, 5), sampling, (2,), "adapter-3", cache_salt(2))
+    assert payload == {"request_id": "rlplat-1", "token_ids": [1, 5], "output_mode": "tokens", "model": "adapter-3",
+                       "cache_salt": "rlplat-weights-2", "sampling_params": sampling_kwargs(sampling, (2,))}
+    assert "model" not in generate_payload("rlplat-1", [1], sampling, (), None)
+
+
+def test_a_token_route_answer_becomes_a_sample_with_each_tokens_version():
+    choice = {"index": 0, "token_ids": [5, 2], "finish_reason": "stop",
+              "logprobs": {"content": [{"token_id": 5, "logprob": -0.5}, {"token_id": 2, "logprob": -1.5}]},
+              "weight_versions": [{"version": "6", "start": 0, "end": 1}, {"version": "7", "start": 1, "end": 2}]}
+    assert sample_from_generate_response({"choices": [choice]}, {2}, 8) == TokenOutput([5, 2], [-0.5, -1.5], "stop", versions=[6, 7])
+    aborted = {"index": 0, "token_ids": [], "finish_reason": "abort", "logprobs": None, "weight_versions": []}
+    assert sample_from_generate_response({"choices": [aborted]}, {2}, 8) == TokenOutput([], [], "abort", versions=[])
+    with pytest.raises(RuntimeError, match="lacks token_ids or their log-probs"):
+        sample_from_generate_response({"choices": [{**choice, "logprobs": None}]}, {2}, 8)
+
+
+def test_an_engine_stepped_in_this_process_runs_without_async_scheduling():
+    config = VLLMRolloutConfig(model_path="/m", engine_kwargs={"max_logprobs": 4})
+    assert engine_kwargs(config, in_process=True)["async_scheduling"] is False
+    assert "async_scheduling" not in engine_kwargs(config)
+    assert engine_kwargs(VLLMRolloutConfig(model_path="/m", engine_kwargs={"async_scheduling": True}), in_process=True)["async_scheduling"] is True
