@@ -35,7 +35,7 @@ from rlplat.contracts.rollout import SamplingParams
 from rlplat.data import build_loaders
 from rlplat.trainer.placement import Placement, enabled_roles, place
 from rlplat.losses import rollout_correction
-from rlplat.trainer.pipeline import AsyncSettings, RolloutPipeline, TrainedPromptsLog, pop_window, row_versions
+from rlplat.trainer.pipeline import AsyncSettings, RolloutPipeline, TrainedPromptsLog, partial_mode, pop_window, row_versions
 from rlplat.protocol import DataProto
 from rlplat.kits.reward import last_tokens
 from rlplat.controller import timeline
@@ -178,7 +178,7 @@ class Trainer:
                 return self.rollout.call_rank(replica, "generate_sequences", prompts)
             return self.rollout.call_async("generate_sequences", prompts)
 
-        partial = self.async_settings.mode == "separate_async" and self.config.trainer.partial_rollout != "off"
+        partial = self.async_settings.mode == "separate_async" and partial_mode(self.config.trainer) != "off"
         self.pipeline = RolloutPipeline(self.async_settings, self.train_loader, start=start,
                                         regenerate=lambda prompts, replica: start(prompts, replica).get(),
                                         seed_of=self.step_seed, replicas=replicas,

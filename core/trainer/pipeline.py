@@ -117,13 +117,20 @@ def check_trainer_mode(config: Any) -> None:
     check_partial_rollout(config)
 
 
+def partial_mode(trainer: Any) -> str:
+    """``trainer.partial_rollout`` as a mode name: ``off`` also when YAML read it as the boolean false (which
+    the typed node then holds as ``"False"``)."""
+    value = trainer.get("partial_rollout", "off")
+    return "off" if value in (None, False, "False", "false") else value
+
+
 def check_partial_rollout(config: Any) -> None:
     """``trainer.partial_rollout``: a known mode, with ``separate_async`` and a rollout that can do it."""
     from rlplat import registry
     from rlplat.config_node import ConfigError
 
     trainer = config.trainer
-    mode = trainer.get("partial_rollout", "off")
+    mode = partial_mode(trainer)
     if mode not in PARTIAL_MODES:
         raise ConfigError(f"trainer.partial_rollout must be one of {', '.join(PARTIAL_MODES)}, got {mode!r}.")
     if mode == "off":

@@ -49,6 +49,8 @@ def actor_loss_config(run: RunContext) -> dict[str, Any]:
 
 def actor_rollout_config(run: RunContext, roles: list[str]) -> dict[str, Any]:
     """The ``ActorRolloutRefWorker`` config of this run, for the given roles."""
+    from rlplat.trainer.pipeline import partial_mode
+
     config = run.config
     return {
         "roles": roles, "engine": config.actor.engine, "engine_config": engine_node(config, "actor", run.total_steps),
@@ -61,7 +63,7 @@ def actor_rollout_config(run: RunContext, roles: list[str]) -> dict[str, Any]:
         "prompt_length": config.data.max_prompt_length,
         "template_kwargs": OmegaConf.to_container(config.data.apply_chat_template_kwargs, resolve=True) or {},
         "reward": reward_node(config),
-        "partial_rollout": config.trainer.get("partial_rollout", "off") if config.trainer.mode == "separate_async" else "off",
+        "partial_rollout": partial_mode(config.trainer) if config.trainer.mode == "separate_async" else "off",
     }
 
 
@@ -128,9 +130,9 @@ class RolloutRole(Role):
 
     def concurrent_calls(self, run: RunContext) -> int:
         """With ``trainer.partial_rollout``: every generation in flight, a weight load and an abort at once."""
-        from rlplat.trainer.pipeline import AsyncSettings
+        from rlplat.trainer.pipeline import AsyncSettings, partial_mode
 
-        if run.config.trainer.get("partial_rollout", "off") == "off":
+        if partial_mode(run.config.trainer) == "off":
             return 1
         return AsyncSettings.of(run.config.trainer).ahead + 3
 

@@ -10,6 +10,8 @@ default 0.02.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rlplat_rollout_vllm.platform import cpu_build_installed
@@ -111,15 +113,26 @@ def test_a_blackbox_openai_agent_trains_through_the_gateway_on_vllm(tmp_path):
     assert max(probed(records)) < 1e-5
 
 
-def test_a_separate_rollout_pool_on_ray_serves_vllm_within_the_staleness_bound(assets, tmp_path):
+@pytest.mark.parametrize("partial", ["off", "keep"])
+def test_a_separate_rollout_pool_on_ray_serves_vllm_within_the_staleness_bound(assets, tmp_path, partial):
     """``trainer.mode=separate_async``: vLLM in a rollout pool of its own (a Ray actor), weights shipped
-    to it after every update; 10 steps, each trained batch at most one version stale."""
+    to it after every update (with ``trainer.partial_rollout=keep``: landing during the generations in
+    flight, every token numbered with its version); 10 steps, each trained token at most one version stale."""
     common = ["trainer.mode=separate_async", "trainer.max_staleness=1", "algorithm.rollout_correction.allow_uncorrected=true", "cluster.backend=ray", "roles.rollout.devices_per_node=1",
-              "cluster.cpus_per_process=0.5", "trainer.total_training_steps=10"]
-    records = fit_run(load_config(overrides=small_run(assets, tmp_path / "separate", *common), algo="grpo"))
+              "cluster.cpus_per_process=0.5", "trainer.total_training_steps=10", f"trainer.partial_rollout={partial}"]
+    if partial != "off":  # long responses that never end early: generations outlast a training step
+        common += ["rollout.response_length=48", "rollout.config.eos_token_ids=[]"]
+    run = tmp_path / f"separate-{partial}"
+    records = fit_run(load_config(overrides=small_run(assets, run, *common), algo="grpo"))
     assert [record["step"] for record in records] == list(range(1, 11))
     assert all(0 <= record["async/staleness_max"] <= 1 for record in records)
     assert all(record["async/samples_dropped"] == 0 for record in records)
+    trained = [json.loads(line) for line in (run / "trained_prompts.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in trained] == list(range(1, 11)) and max(line["staleness_max"] for line in trained) <= 1
+    if partial != "off":
+        mixed = sum(record["async/partial_samples"] for record in records)
+        print(f"samples drawn from two versions: {mixed:.0f} of 80")
+        assert mixed > 0, "no weight load landed during a generation"
 
 
 def test_lora_adapters_reach_vllm_at_every_sync(assets, tmp_path):
