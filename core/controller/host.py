@@ -72,6 +72,16 @@ def set_threads(threads: int) -> int:
     return threads
 
 
+def follow_threads(threads: int) -> None:
+    """Give the calling thread ``threads`` torch (OpenMP) threads. OpenMP keeps the count per thread: a thread
+    started after :func:`set_threads` (a pool thread of a Ray actor, a rollout's own loop) starts from the
+    process's default, and kernels that size their work in one thread and run it in another disagree."""
+    import torch
+
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 class WorkerHost:
     """See the module docstring. ``fetch`` turns object references into values (``ray.get`` under Ray)."""
 
@@ -79,6 +89,7 @@ class WorkerHost:
                  processes_on_node: int | None = None, threads: int | None = None):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.set_environment()
+        self.threads: int | None = None
         if processes_on_node is not None or threads is not None:
             self.threads = set_threads(threads or cores_share(processes_on_node or 1))
         self.fetch = fetch or (lambda values: list(values))
@@ -141,6 +152,8 @@ class WorkerHost:
         kwargs = {key: self.resolve(value, learned) for key, value in kwargs.items()}
         pad_in = 0 if pad_rows is None else (learned[0] if pad_rows == -1 and learned else max(pad_rows, 0))
         worker = self.workers[role]
+        if self.threads is not None:
+            follow_threads(self.threads)  # a host running calls at once runs them on threads of a pool
         worker.padding_rows = pad_in
         try:
             with timeline.span(f"{role}.{method}", "worker", rank=self.rank):

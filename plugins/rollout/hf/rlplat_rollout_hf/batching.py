@@ -288,7 +288,8 @@ class TokenBatcher:
     def start(self) -> None:
         with self.lock:
             if self.worker is None and self.pending:
-                self.worker = threading.Thread(target=self.serve, name="hf-rollout-token-batcher", daemon=True)
+                threads = torch.get_num_threads()  # the starting thread's: OpenMP counts threads per thread
+                self.worker = threading.Thread(target=self.serve, args=(threads,), name="hf-rollout-token-batcher", daemon=True)
                 self.worker.start()
 
     def take(self, batch: RunningBatch | None) -> list[TokenRequest]:
@@ -309,7 +310,9 @@ class TokenBatcher:
             taken.append(self.pending.popleft())
         return taken
 
-    def serve(self) -> None:
+    def serve(self, threads: int | None = None) -> None:
+        if threads is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         batch: RunningBatch | None = None
         try:
             while True:

@@ -35,6 +35,8 @@ import threading
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Iterator, Sequence
 
+import torch
+
 from rlplat.contracts.rollout import TokenOutput
 from rlplat_rollout_vllm.translate import token_finish_reason, versions_from_spans
 
@@ -109,7 +111,8 @@ class TokenLoop:
         with self.condition:
             self.pending.append(request)
             if self.worker is None:
-                self.worker = threading.Thread(target=self.serve, name="vllm-rollout-token-loop", daemon=True)
+                threads = torch.get_num_threads()  # the submitting thread's: the loop's kernels use as many
+                self.worker = threading.Thread(target=self.serve, args=(threads,), name="vllm-rollout-token-loop", daemon=True)
                 self.worker.start()
             self.condition.notify_all()
         return request.future
@@ -122,7 +125,9 @@ class TokenLoop:
             return False
         return bool(self.running) or (bool(self.pending) and self.may_admit())
 
-    def serve(self) -> None:
+    def serve(self, threads: int | None = None) -> None:
+        if threads is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)  # OpenMP counts threads per thread: a new one starts from the default
         while True:
             with self.condition:
                 while not self.may_step():
