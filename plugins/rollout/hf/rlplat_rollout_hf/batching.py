@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Optional, Union
 import torch
 
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
+from rlplat.controller.host import follow_threads
 from rlplat_rollout_hf.sampling import choose_per_row, stream_keys
 
 if TYPE_CHECKING:
@@ -311,8 +312,8 @@ class TokenBatcher:
         return taken
 
     def serve(self, threads: int | None = None) -> None:
-        if threads is not None and torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        if threads is not None:
+            follow_threads(threads)
         batch: RunningBatch | None = None
         try:
             while True:

@@ -38,6 +38,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from rlplat.contracts.rollout import TokenOutput
+from rlplat.controller.host import follow_threads
 from rlplat_rollout_vllm.translate import token_finish_reason, versions_from_spans
 
 
@@ -126,8 +127,8 @@ class TokenLoop:
         return bool(self.running) or (bool(self.pending) and self.may_admit())
 
     def serve(self, threads: int | None = None) -> None:
-        if threads is not None and torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)  # OpenMP counts threads per thread: a new one starts from the default
+        if threads is not None:
+            follow_threads(threads)  # OpenMP counts threads per thread: a new one starts from the default
         while True:
             with self.condition:
                 while not self.may_step():
