@@ -231,6 +231,12 @@ def plugin_nodes(config: DictConfig, algorithm: Any, total_steps: int) -> list[P
     schema, owner = entry_schema("policy_loss", loss_mode, "actor.loss.policy_loss.loss_mode")
     check_aggregation_supported(config, loss_mode, owner)
     nodes.append(PluginNode("actor.loss.policy_loss", owner, schema, {"loss_mode": loss_mode, **policy_node}))
+    for index, term in enumerate(OmegaConf.to_container(config.actor.loss, resolve=True).get("terms") or []):
+        if isinstance(term, dict) and term.get("loss_mode"):  # its shape is PolicyLossConfig's check
+            where = f"actor.loss.terms[{index}]"
+            schema, owner = entry_schema("policy_loss", term["loss_mode"], f"{where}.loss_mode")
+            check_aggregation_supported(config, term["loss_mode"], owner)
+            nodes.append(PluginNode(where, owner, schema, {key: value for key, value in term.items() if key != "coef"}))
     schema, owner = entry_schema("algorithm", config.algorithm.name, "algorithm.name")
     try:
         schema = algorithm_node_schema(schema)

@@ -106,6 +106,14 @@ class LossFunction(Protocol):
     An optional attribute ``needs_entropy`` (default False) asks the engine to compute ``entropy`` in
     ``outputs`` (it costs a pass over the vocabulary, so it is computed only when asked). A loss function
     must pickle: the driver may build it and ship it to the workers by value.
+
+    Two more optional attributes, for engines that list them in :attr:`TrainingEngine.features`:
+    ``count_masks`` (names of ``[b, R]`` mask columns of the batch) makes the engine put
+    ``meta_info["global_counts"][name] = {"tokens": ..., "sequences": ...}`` of each mask (within
+    ``response_mask``) over the whole mini-batch and every rank, as it does ``global_token_count``;
+    ``gather_ids`` (the name of an int64 ``[b, R, k]`` column of token ids) makes ``outputs`` hold
+    ``gathered_log_probs`` ``[b, R, k]``: ``log softmax(logits / temperature)`` at those ids, with gradients
+    (a distillation loss's student side at the teacher's top-k ids).
     """
 
     def __call__(self, outputs: Mapping[str, "torch.Tensor"], micro_batch: "DataProto") -> tuple["torch.Tensor", dict[str, float]]: ...
@@ -126,6 +134,10 @@ class TrainingEngine(abc.ABC):
 
     supports_lora: ClassVar[bool] = False
     """Whether the engine takes ``EngineBuildConfig.lora`` (checked at load)."""
+    features: ClassVar[frozenset] = frozenset()
+    """Optional abilities, checked before a run relies on them: ``count_masks`` and ``gather_ids`` (a loss
+    function's attributes of those names, see :class:`LossFunction`) and ``top_k`` (:meth:`forward` takes
+    ``top_k=k``)."""
 
     @abc.abstractmethod
     def init_model(self) -> None:
@@ -143,6 +155,10 @@ class TrainingEngine(abc.ABC):
         reward model (``EngineBuildConfig.reward_model``, which reads no ``responses``). Row order is preserved.
         Only positions inside the response mask are defined; an engine that skips padding (packing)
         returns 0 outside it.
+
+        An engine with ``top_k`` in :attr:`features` takes ``top_k=k`` (> 0) and adds ``top_k_log_probs`` and
+        ``top_k_ids`` [B, R, k]: the ``k`` largest log-probs at each response position and their token ids
+        (a teacher's side of a top-k distillation loss). Callers pass it only to such an engine.
         """
 
     @abc.abstractmethod

@@ -123,7 +123,8 @@ class Role(abc.ABC):
     def on_stage(self, stage: str, group: "WorkerGroup", batch: "DataProto") -> "DataProto | None":
         """Called at each stage of :data:`STAGES` of every training step with this role's worker group and
         the step's batch; return a DataProto of new columns (one row per batch row) to join the batch, or
-        None. The default takes no part."""
+        None. Floats in its ``meta_info["metrics"]`` join the step's metrics (not the batch). The default
+        takes no part."""
         return None
 
     def rule_scores_needed(self, run: RunContext, validation: bool) -> bool:

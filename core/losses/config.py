@@ -9,13 +9,13 @@ data-parallel rank) before it calls a policy loss, which reads them as attribute
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from rlplat.config_node import ConfigError
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ENGINE_SET_KEYS = ("global_token_count", "global_sequence_count")
-LOSS_SET_KEYS = (*ENGINE_SET_KEYS, "rollout_is_weights", "rollout_correction")
+LOSS_SET_KEYS = (*ENGINE_SET_KEYS, "rollout_is_weights", "rollout_correction", "inputs", "global_counts")
 """Keys of the loss nodes that the loss function (per micro-batch) or the run sets; a user may not set them."""
 
 
@@ -49,6 +49,12 @@ class PolicyLossConfig:
     policy_loss: Dict[str, Any] = dataclasses.field(default_factory=lambda: {"loss_mode": "vanilla"})
     """``loss_mode`` (the registered policy loss, kind ``policy_loss``) and that loss's own knobs, checked
     against the config schema its registry entry declares."""
+    policy_loss_coef: float = 1.0
+    """Weight of ``policy_loss`` in the actor loss; 0 leaves it out (pure distillation: only ``terms`` train)."""
+    terms: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+    """More policy losses added to the actor loss, each ``{loss_mode: <registered policy_loss>, coef: <weight>,
+    ...that loss's own knobs}`` (the distillation losses of rlplat-distill: ``reverse_kl``, ``forward_kl_topk``,
+    ...). Each term aggregates itself, over its own mask and that mask's global counts."""
     global_token_count: Optional[int] = None
     """Set per micro-batch by the loss function (not a user setting): valid tokens of the whole mini-batch
     over every data-parallel rank."""
@@ -59,6 +65,13 @@ class PolicyLossConfig:
     """Set per micro-batch by the actor loss (not a user setting): the rollout-correction importance weights
     ``[b, R]`` (``algorithm.rollout_correction``); :func:`rlplat.losses.aggregate_with_settings` multiplies
     each token's policy loss by its weight before aggregating."""
+    inputs: Optional[Any] = None
+    """Set per micro-batch by the actor loss (not a user setting): the micro-batch's columns and the engine's
+    outputs by name (:class:`rlplat.losses.functions.LossInputs`), for losses that read more than the four
+    tensors they are called with (the distillation terms read the teacher's columns)."""
+    global_counts: Optional[Dict[str, Any]] = None
+    """Set per micro-batch by the actor loss (not a user setting): for each mask a loss declares in
+    ``count_masks``, ``{"tokens": ..., "sequences": ...}`` of the whole mini-batch over every rank."""
     rollout_correction: Optional[Dict[str, Any]] = None
     """Set by the run (not a user setting, which is ``algorithm.rollout_correction``): that node when it is in
     bypass mode, where the actor loss computes the weights and the rejection of each micro-batch itself
@@ -66,6 +79,7 @@ class PolicyLossConfig:
 
     def __post_init__(self) -> None:
         check_loss_agg_mode(self.loss_agg_mode, "loss_agg_mode")
+        check_terms(self.terms, self.policy_loss_coef)
         if "loss_mode" not in self.policy_loss:
             self.policy_loss = {**self.policy_loss, "loss_mode": "vanilla"}
 
@@ -92,6 +106,24 @@ class ValueLossConfig:
 
     def __post_init__(self) -> None:
         check_loss_agg_mode(self.loss_agg_mode, "loss_agg_mode")
+
+
+def check_terms(terms: Any, policy_loss_coef: float) -> None:
+    """``actor.loss.terms`` and ``policy_loss_coef``: each term a mapping naming its ``loss_mode`` with a
+    finite ``coef``; something to train."""
+    import math
+
+    if not math.isfinite(policy_loss_coef) or policy_loss_coef < 0:
+        raise ConfigError(f"actor.loss.policy_loss_coef must be a finite number >= 0, got {policy_loss_coef}")
+    for index, term in enumerate(terms):
+        where = f"actor.loss.terms[{index}]"
+        if not isinstance(term, dict) or not term.get("loss_mode"):
+            raise ConfigError(f"{where}: each term is a mapping with a loss_mode (a registered policy_loss) and a coef, got {term!r}")
+        coef = term.get("coef", 1.0)
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
+            raise ConfigError(f"{where}.coef must be a finite number, got {coef!r}")
+    if policy_loss_coef == 0 and not terms:
+        raise ConfigError("actor.loss.policy_loss_coef is 0 and actor.loss.terms is empty: the actor loss would train nothing")
 
 
 def check_loss_agg_mode(mode: str, where: str) -> None:

@@ -73,6 +73,13 @@ class ActorLoss:
     ``reinforce`` (``-A * w * log_prob``, ``w`` the detached weights) for ``loss_type: reinforce``, taken
     against ``rollout_log_probs``. The ``rollout_corr/*`` metrics come as contributions like the others,
     per-sequence ones scaled by the micro-batch's share of the sequences.
+
+    ``config.policy_loss_coef`` weighs the policy term (0: left out) and ``config.terms`` adds more
+    registered policy losses, each times its ``coef``, called with ``config.policy_loss`` set to the term's
+    own knobs, ``config.inputs`` (:class:`LossInputs`) and ``config.global_counts`` (the engine's counts of
+    each mask in :attr:`count_masks`); each aggregates itself and returns its metrics as contributions. The
+    attributes :attr:`count_masks` and :attr:`gather_ids` tell the engine what the terms need (see
+    :class:`rlplat.contracts.engine.LossFunction`).
     """
 
     config_schema = PolicyLossConfig
@@ -90,11 +97,16 @@ class ActorLoss:
                                   "correction weights and rejects the batch before the update); this node has bypass_mode=false")
             if self.rollout_correction.loss_type == "reinforce":
                 loss_mode = BYPASS_PG_LOSS
-        if policy_loss is None:
-            from rlplat import registry
+        from rlplat import registry
+        from rlplat.losses.distillation import loss_needs
 
+        if policy_loss is None:
             policy_loss = registry.get("policy_loss", loss_mode)
         self.policy_loss = policy_loss
+        self.terms = [(registry.get("policy_loss", term["loss_mode"]), float(term.get("coef", 1.0)),
+                       {key: value for key, value in term.items() if key != "coef"}) for term in self.config.terms]
+        used = [self.policy_loss] if self.config.policy_loss_coef != 0 else []
+        self.count_masks, self.gather_ids = loss_needs(used + [function for function, _, _ in self.terms])
 
     @property
     def needs_entropy(self) -> bool:
@@ -105,8 +117,13 @@ class ActorLoss:
         settings = with_global_counts(self.config, micro_batch.meta_info)
         batch = micro_batch.batch
         response_mask, log_prob = batch["response_mask"], outputs["log_probs"]
+        if self.count_masks or self.terms:
+            settings = dataclasses.replace(settings, inputs=LossInputs(outputs, batch),
+                                           global_counts=micro_batch.meta_info.get("global_counts") or {})
         correction_metrics: dict[str, float] = {}
-        if self.rollout_correction is not None:
+        if settings.policy_loss_coef == 0:
+            loss, metrics = log_prob.sum() * 0.0, {}
+        elif self.rollout_correction is not None:
             loss, metrics, correction_metrics = self.bypass_policy_term(settings, batch, log_prob)
         else:
             weighted = settings
@@ -115,7 +132,15 @@ class ActorLoss:
             loss, metrics = self.policy_loss(
                 batch["old_log_probs"], log_prob, batch["advantages"], response_mask, settings.loss_agg_mode, weighted
             )
-        metrics = {**metrics, "actor/pg_loss": float(loss.detach().item())}
+        if settings.policy_loss_coef != 0:
+            metrics = {**metrics, "actor/pg_loss": float(loss.detach().item())}
+            loss = loss * settings.policy_loss_coef
+        term_metrics: dict[str, float] = {}
+        for function, coef, knobs in self.terms:  # each normalised over its own mask: contributions as they are
+            term, reported = function(batch["old_log_probs"], log_prob, batch["advantages"], response_mask,
+                                      settings.loss_agg_mode, dataclasses.replace(settings, policy_loss=knobs))
+            loss = loss + coef * term
+            term_metrics.update(reported)
         if settings.entropy_coeff != 0:
             entropy = aggregate_with_settings(outputs["entropy"], response_mask, settings.loss_agg_mode, settings)
             loss = loss - settings.entropy_coeff * entropy
@@ -127,7 +152,7 @@ class ActorLoss:
             metrics["actor/kl_coef"] = float(settings.kl_loss_coef)
         additive = {"actor/pg_loss", "actor/entropy", "actor/kl_loss"}
         return loss, {**as_contributions(metrics, additive, token_share(response_mask, settings.global_token_count)),
-                      **correction_metrics}
+                      **correction_metrics, **term_metrics}
 
     def bypass_policy_term(self, settings: PolicyLossConfig, batch: Any,
                            log_prob: torch.Tensor) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
@@ -152,6 +177,29 @@ class ActorLoss:
         sequences = sequence_share(response_mask, settings.global_sequence_count)
         contributions = {key: value * (sequences if is_per_sequence(key, correction) else tokens) for key, value in raw.items()}
         return loss, metrics, contributions
+
+
+class LossInputs(Mapping):
+    """A micro-batch's columns and the engine's outputs by name, outputs first: what a policy loss that reads
+    more than its four tensors finds in ``config.inputs``. Lazy outputs (``entropy``, ``gathered_log_probs``)
+    are computed when read."""
+
+    def __init__(self, outputs: Mapping[str, torch.Tensor], batch: Any):
+        self.outputs, self.batch = outputs, batch
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self.outputs:
+            return self.outputs[key]
+        return self.batch[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.outputs or key in self.batch.keys()
+
+    def __iter__(self) -> Any:
+        return iter([*self.outputs, *(key for key in self.batch.keys() if key not in self.outputs)])
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
 
 
 class CriticLoss:

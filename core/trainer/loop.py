@@ -118,6 +118,7 @@ class Trainer:
 
         validate_config(config)
         self.config = config
+        self.role_metrics: dict[str, float] = {}  # what roles report at the stages of the current step
         self.node = OmegaConf.to_container(config, resolve=True)
         self.algorithm = registry.get("algorithm", config.algorithm.name)()
         self.algorithm.config = read_config_node(self.node["algorithm"], algorithm_schema(config.algorithm.name), "algorithm")
@@ -210,7 +211,10 @@ class Trainer:
         """Let every role take part in stage ``name`` of the step (:meth:`Role.on_stage`)."""
         for role_name, role in self.placement.roles.items():
             added = role.on_stage(name, self.placement.groups[role_name], batch)
-            if added is not None and name != "updated":
+            if added is None:
+                continue
+            self.role_metrics.update(added.meta_info.pop("metrics", None) or {})
+            if name != "updated":
                 batch = batch.union(added)
         return batch
 
@@ -314,6 +318,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         timing: dict[str, float] = {}
         metrics: dict[str, Any] = {}
+        self.role_metrics = {}
         started = time.perf_counter()
         seed = self.config.trainer.seed * 1_000_003 + self.step
         trainer = self.config.trainer
@@ -390,6 +395,7 @@ class Trainer:
         metrics.update(batch_metrics(batch, sampled_mask))
         metrics.update(self.driver_metrics(batch, ""))
         metrics.update(batch.meta_info.get("reward_metrics", {}))
+        metrics.update(self.role_metrics)
         self.sentinel.check_collapse(metrics, self.step)
         timing["timing_s/step"] = time.perf_counter() - started
         tokens = float(batch.batch["attention_mask"].sum())

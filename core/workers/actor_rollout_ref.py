@@ -58,6 +58,19 @@ ROW_INDEX = "rlplat_row_index"
 NOT_ACKED = object()  # no sync acknowledged yet: no engine instance to compare with
 
 
+def check_engine_features(engine: Any, loss_fn: Any, engine_name: str) -> None:
+    """Refuse a loss function that needs what the engine does not list in ``features`` (``count_masks``,
+    ``gather_ids``): the run stops at build time, not at its first update."""
+    features = getattr(engine, "features", frozenset())
+    needed = [name for name in ("count_masks", "gather_ids") if getattr(loss_fn, name, None)]
+    missing = [name for name in needed if name not in features]
+    if missing:
+        raise ValueError(f"the actor loss needs {', '.join(missing)} of its engine (count_masks: a term's own token "
+                         "counts; gather_ids: the student's log-probs at a teacher's top-k ids), and engine "
+                         f"{engine_name!r} does not list it (its features: {sorted(features) or 'none'}); use an engine "
+                         "that does (fsdp2), or a term that needs less (reverse_kl reads the sampled tokens only)")
+
+
 class OldLogProbsFromForward:
     """A loss function around ``loss_fn`` for a strictly on-policy update (one epoch, one mini-batch):
     before the optimizer step every row's forward runs on the weights that sampled nothing since, so
@@ -68,6 +81,8 @@ class OldLogProbsFromForward:
     def __init__(self, loss_fn: Any, rows: int):
         self.loss_fn = loss_fn
         self.needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
+        self.count_masks = getattr(loss_fn, "count_masks", ())
+        self.gather_ids = getattr(loss_fn, "gather_ids", None)
         self.old_log_probs: torch.Tensor | None = None
         self.seen = torch.zeros(rows, dtype=torch.bool)
         self.rows = rows
@@ -158,6 +173,7 @@ class ActorRolloutRefWorker(Worker):
             algorithm = registry.get("algorithm", config.algorithm)()
             actor_node = config.actor if config.actor is not None else algorithm.default_nodes()["actor"]["loss"]
             self.actor_loss = algorithm.build_loss("actor", actor_node)
+            check_engine_features(self.actor, self.actor_loss, config.engine)
         if self.has("ref"):
             if self.actor is not None and self.lora_sync() is not None and config.reference_engine_config is None:
                 self.reference_from_actor = True  # the base model is the actor's with the adapter off: no second copy

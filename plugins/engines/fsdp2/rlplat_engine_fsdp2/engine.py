@@ -60,6 +60,7 @@ class FSDP2Engine(TrainingEngine):
     arguments override its fields (``FSDP2Engine(config, lr=1e-5)``)."""
 
     supports_lora = True
+    features = frozenset({"count_masks", "gather_ids", "top_k"})
 
     def __init__(self, config: Any, **overrides: Any):
         config = read_engine_config(config)
@@ -153,9 +154,11 @@ class FSDP2Engine(TrainingEngine):
 
     # -- forward -----------------------------------------------------------------------------------
 
-    def forward(self, batch: DataProto, *, temperature: float = 1.0, calculate_entropy: bool = False) -> DataProto:
+    def forward(self, batch: DataProto, *, temperature: float = 1.0, calculate_entropy: bool = False, top_k: int = 0) -> DataProto:
         model = self.require_model("forward")
         self.check_inputs(batch, "forward")
+        if top_k and (self.config.value_model or self.config.reward_model):
+            raise ValueError("FSDP2Engine.forward(top_k=...): a value or reward model has no token distribution")
         self.onload_parameters()
         model.eval()
         size = self.config.forward_micro_batch_size_per_gpu or self.config.micro_batch_size_per_gpu
@@ -166,11 +169,14 @@ class FSDP2Engine(TrainingEngine):
                 outputs = self.run(self.micro_batch(batch, rows), temperature, calculate_entropy)
                 if rows:
                     pieces.append({key: outputs[key].detach() for key in self.output_keys(calculate_entropy)})
+                    if top_k:
+                        pieces[-1]["top_k_log_probs"], pieces[-1]["top_k_ids"] = outputs.top_k(top_k)
         self.offload_parameters_if_configured()
         order = [row for rows in groups for row in rows]
         restore = torch.empty(len(order), dtype=torch.long)
         restore[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
-        columns = {key: torch.cat([piece[key] for piece in pieces])[restore].cpu() for key in self.output_keys(calculate_entropy)}
+        keys = self.output_keys(calculate_entropy) + (["top_k_log_probs", "top_k_ids"] if top_k else [])
+        columns = {key: torch.cat([piece[key] for piece in pieces])[restore].cpu() for key in keys}
         return DataProto.from_dict(columns)
 
     @contextlib.contextmanager
@@ -211,7 +217,8 @@ class FSDP2Engine(TrainingEngine):
         if len(batch) == 0:
             raise ValueError(f"FSDP2Engine.{method}(): the batch has no rows")
 
-    def run(self, micro_batch: DataProto, temperature: float, calculate_entropy: bool) -> modeling.ModelOutputs:
+    def run(self, micro_batch: DataProto, temperature: float, calculate_entropy: bool,
+            gather_ids: str | None = None) -> modeling.ModelOutputs:
         batch = micro_batch.batch
         inputs = {key: batch[key].to(self.device) for key in self.model_inputs()}
         position_ids = batch["position_ids"] if "position_ids" in batch.keys() else modeling.position_ids_from(batch["attention_mask"])
@@ -225,6 +232,7 @@ class FSDP2Engine(TrainingEngine):
             chunk_tokens=self.config.logprob_chunk_size,
             calculate_entropy=calculate_entropy,
             remove_padding=self.remove_padding,
+            gather_ids=None if gather_ids is None else batch[gather_ids].to(self.device),
         )
 
     @staticmethod
@@ -325,15 +333,21 @@ class FSDP2Engine(TrainingEngine):
         self.optimizer.zero_grad(set_to_none=True)
         response_mask = self.response_mask(mini_batch)
         rows_with_tokens = float((response_mask.sum(-1) > 0).sum())
-        global_tokens, global_rows = self.all_reduce_sum([float(response_mask.sum()), rows_with_tokens])
+        masks = loss_masks(mini_batch, response_mask, loss_fn)
+        counts = self.all_reduce_sum([float(response_mask.sum()), rows_with_tokens,
+                                      *(value for mask in masks.values() for value in mask_counts(mask))])
+        global_tokens, global_rows = counts[:2]
         meta_info = {**mini_batch.meta_info, "global_token_count": global_tokens, "global_sequence_count": int(global_rows)}
+        if masks:
+            meta_info["global_counts"] = {name: {"tokens": counts[2 + 2 * index], "sequences": int(counts[3 + 2 * index])}
+                                          for index, name in enumerate(masks)}
         loss_total, loss_metrics = 0.0, []
         groups = self.plan_micro_batches(mini_batch, self.config.micro_batch_size_per_gpu)
         for index, rows in enumerate(groups):
             if self.sharded and not self.config.gradient_sync_every_micro_batch:
                 self.module.set_requires_gradient_sync(index == len(groups) - 1)
             micro_batch = self.micro_batch(mini_batch, rows).with_meta_info(meta_info).to(self.device)
-            outputs = self.run(micro_batch, temperature, calculate_entropy)
+            outputs = self.run(micro_batch, temperature, calculate_entropy, getattr(loss_fn, "gather_ids", None))
             if rows:
                 loss, metrics = loss_fn(outputs, micro_batch)
                 loss_total += float(loss.detach())
@@ -563,6 +577,21 @@ class FSDP2Engine(TrainingEngine):
             "trainable_parameters": self.trainable_params,
             "lora_rank": self.lora.rank if self.lora is not None else 0,
         }
+
+
+def loss_masks(batch: DataProto, response_mask: torch.Tensor, loss_fn: LossFunction) -> dict[str, torch.Tensor]:
+    """The masks a loss function counts (its ``count_masks``: columns of the batch), each within the response mask."""
+    masks = {}
+    for name in getattr(loss_fn, "count_masks", ()) or ():
+        if name not in batch.batch.keys():
+            raise KeyError(f"train_batch: the loss function counts the mask {name!r}, which the batch does not hold")
+        masks[name] = batch.batch[name].to(response_mask.dtype) * response_mask
+    return masks
+
+
+def mask_counts(mask: torch.Tensor) -> tuple[float, float]:
+    """Valid tokens of ``mask`` and its rows with one."""
+    return float(mask.sum()), float((mask.sum(-1) > 0).sum())
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:

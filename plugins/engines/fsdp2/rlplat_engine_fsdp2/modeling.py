@@ -157,6 +157,35 @@ def response_entropy(logits: torch.Tensor, temperature: float, chunk_tokens: int
     return over_chunks(chunk_entropy, logits, None, chunk_tokens)
 
 
+def response_gathered_log_probs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, chunk_tokens: int) -> torch.Tensor:
+    """float32 ``log softmax(logits / temperature)`` at ``ids``: logits ``[B, R, V]``, ids ``[B, R, k]`` -> ``[B, R, k]``."""
+
+    def chunk_gathered(chunk: torch.Tensor, chunk_ids: torch.Tensor) -> torch.Tensor:
+        scaled = chunk.float() / temperature
+        return scaled.gather(-1, chunk_ids) - scaled.logsumexp(-1, keepdim=True)
+
+    return over_chunks(chunk_gathered, logits, ids, chunk_tokens)
+
+
+def response_top_k(logits: torch.Tensor, temperature: float, k: int, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest float32 log-probs of ``softmax(logits / temperature)`` at each position and their ids
+    (``[B, R, k]`` each, log-probs in descending order), a window of positions at a time; no gradient."""
+    rows, positions, vocabulary = logits.shape
+    if not 1 <= k <= vocabulary:
+        raise ValueError(f"top_k={k}: it must be between 1 and the vocabulary size {vocabulary}")
+    width = max(1, chunk_tokens // max(rows, 1))
+    values, ids = [], []
+    with torch.no_grad():
+        for start in range(0, positions, width):
+            scaled = logits[:, start : start + width].float() / temperature
+            top = (scaled - scaled.logsumexp(-1, keepdim=True)).topk(k, dim=-1)
+            values.append(top.values)
+            ids.append(top.indices)
+    if not values:
+        return logits.new_zeros((rows, 0, k), dtype=torch.float32), torch.zeros((rows, 0, k), dtype=torch.long)
+    return torch.cat(values, dim=1), torch.cat(ids, dim=1)
+
+
 def over_chunks(function: Callable[..., torch.Tensor], logits: torch.Tensor, tokens: torch.Tensor | None, chunk_tokens: int) -> torch.Tensor:
     """``function`` over windows of positions holding about ``chunk_tokens`` tokens each, concatenated;
     under autograd each window is recomputed in backward instead of kept. All in one window, kept, when
@@ -180,6 +209,10 @@ def over_chunks(function: Callable[..., torch.Tensor], logits: torch.Tensor, tok
     return torch.cat(pieces, dim=1)
 
 
+#: The output a loss function's ``gather_ids`` asks for (:class:`rlplat.contracts.engine.LossFunction`).
+GATHERED = "gathered_log_probs"
+
+
 class ModelOutputs(Mapping):
     """What the loss function receives: ``log_probs`` (or ``values``) ``[B, R]``, with ``entropy``
     computed only if the loss function reads it. Values keep their gradients.
@@ -194,17 +227,29 @@ class ModelOutputs(Mapping):
         temperature: float,
         chunk_tokens: int,
         place: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        gather_ids: torch.Tensor | None = None,
     ):
         self._values = values
         self._logits = logits
         self._temperature = temperature
         self._chunk_tokens = chunk_tokens
         self._place = place
+        self._gather_ids = gather_ids
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key == "entropy" and key not in self._values and self._logits is not None:
             self.compute_entropy()
+        if key == GATHERED and key not in self._values and self._logits is not None and self._gather_ids is not None:
+            gathered = response_gathered_log_probs(self._logits, self._gather_ids, self._temperature, self._chunk_tokens)
+            self._values[key] = gathered if self._place is None else self._place(gathered[0])
         return self._values[key]
+
+    def top_k(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` largest log-probs at each response position and their ids, ``[B, R, k]`` each (0 at padding)."""
+        values, ids = response_top_k(self._logits, self._temperature, k, self._chunk_tokens)
+        if self._place is None:
+            return values, ids
+        return self._place(values[0]), self._place(ids[0])
 
     def compute_entropy(self) -> None:
         entropy = response_entropy(self._logits, self._temperature, self._chunk_tokens)
@@ -214,6 +259,8 @@ class ModelOutputs(Mapping):
         keys = list(self._values)
         if self._logits is not None and "entropy" not in keys:
             keys.append("entropy")
+        if self._logits is not None and self._gather_ids is not None and GATHERED not in keys:
+            keys.append(GATHERED)
         return iter(keys)
 
     def __len__(self) -> int:
@@ -230,6 +277,7 @@ def run_model(
     calculate_entropy: bool,
     remove_padding: bool = False,
     reward_model: bool = False,
+    gather_ids: torch.Tensor | None = None,
 ) -> ModelOutputs:
     """One forward of ``model`` on ``input_ids``, ``attention_mask``, ``position_ids`` and
     ``responses`` (``[B, R]``, the last ``R`` tokens of ``input_ids``).
@@ -242,7 +290,7 @@ def run_model(
         return run_reward_model(model, inputs, remove_padding=remove_padding)
     if remove_padding:
         return run_packed_model(model, inputs, value_model=value_model, temperature=temperature, chunk_tokens=chunk_tokens,
-                                calculate_entropy=calculate_entropy)
+                                calculate_entropy=calculate_entropy, gather_ids=gather_ids)
     response_length = inputs["responses"].shape[1]
     arguments = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"], use_cache=False)
     if value_model:
@@ -252,7 +300,8 @@ def run_model(
     # Only the logits that predict response tokens: positions T-R-1 .. T-2.
     logits = model(**arguments, logits_to_keep=response_length + 1).logits[:, :-1]
     outputs = ModelOutputs(
-        {"log_probs": response_log_probs(logits, inputs["responses"], temperature, chunk_tokens)}, logits, temperature, chunk_tokens
+        {"log_probs": response_log_probs(logits, inputs["responses"], temperature, chunk_tokens)}, logits, temperature, chunk_tokens,
+        gather_ids=gather_ids,
     )
     if calculate_entropy:
         outputs.compute_entropy()
@@ -267,6 +316,7 @@ def run_packed_model(
     temperature: float,
     chunk_tokens: int,
     calculate_entropy: bool,
+    gather_ids: torch.Tensor | None = None,
 ) -> ModelOutputs:
     """:func:`run_model` on the rows packed into one row of their valid tokens."""
     grouped = model.config._attn_implementation.startswith(packing.PACKED_ATTENTION_PREFIX)
@@ -279,7 +329,9 @@ def run_packed_model(
     with packing.packed_forward():
         logits = model(**arguments, logits_to_keep=packed.predictors).logits
     log_probs = response_log_probs(logits, packed.targets.unsqueeze(0), temperature, chunk_tokens)[0]
-    outputs = ModelOutputs({"log_probs": packed.unpack(log_probs)}, logits, temperature, chunk_tokens, place=packed.unpack)
+    packed_ids = None if gather_ids is None else packed.select(gather_ids).unsqueeze(0)
+    outputs = ModelOutputs({"log_probs": packed.unpack(log_probs)}, logits, temperature, chunk_tokens, place=packed.unpack,
+                           gather_ids=packed_ids)
     if calculate_entropy:
         outputs.compute_entropy()
     return outputs

@@ -147,9 +147,14 @@ class Pack:
         return arguments
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
-        """``[K]`` per-predictor values -> ``[B, R]``, 0 elsewhere (keeps the autograd graph)."""
-        flat = values.new_zeros(self.rows * self.response_length).index_copy(0, self.slots, values)
-        return flat.view(self.rows, self.response_length)
+        """``[K, ...]`` per-predictor values -> ``[B, R, ...]``, 0 elsewhere (keeps the autograd graph)."""
+        trailing = tuple(values.shape[1:])
+        flat = values.new_zeros((self.rows * self.response_length, *trailing)).index_copy(0, self.slots, values)
+        return flat.view(self.rows, self.response_length, *trailing)
+
+    def select(self, values: torch.Tensor) -> torch.Tensor:
+        """``[B, R, ...]`` per-response-position values -> ``[K, ...]`` of the pack's predictors (:meth:`unpack`'s inverse)."""
+        return values.flatten(0, 1)[self.slots]
 
 
 def pack(

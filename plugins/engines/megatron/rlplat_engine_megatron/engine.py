@@ -56,6 +56,9 @@ class MegatronEngine(TrainingEngine):
     """See the module docstring. ``MegatronEngine(config, **overrides)``: ``config`` is a
     :class:`~rlplat_engine_megatron.config.MegatronEngineConfig`, a mapping or an OmegaConf node."""
 
+    # A loss's own mask counts; not yet the top-k gather or top-k forward over the vocabulary-parallel logits.
+    features = frozenset({"count_masks"})
+
     def __init__(self, config: Any, **overrides: Any):
         config = read_engine_config(config)
         if overrides:
@@ -375,8 +378,18 @@ class MegatronEngine(TrainingEngine):
 
     def optimizer_step(self, mini_batch: DataProto, loss_fn: LossFunction, temperature: float, calculate_entropy: bool) -> dict[str, float]:
         mask = self.response_mask(mini_batch)
-        tokens, sequences = self.dp_sum([float(mask.sum()), float((mask.sum(-1) > 0).sum())])
+        counted = {}
+        for name in getattr(loss_fn, "count_masks", ()) or ():  # a loss's own masks, within the response mask
+            if name not in mini_batch.batch.keys():
+                raise KeyError(f"train_batch: the loss function counts the mask {name!r}, which the batch does not hold")
+            counted[name] = mini_batch.batch[name].to(mask.dtype) * mask
+        counts = self.dp_sum([float(mask.sum()), float((mask.sum(-1) > 0).sum()),
+                              *(value for own in counted.values() for value in (float(own.sum()), float((own.sum(-1) > 0).sum())))])
+        tokens, sequences = counts[:2]
         meta_info = {**mini_batch.meta_info, "global_token_count": tokens, "global_sequence_count": int(sequences)}
+        if counted:
+            meta_info["global_counts"] = {name: {"tokens": counts[2 + 2 * index], "sequences": int(counts[3 + 2 * index])}
+                                          for index, name in enumerate(counted)}
         groups = self.plan(mini_batch, self.config.micro_batch_size_per_gpu)
         micro_batches = self.micro_batches_of(mini_batch, groups, meta_info)
         losses: list[float] = []
