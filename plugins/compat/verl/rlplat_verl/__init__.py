@@ -24,9 +24,10 @@ exist, so there is nothing to add); ``~key`` (delete) is refused.
 Some rules read the rest of the command line (and the ``--config`` file): ``data.truncation`` yields to
 ``data.filter_overlong_prompts=True``, the reference model's ``fsdp_config`` must match the actor's, the
 reward model's and LoRA's settings are read only when they are on, the two multi-turn turn limits give one
-``agent.loops.tool.max_turns``, ``trainer.v1``'s sampler is read only in the asynchronous modes, and a
-verl-style command line whose ``algorithm.adv_estimator`` implies an rlplat algorithm (``gae`` -> ``ppo``)
-selects it unless ``--algo`` or ``algorithm.name`` does.
+``agent.loops.tool.max_turns``, ``trainer.v1``'s sampler is read only in the asynchronous modes,
+``distillation.enabled`` writes one term of ``actor.loss.terms`` from every key of verl's
+``distillation.distillation_loss``, and a verl-style command line whose ``algorithm.adv_estimator`` implies an
+rlplat algorithm (``gae`` -> ``ppo``) selects it unless ``--algo`` or ``algorithm.name`` does.
 
 Registered as the config translator ``verl`` (kind ``config_translator``): ``rlplat run``, ``plan`` and
 ``config`` apply it to every command line (:func:`translate_command_line`); without this distribution
@@ -34,9 +35,9 @@ installed a verl key is an unknown key like any other.
 
 The modules, a table split by verl's nodes so that a reader finds every verl key and its fate in one place
 and a test checks the whole table against rlplat's schemas and the docs: :mod:`rlplat_verl.rules` (what a
-rule is made of), :mod:`rlplat_verl.training_keys`, :mod:`rlplat_verl.rollout_keys` and
-:mod:`rlplat_verl.run_keys` (the rules), :mod:`rlplat_verl.table` (:data:`RULES`, the Markdown table of
-``docs/coming-from-verl.md``) and :mod:`rlplat_verl.translate` (a command line and a YAML file translated).
+rule is made of), :mod:`rlplat_verl.training_keys`, :mod:`rlplat_verl.rollout_keys`, :mod:`rlplat_verl.run_keys`
+and :mod:`rlplat_verl.distillation_keys` (the rules), :mod:`rlplat_verl.table` (:data:`RULES`, the Markdown table
+of ``docs/coming-from-verl.md``) and :mod:`rlplat_verl.translate` (a command line and a YAML file translated).
 They import only the standard library and omegaconf: translation runs before anything heavy.
 
 Every public name of those modules is an attribute of this package too, resolved on first use (the names
@@ -50,7 +51,7 @@ import importlib
 from typing import Any
 
 #: Where the package's attributes are looked up, in order.
-MODULES = ("translate", "table", "rules", "training_keys", "rollout_keys", "run_keys")
+MODULES = ("translate", "table", "rules", "training_keys", "rollout_keys", "run_keys", "distillation_keys")
 _ABSENT = object()
 
 

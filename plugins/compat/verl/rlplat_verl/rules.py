@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 # Top-level nodes only verl has: a key under them needs a rule, or it is refused.
 VERL_ONLY_ROOTS = (
     "actor_rollout_ref", "reward_model", "custom_reward_function", "reward_manager", "sandbox_fusion",
-    "global_profiler", "ray_kwargs", "ray_init", "transfer_queue", "distillation", "skip", "hydra",
+    "global_profiler", "ray_kwargs", "ray_init", "transfer_queue", "skip", "hydra",
 )
 # rlplat's defaults that some conversions read when the command line does not set the key; a test checks
 # them against rlplat's config.
@@ -26,7 +26,7 @@ RLPLAT_DEFAULTS: dict[str, Any] = {
     "actor.ppo_mini_batch_size": 8, "actor.ppo_epochs": 1, "actor.use_dynamic_bsz": False,
     "actor.max_token_len_per_gpu": 16384, "critic.ppo_mini_batch_size": 8, "critic.ppo_epochs": 1,
     "critic.use_dynamic_bsz": False, "critic.max_token_len_per_gpu": 16384, "cluster.nnodes": 1,
-    "cluster.devices_per_node": 1,
+    "cluster.devices_per_node": 1, "algorithm.name": "grpo",
 }
 # verl's advantage estimators whose algorithm rlplat registers under another name, or which need that
 # algorithm's hooks (remax's greedy baseline) or critic (gae); the others run under the default, grpo.
@@ -158,6 +158,13 @@ def implied_algorithm(context: Context) -> str | None:
     return ESTIMATOR_ALGORITHMS.get(str(context.value("algorithm.adv_estimator")))
 
 
+def verl_drops_the_ppo_loss(context: Context) -> bool:
+    """verl's pure distillation: ``distillation.enabled`` with ``distillation_loss.use_task_rewards=false``, where verl
+    multiplies its whole PPO loss, KL loss and entropy bonus included, by 0."""
+    return (context.value("distillation.enabled") is True
+            and context.value("distillation.distillation_loss.use_task_rewards", default=True) is False)
+
+
 def is_verl_only(key: str) -> bool:
     from rlplat_verl.table import find_rule  # the table's modules import this one
 
@@ -187,7 +194,7 @@ def format_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(format_value(element) for element in value) + "]"
     if isinstance(value, Mapping):
-        return "{" + ",".join(f"{key}: {format_value(element)}" for key, element in value.items()) + "}"
+        return "{" + ", ".join(f"{key}: {format_value(element)}" for key, element in value.items()) + "}"
     text = str(value)
     if parse_value(f"[{text}]") == [text]:
         return text

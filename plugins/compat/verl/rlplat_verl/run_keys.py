@@ -549,7 +549,6 @@ refuse("trainer.v1.*", "rlplat's trainer has no such setting (trainer.mode, max_
 
 gated("global_profiler", "tool", "rlplat has no profiler integration")
 gated("transfer_queue", "enable", "rlplat has no transfer queue")
-gated("distillation", "enabled", "rlplat has no distillation")
 off_only("ray_kwargs.ray_init.num_cpus", "unset", "rlplat starts its local Ray cluster itself; use cluster.address to join one")
 off_only("ray_kwargs.ray_init.runtime_env.py_executable", "unset", "rlplat's workers run the driver's Python")
 off_only("ray_kwargs.timeline_json_file", "unset", "rlplat writes no Ray timeline")

@@ -1,11 +1,13 @@
-"""The verl key table: every rule of :mod:`rlplat_verl.training_keys`, :mod:`rlplat_verl.rollout_keys` and
-:mod:`rlplat_verl.run_keys`, in that order, as :data:`RULES`; :func:`find_rule` looks a key up, and
-:func:`markdown_table` writes the table ``docs/coming-from-verl.md`` holds (``python -m rlplat_verl.table``).
+"""The verl key table: every rule of :mod:`rlplat_verl.training_keys`, :mod:`rlplat_verl.rollout_keys`,
+:mod:`rlplat_verl.run_keys` and :mod:`rlplat_verl.distillation_keys`, in that order, as :data:`RULES`;
+:func:`find_rule` looks a key up, and :func:`markdown_table` writes the table ``docs/coming-from-verl.md`` holds
+(``python -m rlplat_verl.table``).
 """
 
 from __future__ import annotations
 
 from rlplat_verl import rollout_keys, run_keys, training_keys  # noqa: F401  (each adds its rules on import)
+from rlplat_verl import distillation_keys  # noqa: F401,I001  (after the others: its rules close the table)
 from rlplat_verl.rules import RULES_BUILT, Rule
 
 TABLE_START, TABLE_END = "<!-- verl-keys-table:start -->", "<!-- verl-keys-table:end -->"

@@ -8,7 +8,7 @@ from typing import Any
 
 from rlplat_verl.rules import (REFERENCE_FOLLOWS_ACTOR, SPEED_ONLY, TEXT_ONLY, VERL_INTERNAL, Context, Item, Outcome,
                                converted, equal_only, format_value, gated, ignore, ignored, is_off, mapped, off_only,
-                               only, optional_rename, refuse, refused, rename, special, unchanged)
+                               only, optional_rename, refuse, refused, rename, special, unchanged, verl_drops_the_ppo_loss)
 
 
 # -- actor_rollout_ref.model ----------------------------------------------------------------------------
@@ -106,9 +106,17 @@ rename("actor_rollout_ref.actor.ppo_mini_batch_size", "actor.ppo_mini_batch_size
 rename("actor_rollout_ref.actor.ppo_epochs", "actor.ppo_epochs", critic=("critic.ppo_epochs", "critic.ppo_epochs"))
 rename("actor_rollout_ref.actor.use_dynamic_bsz", "actor.use_dynamic_bsz", critic=("critic.use_dynamic_bsz", "critic.use_dynamic_bsz"))
 rename("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor.max_token_len_per_gpu")
-for _loss_key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff", "use_kl_loss",
-                  "kl_loss_coef", "kl_loss_type"):
+for _loss_key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "kl_loss_coef", "kl_loss_type"):
     rename(f"actor_rollout_ref.actor.{_loss_key}", f"actor.loss.{_loss_key}")
+for _loss_key in ("entropy_coeff", "use_kl_loss"):
+
+    @special(f"actor_rollout_ref.actor.{_loss_key}", [f"actor.loss.{_loss_key}"], "same meaning; ignored in verl's pure "
+             "distillation (`distillation.distillation_loss.use_task_rewards=false`), which drops it with the PPO loss")
+    def _ppo_loss_part(item: Item, context: Context, key: str = _loss_key) -> Outcome:
+        if verl_drops_the_ppo_loss(context):
+            return ignored(item, "distillation.distillation_loss.use_task_rewards=false: verl multiplies its whole PPO loss, "
+                                 "this included, by 0 (distillation.enabled writes rlplat's off where rlplat's default is on)")
+        return mapped(item, f"actor.loss.{key}")
 rename("actor_rollout_ref.actor.loss_agg_mode", "actor.loss.loss_agg_mode", critic=("critic.loss_agg_mode", "critic.loss.loss_agg_mode"))
 rename("actor_rollout_ref.actor.loss_scale_factor", "actor.loss.loss_scale_factor",
        critic=("critic.loss_scale_factor", "critic.loss.loss_scale_factor"))

@@ -598,6 +598,165 @@ def test_what_rlplat_still_refuses_here_names_what_it_offers_instead(argument, o
         translate_overrides(arguments)
 
 
+# -- on-policy distillation: verl 0.9's distillation node -> distillation.teachers, roles.teacher, actor.loss.terms -----
+
+TEACHER = "distillation.teacher_models.teacher_model.model_path=/teacher"
+LOSS = "distillation.distillation_loss"
+VERL_DISTILLATION_LOSS = {  # verl 0.9's distillation.yaml (its dataclass defaults differ; the YAML's apply)
+    "_target_": "verl.workers.config.DistillationLossConfig", "loss_mode": "k3", "topk": 32, "use_task_rewards": True,
+    "distillation_loss_coef": 1.0, "loss_max_clamp": None, "log_prob_min_clamp": None, "use_policy_gradient": False,
+    "policy_loss_mode": "vanilla", "clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2,
+}
+
+
+def distil(*arguments: str, algo: str | None = None) -> tuple[list[str], list[str]]:
+    """``arguments`` after verl's switch and one teacher; ``distillation_loss.`` keys may be given without it."""
+    keys = [argument if argument.lstrip("+").startswith(("distillation.", "actor")) else f"{LOSS}.{argument}"
+            for argument in arguments]
+    return translate_overrides(["distillation.enabled=true", TEACHER, *keys], algo=algo)
+
+
+def test_verls_default_distillation_loss_is_one_reverse_kl_term_beside_the_policy_loss():
+    from rlplat_verl import distillation_keys
+
+    assert distillation_keys.VERL_LOSS == {key: value for key, value in VERL_DISTILLATION_LOSS.items() if key != "_target_"}
+    translated, notes = distil()
+    # distillation.yaml: loss_mode k3, use_policy_gradient false, use_task_rewards true, distillation_loss_coef 1.0
+    assert translated == ["actor.loss.terms=[{loss_mode: reverse_kl, coef: 1.0, estimator: k3, use_policy_gradient: false}]",
+                          "actor.loss.policy_loss_coef=1.0", "distillation.teachers.teacher_model.model_path=/teacher"]
+    assert "verl's defaults for the keys not given" in notes[0]
+    assert notes[1] == ("verl key distillation.teacher_models.teacher_model.model_path -> "
+                        "distillation.teachers.teacher_model.model_path")
+
+
+@pytest.mark.parametrize("loss, written", [
+    (["loss_mode=k1", "use_policy_gradient=true", "distillation_loss_coef=0.5", "loss_max_clamp=10.0"],
+     ["actor.loss.terms=[{loss_mode: reverse_kl, coef: 0.5, estimator: k1, use_policy_gradient: true, loss_max_clamp: 10.0}]",
+      "actor.loss.policy_loss_coef=1.0"]),
+    (["loss_mode=k2", "use_task_rewards=false", "distillation_loss_coef=0.5", "topk=64", "log_prob_min_clamp=-10.0"],
+     ["actor.loss.terms=[{loss_mode: reverse_kl, coef: 1.0, estimator: k2, use_policy_gradient: false}]",
+      "actor.loss.policy_loss_coef=0.0"]),  # without task rewards verl ignores the coef; topk and the log-prob clamp: top-k only
+    (["loss_mode=forward_kl_topk", "topk=64", "distillation_loss_coef=0.25"],
+     ["actor.loss.terms=[{loss_mode: forward_kl_topk, coef: 0.25, renormalize: false}]", "actor.loss.policy_loss_coef=1.0",
+      "distillation.top_k=64"]),
+])
+def test_each_key_of_verls_loss_lands_in_the_term_and_its_note_says_where(loss, written):
+    translated, notes = distil(*loss, algo="dr_grpo")  # dr_grpo: no KL loss by default
+    assert translated == written + ["distillation.teachers.teacher_model.model_path=/teacher"]
+    assert len(notes) == 2 + len(loss)  # one note per key
+    for setting, note in zip(loss, notes[2:]):
+        assert note.startswith(f"verl key {LOSS}.{setting} ")
+        assert note.endswith("distillation.enabled writes it)") or "accepted and ignored: verl reads it only with" in note
+
+
+def test_pure_distillation_also_drops_the_kl_loss_and_entropy_bonus_as_verl_does():
+    translated, notes = distil("use_task_rewards=false", "actor_rollout_ref.actor.use_kl_loss=True",
+                               "actor_rollout_ref.actor.entropy_coeff=0.01")
+    # grpo's default use_kl_loss=true is written off; the entropy bonus is already 0 in rlplat's grpo
+    assert translated[1:3] == ["actor.loss.policy_loss_coef=0.0", "actor.loss.use_kl_loss=false"]
+    assert not any(argument.startswith("actor.loss.entropy_coeff") for argument in translated)
+    assert "verl multiplies its whole PPO loss, this included, by 0" in notes[-1]
+    assert not any("use_kl_loss" in argument for argument in distil("use_task_rewards=false", algo="dr_grpo")[0])
+    kept = distil("use_task_rewards=false", "actor.loss.use_kl_loss=true")[0]  # rlplat's own key decides
+    assert "actor.loss.use_kl_loss=true" in kept and "actor.loss.use_kl_loss=false" not in kept
+
+
+def test_several_teachers_are_routed_by_their_key_and_a_lone_teacher_scores_every_row():
+    teachers = ["+distillation.teacher_models.gsm8k.key=openai/gsm8k", "+distillation.teacher_models.gsm8k.model_path=/a",
+                "+distillation.teacher_models.gsm8k.num_replicas=1", "+distillation.teacher_models.gsm8k.inference.dtype=bf16",
+                "+distillation.teacher_models.gsm8k.inference.tensor_model_parallel_size=2",
+                "+distillation.teacher_models.geo.key=geo", "+distillation.teacher_models.geo.model_path=/b"]
+    translated, notes = distil(*teachers)
+    assert translated[2:] == [  # the default entry teacher_model is dropped beside named ones, as verl drops it
+        "distillation.teachers.gsm8k.data_sources=[openai/gsm8k]", "distillation.teachers.gsm8k.model_path=/a",
+        "distillation.teachers.gsm8k.engine_config.dtype=bfloat16", "distillation.teachers.geo.data_sources=[geo]",
+        "distillation.teachers.geo.model_path=/b"]
+    assert "verl drops its default entry teacher_model when other teachers are named" in notes[1]
+    assert any("tensor_model_parallel_size=2 accepted and ignored: verl serves each teacher with a rollout server" in note
+               for note in notes)
+    lone, notes = distil("distillation.teacher_models.teacher_model.key=openai/gsm8k")
+    assert lone[2:] == ["distillation.teachers.teacher_model.model_path=/teacher"]  # data_sources null: every row
+    assert "verl sends every row to a lone teacher whatever its key" in notes[-1]
+
+
+def test_a_teacher_pool_of_its_own_is_rlplats_separate_teacher_role():
+    translated, _ = distil("distillation.nnodes=2", "distillation.n_gpus_per_node=4")
+    assert translated[3:] == ["roles.teacher.nnodes=2", "roles.teacher.placement=separate", "roles.teacher.devices_per_node=4"]
+    translated, notes = distil("distillation.nnodes=0", "distillation.n_gpus_per_node=8")
+    assert translated[2:] == ["distillation.teachers.teacher_model.model_path=/teacher"]
+    assert "rlplat's teachers run in the actor's processes (roles.teacher.placement=colocated" in notes[2]
+    assert "verl reads it only for a teacher pool of its own" in notes[3]
+
+
+def test_the_policy_gradient_form_is_accepted_when_verls_distillation_clip_ratios_are_the_actors():
+    same = ["loss_mode=k1", "use_policy_gradient=true", "clip_ratio_high=0.28"]
+    translated, notes = distil(*same, algo="dapo")  # dapo's actor clips at 0.2 / 0.28
+    assert translated[0].startswith("actor.loss.terms=[{loss_mode: reverse_kl, coef: 1.0, estimator: k1, use_policy_gradient: true")
+    assert "clip_ratio_high=0.28 accepted and ignored: rlplat's reverse_kl clips with actor.loss's clip ratios" in notes[-1]
+    with pytest.raises(ConfigError, match=re.escape("use_policy_gradient=true: rlplat's reverse_kl clips its policy gradient "
+                                                    "with the actor's clip ratios (actor.loss.clip_ratio_low/high), and verl's "
+                                                    "differ: clip_ratio_high 0.2 for the distillation loss, 0.28 for the actor's")):
+        distil("loss_mode=k1", "use_policy_gradient=true", algo="dapo")  # verl's distillation default is 0.2
+    with pytest.raises(ConfigError, match=r"clip_ratio_low=0.1: .*clip_ratio_low 0.1 for the distillation loss, 0.2 for"):
+        distil("loss_mode=k1", "use_policy_gradient=true", "clip_ratio_low=0.1")
+
+
+@pytest.mark.parametrize("arguments, why", [
+    (["loss_mode=forward_kl_topk", "log_prob_min_clamp=-10.0"], "forward_kl_topk compares the teacher's and the student's "
+                                                                "log-probs as they are, without a lower clamp"),
+    (["loss_mode=forward_kl_topk", "use_policy_gradient=true"], "verl's policy-gradient form (the divergence as the sampled "
+                                                                "token's advantage) has no rlplat loss"),
+    (["loss_mode=k1"], "k1 differentiated directly (use_policy_gradient=false, verl's default)"),
+    (["loss_mode=jsd"], "rlplat's distillation losses take verl's k1, kl, k2, mse, k3, low_var_kl, abs, forward_kl_topk"),
+    (["use_policy_gradient=true", "policy_loss_mode=gspo"], "the vanilla clipped surrogate only"),
+    (["no_such_key=1"], "rlplat knows no such key of verl's distillation_loss"),
+    (["distillation.teacher_models.teacher_model.inference_dtype=bf16"], "verl's teacher entries have key, model_path"),
+    (["+distillation.teacher_models.a.model_path=/a", "+distillation.teacher_models.b.key=b",
+      "+distillation.teacher_models.b.model_path=/b"], "give distillation.teacher_models.a.key (the data_source of the rows"),
+    (["actor_rollout_ref.rollout.temperature=0.7"], "verl scores the teacher at temperature 1 and the student at the "
+                                                    "rollout's (0.7)"),
+    (["actor.loss.terms=[{loss_mode: reverse_kl}]"], "and actor.loss.terms is given too: write the loss one way"),
+])
+def test_distillation_settings_rlplat_cannot_honour_are_refused_saying_why(arguments, why):
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        distil(*arguments)
+
+
+def test_verls_switch_on_without_a_teacher_model_is_refused_and_rlplats_teachers_count():
+    with pytest.raises(ConfigError, match=re.escape("distillation.enabled=true: no teacher: give "
+                                                    "distillation.teacher_models.teacher_model.model_path")):
+        translate_overrides(["distillation.enabled=true"])
+    own = ["distillation.enabled=true", "distillation.teachers.math.model_path=/m"]
+    assert translate_overrides(own)[0][2:] == ["distillation.teachers.math.model_path=/m"]
+
+
+def test_with_verls_switch_off_its_distillation_keys_are_ignored_and_rlplats_pass_as_they_are():
+    verl = ["distillation.enabled=false", TEACHER, f"{LOSS}.loss_mode=jsd", "distillation.nnodes=2"]
+    translated, notes = translate_overrides(verl)
+    assert translated == []
+    assert notes[0].endswith("accepted and ignored: off: no teachers, as in rlplat without distillation.teachers")
+    assert all(note.endswith("verl reads it only with distillation.enabled=true") for note in notes[1:])
+    rlplat = ["distillation.teachers.math.model_path=/m", "distillation.teachers.math.data_sources=[math]",
+              "distillation.teacher_key=task", "distillation.top_k=16", "distillation.unrouted=skip", "distillation.sleep=false",
+              "actor.loss.terms=[{loss_mode: jsd_topk, coef: 1.0}]", "roles.teacher.placement=colocated"]
+    assert translate_overrides(rlplat) == (rlplat, [])
+
+
+def test_a_verl_config_file_with_distillation_on_translates_by_the_same_rules():
+    node = {"enabled": True, "nnodes": 0, "n_gpus_per_node": 8, "teacher_key": "data_source",
+            "teacher_models": {"teacher_model": {"_target_": "verl.workers.config.DistillationTeacherModelConfig",
+                                                 "key": None, "model_path": "/teacher", "num_replicas": 0,
+                                                 "inference": {"name": "vllm", "dtype": "bfloat16"}}},
+            "distillation_loss": {**VERL_DISTILLATION_LOSS, "loss_mode": "forward_kl_topk", "use_task_rewards": False}}
+    translated, _ = translate_mapping({"distillation": node})
+    assert translated == {
+        "actor": {"loss": {"terms": [{"loss_mode": "forward_kl_topk", "coef": 1.0, "renormalize": False}],
+                           "policy_loss_coef": 0.0, "use_kl_loss": False}},
+        "distillation": {"top_k": 32, "teacher_key": "data_source",
+                         "teachers": {"teacher_model": {"model_path": "/teacher", "engine_config": {"dtype": "bfloat16"}}}},
+    }
+
+
 FORMERLY_REFUSED = {
     "lora": ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
              "actor_rollout_ref.model.target_modules=all-linear"],
@@ -612,6 +771,8 @@ FORMERLY_REFUSED = {
                          "trainer.v1.trainer_mode=separate_async", "trainer.v1.sampler.max_off_policy_threshold=2",
                          "algorithm.rollout_correction.rollout_is=token",  # stale samples need a correction
                          "cluster.backend=ray"],
+    "distillation": ["distillation.enabled=true", "distillation.teacher_models.teacher_model.model_path={model}",
+                     "distillation.distillation_loss.loss_mode=k3", "distillation.distillation_loss.use_task_rewards=false"],
 }
 SHOWN = {
     "lora": {"actor.lora.rank": 8, "actor.lora.alpha": 16.0, "actor.lora.target_modules": ["all-linear"]},
@@ -620,6 +781,9 @@ SHOWN = {
                          "agent.loop": "tool"},
     "separate rollout": {"roles.rollout.placement": "separate", "roles.rollout.nnodes": 1, "roles.rollout.devices_per_node": 1,
                          "trainer.mode": "separate_async", "trainer.max_staleness": 1},
+    "distillation": {"distillation.teachers.teacher_model.model_path": "{model}", "distillation.teachers.teacher_model.data_sources": None,
+                     "actor.loss.terms": [{"loss_mode": "reverse_kl", "coef": 1.0, "estimator": "k3", "use_policy_gradient": False}],
+                     "actor.loss.policy_loss_coef": 0.0, "actor.loss.use_kl_loss": False},
 }
 
 
@@ -670,6 +834,15 @@ VERL_091_DEFAULTS = {  # the nodes of verl 0.9.1's _generated_ppo_trainer.yaml t
     "reward": {"reward_model": {"enable": False, "enable_resource_pool": False, "n_gpus_per_node": 8, "nnodes": 0,
                                 "model_path": None, "rollout": {"name": "???", "dtype": "bfloat16",
                                                                 "tensor_model_parallel_size": 2, "gpu_memory_utilization": 0.5}}},
+    "distillation": {"_target_": "verl.workers.config.DistillationConfig", "enabled": False,
+                     "distillation_loss": VERL_DISTILLATION_LOSS, "n_gpus_per_node": 8, "nnodes": 0,
+                     "teacher_models": {"teacher_model": {
+                         "_target_": "verl.workers.config.DistillationTeacherModelConfig", "key": None, "model_path": None,
+                         "num_replicas": 0, "inference": {"_target_": "verl.workers.config.RolloutConfig", "name": "???",
+                                                          "dtype": "bfloat16", "gpu_memory_utilization": 0.5,
+                                                          "tensor_model_parallel_size": 2, "max_model_len": None,
+                                                          "engine_kwargs": {}, "temperature": 1.0}}},
+                     "teacher_key": "data_source"},
     "trainer": {"use_v1": True, "v1": {
         "trainer_mode": "sync", "sync": {}, "colocate_async": {"num_warmup_batches": 1},
         "separate_async": {"num_warmup_batches": 1, "parameter_sync_step": 4,
@@ -686,4 +859,5 @@ def test_a_verl_config_file_with_these_nodes_at_verls_defaults_translates_withou
         "agent": {"tool_parser": "hermes",
                   "loops": {"tool": {"max_parallel_calls": 1, "max_tool_response_length": 256, "truncate_side": "middle"}}},
         "trainer": {"mode": "sync"},
+        "distillation": {"teacher_key": "data_source"},  # rlplat's key too, same meaning
     }
