@@ -17,6 +17,9 @@
   the tokens under ``response_mask`` (``rlplat sft``), and ``nll_loss``.
 * **KL** (:mod:`rlplat.losses.kl`): per-token estimators (k1, k2, k3, abs and straight-through
   variants), the KL loss, the KL-in-reward step and its fixed and adaptive coefficient controllers.
+* **Distillation** (:mod:`rlplat.losses.distillation`): the reverse KL to a teacher on sampled tokens and the
+  reverse KL, forward KL and generalised JSD over a teacher's top-k tokens, as per-token divergences and as
+  policy losses meant as terms of the actor loss (``actor.loss.terms``; registered by rlplat-distill).
 
 Names are resolved lazily, so ``import rlplat.losses`` (and the torch-free :mod:`rlplat.losses.config`)
 imports no torch until a function is used.
@@ -49,6 +52,9 @@ _LAZY_NAMES: dict[str, str] = {
     "kl_loss": "rlplat.losses.kl",
     "apply_kl_penalty": "rlplat.losses.kl",
     "build_kl_controller": "rlplat.losses.kl",
+    "LossInputs": "rlplat.losses.functions",
+    "sampled_divergence": "rlplat.losses.distillation",
+    "topk_divergence": "rlplat.losses.distillation",
     "NLLLoss": "rlplat.losses.sft",
     "nll_loss": "rlplat.losses.sft",
 }

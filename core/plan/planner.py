@@ -30,6 +30,7 @@ from rlplat.plan.estimate import GIB, MemoryContext, MemoryEstimate, MemoryItem,
 PHASES = {
     "generation": "generation",
     "reward_model": "log-prob pass (reward model scores)",
+    "teacher": "log-prob pass (distillation teachers score)",
     "old_log_prob": "log-prob pass (actor, old log-probs)",
     "ref_log_prob": "log-prob pass (reference)",
     "values": "log-prob pass (critic values)",
@@ -44,6 +45,7 @@ ROLE_PHASES = {
     "reference": {"forward": "ref_log_prob"},
     "critic": {"forward": "values", "update": "update_critic"},
     "reward_model": {"forward": "reward_model"},
+    "teacher": {"forward": "teacher"},
     "rollout": {"generate": "generation", "wake_up": "weight_sync"},
 }
 

@@ -236,6 +236,24 @@ def check_run(config: Any, settings: DistillationConfig) -> None:
         check_teacher(config, name, teacher, settings.top_k)
 
 
+def plan(config: Any, gpu: bool) -> list:
+    """The teachers' components of ``rlplat plan`` (the ``teacher`` role's ``metadata["plan"]``): each teacher's
+    engine, forward only, in the teacher role's pool; resident only while the teachers score when they sleep."""
+    from rlplat.contracts.role import read_role_config
+    from rlplat.plan.planner import PlannedComponent
+
+    settings = read_distillation(config)
+    if not settings.enabled:
+        return []
+    role = read_role_config(config, "teacher")
+    total_steps = int(config.trainer.total_training_steps or 0)
+    sleeping = ("teacher",) if settings.sleep and gpu and role.placement == "colocated" else None
+    return [PlannedComponent("engine", teacher_engine(config, teacher), "teacher", role.placement, role.nnodes,
+                             role.devices_per_node, f"distillation.teachers.{name}", engine_node(config, teacher, total_steps),
+                             str(teacher.model_path), "teacher", sleeping)
+            for name, teacher in settings.teachers.items()]
+
+
 def check(settings: DistillationConfig, config: Any) -> None:
     """The ``distillation`` node's check (kind ``config_node``): done by :func:`distillation_nodes`, which the
     config's node loop runs first."""

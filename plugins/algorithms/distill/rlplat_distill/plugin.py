@@ -34,5 +34,6 @@ def register_config_nodes(register):
 @hookimpl
 def register_roles(register):
     register("teacher", "rlplat_distill.teacher:teacher_role", config_schema="rlplat.contracts.role:RoleConfig",
+             metadata={"plan": "rlplat_distill.config:plan"},
              description="the distillation teachers scoring the policy's samples (distillation.teachers), colocated or "
                          "in a pool of their own")
