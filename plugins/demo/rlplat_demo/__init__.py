@@ -9,6 +9,8 @@ The assets under ``assets/`` are produced by ``python -m rlplat_demo.build`` (se
 * ``assets/data/train.parquet`` and ``assets/data/val.parquet``: ``a+b=`` prompts with two 2-digit operands,
   in the schema of :mod:`rlplat.data` (``data_source="arith"``), the validation pairs disjoint from training;
 * ``assets/build_info.json``: how they were built (seed, steps, validation accuracy, sizes);
+* ``assets/teacher/``: the ``arith`` preset's own run exported at its best validated step (greedy validation
+  accuracy 0.825), the teacher of the ``distill`` presets (:func:`rlplat_demo.build.build_teacher`);
 * ``assets/reward_model/``: a reward model for the same task, trained from the warm-started policy on correct
   vs incorrect answers (:mod:`rlplat_demo.reward_model`), for ``rlplat run --demo reward-model``.
 
@@ -43,6 +45,15 @@ def reward_model_dir() -> Path:
     """The demo reward model's ``save_pretrained`` folder (a one-label Qwen2 sequence classifier and the
     arithmetic tokenizer), trained by ``python -m rlplat_demo.build --only reward-model``."""
     return _existing(assets_dir() / "reward_model" / "config.json", "the demo reward model").parent
+
+
+def teacher_dir() -> Path:
+    """The demo teacher's ``save_pretrained`` folder (a Qwen2 causal LM of the demo model's shape and the
+    arithmetic tokenizer), for on-policy distillation: the ``arith`` preset's own run (``rlplat run --demo
+    arith``, GRPO from :func:`model_dir`), exported at its validated step of highest greedy validation
+    accuracy, at least 0.8; built by ``python -m rlplat_demo.build --only teacher`` (``build_info.json``,
+    ``"teacher"``, records the run)."""
+    return _existing(assets_dir() / "teacher" / "config.json", "the demo teacher").parent
 
 
 def train_file() -> Path:
@@ -83,6 +94,8 @@ PRESETS = {
     "retry": "GRPO through the env agent loop: a+b= with up to 3 attempts, 'wrong, try again' after a wrong one",
     "retry-single": "the retry demo's task, model and steps with one attempt (its single-turn baseline)",
     "tools-blackbox": "the tools demo with its agent written against the openai client, trained through the gateway",
+    "distill": "on-policy distillation: the arithmetic warm start learns from the demo's teacher (0.825), no reward",
+    "distill-rl": "the distill demo with GRPO's reward mixed in (both terms weigh 1)",
 }
 """The built-in demos ``rlplat run --demo NAME`` trains (``make demo``, ``make demo-tools``)."""
 
@@ -95,6 +108,8 @@ def preset(name: str) -> list[str]:
         return overrides() + [f"reward.model.path={reward_model_dir()}", "reward.model.rule_weight=0",
                               "reward.model.micro_batch_size_per_gpu=256",
                               "trainer.output_dir=runs/demo-reward-model"]
+    if name in ("distill", "distill-rl"):
+        return overrides() + distillation_overrides(name)
     if name not in PRESETS:
         raise ValueError(f"unknown demo {name!r}; the demos are {', '.join(PRESETS)}")
     from rlplat_demo import tools
@@ -127,6 +142,19 @@ def preset(name: str) -> list[str]:
         f"data.train_files=[{tools.data_file('env_train')}]", f"data.val_files=[{tools.data_file('env_val')}]",
         "agent.loop=env", "agent.environment=retry", f"agent.loops.env.max_turns={attempts}",
         "actor.optim.lr=2e-5", f"trainer.output_dir=runs/demo-{name}",
+    ]
+
+
+def distillation_overrides(name: str) -> list[str]:
+    """The ``distill`` demo (``distill-rl``: with the reward's GRPO term too) after the ``arith`` preset: the
+    student is the warm start, the teacher :func:`teacher_dir`, the term the reverse KL over the teacher's
+    whole distribution (``top_k`` = the 16-token vocabulary), 100 steps."""
+    return [
+        f"distillation.teachers.arith.model_path={teacher_dir()}", "distillation.top_k=16",
+        "actor.loss.terms=[{loss_mode: reverse_kl_topk, coef: 1.0}]",
+        f"actor.loss.policy_loss_coef={0 if name == 'distill' else 1}",
+        "trainer.total_training_steps=100", "trainer.test_freq=10", "trainer.save_freq=0",
+        f"trainer.output_dir=runs/demo-{name}",
     ]
 
 

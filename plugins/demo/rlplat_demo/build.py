@@ -1,9 +1,10 @@
-"""Build the demo's assets: ``python -m rlplat_demo.build [--only all|arith|reward-model|tools] [--out DIR] [--seed 0] [--threshold 0.35]``.
+"""Build the demo's assets: ``python -m rlplat_demo.build [--only all|arith|reward-model|tools|teacher] [--out DIR] [--seed 0] [--threshold 0.35]``.
 
 ``--only arith`` builds the arithmetic demo (below) into ``DIR``; ``--only reward-model`` trains the
 arithmetic demo's reward model (:mod:`rlplat_demo.reward_model`) from the policy in ``DIR/model`` into
 ``DIR/reward_model``; ``--only tools`` builds the tool demo (:mod:`rlplat_demo.tools_build`) into ``DIR/tools``;
-``all``, the default, builds the three.
+``--only teacher`` trains the arithmetic demo's teacher from ``DIR/model`` into ``DIR/teacher``
+(:func:`build_teacher`); ``all``, the default, builds the four, the teacher last.
 
 1. The task: every ``a+b=`` with ``a, b`` in 10..99 (8100 pairs), shuffled under the seed; the first 200
    are the validation split, the other 7900 the training split. Written with :func:`rlplat.data.write_parquet`
@@ -28,7 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -191,11 +195,144 @@ def build(out: Path, *, seed: int = 0, threshold: float = 0.35, eval_every: int 
     return info
 
 
+TEACHER_THRESHOLD = 0.8
+"""Greedy validation accuracy the teacher must reach, by the run's own validation."""
+TEACHER_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
+"""What the teacher keeps of ``rlplat export``'s folder; the tokenizer files are the warm start's, copied."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+VALIDATION_ACCURACY = f"val/{DATA_SOURCE}/acc/mean"
+"""The run's greedy validation accuracy in its ``metrics.jsonl``."""
+
+
+def preset_setting(key: str) -> str:
+    """The value the ``arith`` preset (:func:`rlplat_demo.overrides`) gives the dotted ``key``."""
+    from rlplat_demo import overrides
+
+    values = [override.partition("=")[2] for override in overrides() if override.partition("=")[0] == key]
+    if not values:
+        raise KeyError(f"the arith preset (rlplat_demo.overrides) sets no {key}")
+    return values[-1]
+
+
+def rlplat_command(*arguments: str) -> list[str]:
+    """``rlplat ARGUMENTS`` as this interpreter runs it: the rlplat installed beside this package."""
+    return [sys.executable, "-m", "rlplat.cli.main", *arguments]
+
+
+def teacher_run_overrides(out: Path, run_dir: Path, *, seed: int, steps: int, save_freq: int) -> list[str]:
+    """What the teacher's run puts after ``--demo arith``: the model and data under ``out`` (the preset's own
+    when ``out`` is the package's assets), the run's length and seed, and a checkpoint at every validation,
+    all of them kept, so that any validated step can be exported."""
+    return [
+        f"model.path={out / 'model'}", f"data.train_files=[{out / 'data' / 'train.parquet'}]",
+        f"data.val_files=[{out / 'data' / 'val.parquet'}]", f"trainer.total_training_steps={steps}",
+        f"trainer.seed={seed}", f"trainer.save_freq={save_freq}", f"trainer.keep_last={steps // save_freq + 1}",
+        "trainer.resume=disable", "cluster.backend=local", f"trainer.output_dir={run_dir}",
+    ]
+
+
+def validation_history(run_dir: Path) -> list[dict[str, float]]:
+    """``{"step", "val_accuracy"}`` of every validation in the run's ``metrics.jsonl``, in step order."""
+    history = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if VALIDATION_ACCURACY in record:
+            history.append({"step": int(record["step"]), "val_accuracy": float(record[VALIDATION_ACCURACY])})
+    return sorted(history, key=lambda entry: entry["step"])
+
+
+def val_pairs_of(path: Path) -> list[tuple[int, int]]:
+    """The ``(a, b)`` of each ``a+b=`` prompt in a task parquet."""
+    import pyarrow.parquet as pq
+
+    return [tuple(map(int, row[0]["content"].rstrip("=").split("+"))) for row in pq.read_table(path)["prompt"].to_pylist()]
+
+
+def build_teacher(out: Path, *, seed: int = 0, steps: int | None = None, threshold: float = TEACHER_THRESHOLD,
+                  log=print) -> dict[str, Any]:
+    """Train the arithmetic demo's teacher into ``out/teacher`` and record it under ``"teacher"`` in
+    ``out/build_info.json``; returns that record.
+
+    The teacher is the ``arith`` preset's run itself, ``rlplat run --demo arith`` in a subprocess (in a
+    temporary run directory, seeded, ``cluster.backend=local``) from the warm start in ``out/model``, for
+    ``steps`` steps (default: the preset's own), with a checkpoint at each validation. The checkpoint whose
+    greedy validation accuracy (the run's own, every ``trainer.test_freq`` steps) is highest, the later step on
+    a tie, is written by ``rlplat export``; the folder keeps the model files and the warm start's tokenizer
+    files, unchanged. The exported model's greedy accuracy is then measured again with ``transformers``
+    (:func:`greedy_accuracy` on ``out/data/val.parquet``). Raises RuntimeError when the run or the export
+    fails, or when no validated step reaches ``threshold``."""
+    import torch
+    import transformers
+
+    started = time.monotonic()
+    out = Path(out).resolve()
+    steps = int(steps if steps is not None else preset_setting("trainer.total_training_steps"))
+    save_freq = int(preset_setting("trainer.test_freq"))
+    with tempfile.TemporaryDirectory(prefix="rlplat-teacher-") as work:
+        work = Path(work)
+        overrides = teacher_run_overrides(out, work / "run", seed=seed, steps=steps, save_freq=save_freq)
+        log(f"training the teacher: rlplat run --demo arith {' '.join(overrides)}")
+        if subprocess.run(rlplat_command("run", "--demo", "arith", *overrides), cwd=work).returncode != 0:
+            raise RuntimeError(f"the teacher's run failed (rlplat run --demo arith {' '.join(overrides)}); "
+                               "its output is above")
+        trained = time.monotonic()
+        history = validation_history(work / "run")
+        exportable = [entry for entry in history if entry["step"] > 0 and (entry["step"] % save_freq == 0 or entry["step"] == steps)]
+        chosen = max(exportable, key=lambda entry: (entry["val_accuracy"], entry["step"]), default=None)
+        if chosen is None or chosen["val_accuracy"] < threshold:
+            best = f"best {chosen['val_accuracy']:.3f} at step {chosen['step']}" if chosen else "no validation"
+            raise RuntimeError(f"no validated step of the teacher's {steps}-step run reached greedy validation accuracy "
+                               f"{threshold} ({best}); train longer with --teacher-steps or lower --teacher-threshold")
+        export = work / "export"
+        if subprocess.run(rlplat_command("export", str(work / "run"), "--step", str(chosen["step"]), "--out",
+                                         str(export))).returncode != 0:
+            raise RuntimeError(f"rlplat export of the teacher's step {chosen['step']} failed; its output is above")
+        partial = out / ".teacher.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        for name in TEACHER_MODEL_FILES:
+            shutil.copyfile(export / name, partial / name)
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(out / "model" / name, partial / name)
+    teacher = out / "teacher"
+    shutil.rmtree(teacher, ignore_errors=True)
+    partial.rename(teacher)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(teacher).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(teacher)
+    measured = greedy_accuracy(model, tokenizer, val_pairs_of(out / "data" / "val.parquet"))
+    info = {
+        "command": f"python -m rlplat_demo.build --only teacher --seed {seed} --teacher-steps {steps} "
+                   f"--teacher-threshold {threshold}",
+        "run_command": "rlplat run --demo arith " + " ".join(overrides).replace(str(work), "TMP").replace(str(out), "ASSETS"),
+        "export_command": f"rlplat export TMP/run --step {chosen['step']} --out TMP/export "
+                          f"(kept: {', '.join(TEACHER_MODEL_FILES)}; tokenizer files copied from model/)",
+        "seed": seed,
+        "initialised_from": "model/ (the warm start)",
+        "steps": steps,
+        "threshold": threshold,
+        "val_accuracy_history": history,
+        "chosen_step": chosen["step"],
+        "val_accuracy": chosen["val_accuracy"],
+        "transformers_greedy_accuracy": measured,
+        "build_seconds": round(time.monotonic() - started, 1),
+        "train_seconds": round(trained - started, 1),
+        "bytes": folder_bytes(teacher),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
+    info_path = out / "build_info.json"
+    build_info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    build_info["teacher"] = info
+    info_path.write_text(json.dumps(build_info, indent=2) + "\n")
+    return info
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlplat_demo.build", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("all", "arith", "reward-model", "tools"), default="all",
+    parser.add_argument("--only", choices=("all", "arith", "reward-model", "tools", "teacher"), default="all",
                         help="which demo's assets to build: the arithmetic demo's, its reward model (into OUT/reward_model, "
-                             "from OUT/model), the tool demo's (into OUT/tools), or all three")
+                             "from OUT/model), the tool demo's (into OUT/tools), its teacher (into OUT/teacher, from "
+                             "OUT/model), or all four")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "assets",
                         help="where to write model/, data/ and build_info.json (default: the package's assets)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the split, the initialisation and the batches")
@@ -203,6 +340,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="arithmetic demo: stop the warm start at the first evaluation with greedy validation accuracy at or above this")
     parser.add_argument("--eval-every", type=int, default=20, help="arithmetic demo: supervised steps between evaluations")
     parser.add_argument("--max-steps", type=int, default=2000, help="arithmetic demo: give up after this many supervised steps")
+    parser.add_argument("--teacher-steps", type=int, default=None,
+                        help="teacher: steps of its rlplat run --demo arith (default: the preset's own)")
+    parser.add_argument("--teacher-threshold", type=float, default=TEACHER_THRESHOLD,
+                        help="teacher: the greedy validation accuracy its exported step must reach")
     args = parser.parse_args(argv)
     if args.only in ("all", "arith"):
         info = build(args.out, seed=args.seed, threshold=args.threshold, eval_every=args.eval_every,
@@ -227,6 +368,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"accuracy {state['multiply/greedy_accuracy']:.3f}, tool calls in {state['multiply/sampled_tool_call_rate']:.3f} "
               f"of samples; addition: greedy accuracy {state['add/greedy_accuracy']:.3f}; {total / 1e6:.2f} MB, "
               f"{info['build_seconds']} s")
+    if args.only in ("all", "teacher"):
+        info = build_teacher(args.out, seed=args.seed, steps=args.teacher_steps, threshold=args.teacher_threshold)
+        print(f"wrote {args.out / 'teacher'}: step {info['chosen_step']} of {info['steps']}, greedy validation accuracy "
+              f"{info['val_accuracy']:.3f} (the run's) and {info['transformers_greedy_accuracy']:.3f} (transformers), "
+              f"{info['bytes'] / 1e6:.2f} MB, {info['build_seconds']} s")
     return 0
 
 

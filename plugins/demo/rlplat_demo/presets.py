@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rlplat_demo import overrides as arith, preset
 
-__all__ = ["arith", "reward_model", "tools", "retry", "retry_single", "tools_blackbox"]
+__all__ = ["arith", "reward_model", "tools", "retry", "retry_single", "tools_blackbox", "distill", "distill_rl"]
 
 
 def reward_model() -> list[str]:
@@ -26,3 +26,11 @@ def retry_single() -> list[str]:
 
 def tools_blackbox() -> list[str]:
     return preset("tools-blackbox")
+
+
+def distill() -> list[str]:
+    return preset("distill")
+
+
+def distill_rl() -> list[str]:
+    return preset("distill-rl")

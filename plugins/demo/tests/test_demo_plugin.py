@@ -44,7 +44,7 @@ def test_an_unknown_demo_names_the_registered_presets():
 
     with pytest.raises(ConfigError) as raised:
         presets.overrides("tool")
-    assert str(raised.value) == ("--demo tool: unknown preset; the registered presets are arith, retry, retry-single, "
+    assert str(raised.value) == ("--demo tool: unknown preset; the registered presets are arith, distill, distill-rl, retry, retry-single, "
                                  "reward-model, tools, tools-blackbox. Did you mean 'tools'?")
 
 
