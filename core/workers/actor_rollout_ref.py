@@ -68,7 +68,7 @@ def check_engine_features(engine: Any, loss_fn: Any, engine_name: str) -> None:
         raise ValueError(f"the actor loss needs {', '.join(missing)} of its engine (count_masks: a term's own token "
                          "counts; gather_ids: the student's log-probs at a teacher's top-k ids), and engine "
                          f"{engine_name!r} does not list it (its features: {sorted(features) or 'none'}); use an engine "
-                         "that does (fsdp2), or a term that needs less (reverse_kl reads the sampled tokens only)")
+                         "that does (fsdp2, megatron), or a term that needs less (reverse_kl reads the sampled tokens only)")
 
 
 class OldLogProbsFromForward:

@@ -232,7 +232,7 @@ def check_run(config: Any, settings: DistillationConfig) -> None:
             features = getattr(registry.get("engine", engine), "features", frozenset())
             if "top_k" not in features:
                 raise ConfigError(f"distillation.teachers.{name}: engine {engine!r} does not return top-k log-probs "
-                                  f"(its features: {sorted(features) or 'none'}); a top-k loss needs one that does (fsdp2).")
+                                  f"(its features: {sorted(features) or 'none'}); a top-k loss needs one that does (fsdp2, megatron).")
         check_teacher(config, name, teacher, settings.top_k)
 
 

@@ -60,7 +60,7 @@ class TeacherWorker(Worker):
             engine = EngineRegistry("engine").build(teacher["engine"], dict(teacher["engine_config"]))
             if self.config.top_k and "top_k" not in getattr(engine, "features", frozenset()):
                 raise ValueError(f"teacher {name}: engine {teacher['engine']!r} does not return top-k log-probs; "
-                                 "distillation.top_k needs one that does (fsdp2)")
+                                 "distillation.top_k needs one that does (fsdp2, megatron)")
             engine.init_model()
             info = tuple(engine.data_parallel_info())
             if layout is not None and info != layout:

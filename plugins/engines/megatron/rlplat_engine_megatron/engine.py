@@ -56,8 +56,7 @@ class MegatronEngine(TrainingEngine):
     """See the module docstring. ``MegatronEngine(config, **overrides)``: ``config`` is a
     :class:`~rlplat_engine_megatron.config.MegatronEngineConfig`, a mapping or an OmegaConf node."""
 
-    # A loss's own mask counts; not yet the top-k gather or top-k forward over the vocabulary-parallel logits.
-    features = frozenset({"count_masks"})
+    features = frozenset({"count_masks", "gather_ids", "top_k"})
 
     def __init__(self, config: Any, **overrides: Any):
         config = read_engine_config(config)
@@ -259,9 +258,11 @@ class MegatronEngine(TrainingEngine):
             "responses": data["responses"].to(device),
         }
 
-    def outputs_of(self, output: torch.Tensor, inputs: Mapping[str, torch.Tensor], temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
+    def outputs_of(self, output: torch.Tensor, inputs: Mapping[str, torch.Tensor], temperature: float, with_entropy: bool,
+                   gather_ids: torch.Tensor | None = None, top_k: int = 0) -> dict[str, torch.Tensor]:
         """The last stage's model output [b, T, V/tp] (or [b, T, 1] values) -> ``log_probs`` (``entropy``)
-        or ``values`` [b, R]."""
+        or ``values`` [b, R]; ``gathered_log_probs`` [b, R, k] at ``gather_ids``; ``top_k_log_probs`` and
+        ``top_k_ids`` [b, R, top_k]."""
         index = inputs["predictors"]
         if self.config.value_model:
             return {"values": output[..., 0].float().gather(1, index)}
@@ -271,6 +272,12 @@ class MegatronEngine(TrainingEngine):
         result = {"log_probs": log_probs}
         if entropy is not None:
             result["entropy"] = entropy
+        if gather_ids is not None:
+            result["gathered_log_probs"] = vocab_parallel.gathered_log_probs(logits, gather_ids.to(logits.device), temperature,
+                                                                             self.tp_rank * vocab)
+        if top_k:
+            result["top_k_log_probs"], result["top_k_ids"] = vocab_parallel.top_k(logits, temperature, top_k, self.tp_rank * vocab,
+                                                                                 vocab * self.tp_size)
         return result
 
     def run_schedule(self, micro_batches: list[DataProto], step: Any, forward_only: bool) -> None:
@@ -299,19 +306,23 @@ class MegatronEngine(TrainingEngine):
 
     # -- forward -----------------------------------------------------------------------------------
 
-    def forward(self, batch: DataProto, *, temperature: float = 1.0, calculate_entropy: bool = False) -> DataProto:
+    def forward(self, batch: DataProto, *, temperature: float = 1.0, calculate_entropy: bool = False, top_k: int = 0) -> DataProto:
         self.require_model("forward")
         self.check_inputs(batch, "forward")
+        if top_k and self.config.value_model:
+            raise ValueError("MegatronEngine.forward(top_k=...): a value model has no token distribution")
         size = self.config.forward_micro_batch_size_per_gpu or self.config.micro_batch_size_per_gpu
         groups = self.plan(batch, size)
         keys = ["values"] if self.config.value_model else (["log_probs", "entropy"] if calculate_entropy else ["log_probs"])
+        keys += ["top_k_log_probs", "top_k_ids"] if top_k else []
         pieces: list[dict[str, torch.Tensor]] = []
 
         def step(micro_batch: DataProto, inputs: Mapping[str, torch.Tensor], output: torch.Tensor) -> torch.Tensor:
             if micro_batch.meta_info.get(STAND_IN):
                 return output.new_zeros(())
-            outputs = self.outputs_of(output, inputs, temperature, calculate_entropy)
-            pieces.append({key: outputs[key].detach().float().cpu() for key in keys})
+            outputs = self.outputs_of(output, inputs, temperature, calculate_entropy, top_k=top_k)
+            pieces.append({key: outputs[key].detach().cpu() if key == "top_k_ids" else outputs[key].detach().float().cpu()
+                           for key in keys})
             return output.new_zeros(())
 
         for chunk in self.chunks:
@@ -326,7 +337,8 @@ class MegatronEngine(TrainingEngine):
                 values = torch.cat([piece[key] for piece in pieces])
                 columns[key] = torch.empty_like(values).index_copy_(0, order, values)
             else:  # other stages return zeros; the driver collects from the last stage
-                columns[key] = torch.zeros(rows, response_length)
+                shape = (rows, response_length, top_k) if key.startswith("top_k") else (rows, response_length)
+                columns[key] = torch.zeros(shape, dtype=torch.long if key == "top_k_ids" else torch.float32)
         return DataProto.from_dict(columns)
 
     # -- training ----------------------------------------------------------------------------------
@@ -398,7 +410,9 @@ class MegatronEngine(TrainingEngine):
         def step(micro_batch: DataProto, inputs: Mapping[str, torch.Tensor], output: torch.Tensor) -> torch.Tensor:
             if micro_batch.meta_info.get(STAND_IN):
                 return output.sum() * 0.0
-            outputs = self.outputs_of(output, inputs, temperature, calculate_entropy)
+            gather = getattr(loss_fn, "gather_ids", None)
+            outputs = self.outputs_of(output, inputs, temperature, calculate_entropy,
+                                      gather_ids=None if gather is None else micro_batch.batch[gather])
             loss, loss_metrics = loss_fn(outputs, micro_batch)
             losses.append(float(loss.detach()))
             metrics.append({key: float(value) for key, value in loss_metrics.items()})

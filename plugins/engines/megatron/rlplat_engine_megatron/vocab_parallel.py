@@ -7,6 +7,10 @@ the vocabulary: each rank sums its slice and an all-reduce over the tensor-paral
 because every rank then computes the same loss from the same sums). The max for numerical stability is
 an all-reduce of maxima with no gradient (the log-sum-exp does not depend on it). Everything is float32
 after dividing the logits by the temperature, as the rollout samples.
+
+For distillation losses: the log-probs at given ids (:func:`gathered_log_probs`, with gradients, the same
+sums) and the ``k`` most likely tokens (:func:`top_k`: each rank's own ``k`` candidates, all-gathered over the
+tensor-parallel group, the best ``k`` of them; no gradient).
 """
 
 from __future__ import annotations
@@ -47,3 +51,38 @@ def log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperatu
         expectation = reduce_sum((exp * shifted).sum(-1)) / normaliser
         entropy = log_normaliser - expectation
     return log_probs, entropy
+
+
+def gathered_log_probs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, vocab_start: int) -> torch.Tensor:
+    """``logits`` [..., V/tp] (this rank's slice), ``ids`` [..., k] (global token ids) -> float32 log-probs [..., k]."""
+    scaled = logits.float() / temperature
+    shifted = scaled - global_max(scaled.max(-1).values).unsqueeze(-1)
+    log_normaliser = reduce_sum(shifted.exp().sum(-1)).log()
+    local = ids - vocab_start
+    here = (local >= 0) & (local < scaled.shape[-1])
+    picked = shifted.gather(-1, local.clamp(0, scaled.shape[-1] - 1)) * here
+    return reduce_sum(picked) - log_normaliser.unsqueeze(-1)
+
+
+def top_k(logits: torch.Tensor, temperature: float, k: int, vocab_start: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest float32 log-probs at each position and their global ids (``[..., k]`` each, descending),
+    from this rank's slice ``logits`` [..., V/tp] of a ``vocab_size``-token vocabulary; no gradient."""
+    from megatron.core import parallel_state
+
+    if not 1 <= k <= vocab_size:
+        raise ValueError(f"top_k={k}: it must be between 1 and the vocabulary size {vocab_size}")
+    with torch.no_grad():
+        scaled = logits.float() / temperature
+        shifted = scaled - global_max(scaled.max(-1).values).unsqueeze(-1)
+        log_probs = shifted - reduce_sum(shifted.exp().sum(-1)).log().unsqueeze(-1)
+        local = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
+        values, ids = local.values, local.indices + vocab_start
+        world = parallel_state.get_tensor_model_parallel_world_size()
+        if world > 1:
+            group = parallel_state.get_tensor_model_parallel_group()
+            all_values, all_ids = [torch.empty_like(values) for _ in range(world)], [torch.empty_like(ids) for _ in range(world)]
+            torch.distributed.all_gather(all_values, values.contiguous(), group=group)
+            torch.distributed.all_gather(all_ids, ids.contiguous(), group=group)
+            values, ids = torch.cat(all_values, dim=-1), torch.cat(all_ids, dim=-1)
+        best = values.topk(k, dim=-1)
+        return best.values, ids.gather(-1, best.indices)

@@ -24,12 +24,17 @@ from megatron_testkit import make_batch  # noqa: E402
 
 
 class PolicyGradientLoss:
-    """Token-mean ``-sum(advantages * log_probs * mask) / global_token_count``."""
+    """Token-mean ``-sum(advantages * log_probs * mask) / global_token_count``; also reports the token-mean of the
+    log-probs gathered at the batch's ``gather`` ids (the engine's ``gather_ids`` feature), as a contribution."""
+
+    gather_ids = "gather"
 
     def __call__(self, outputs, micro_batch):
         batch = micro_batch.batch
-        loss = -(batch["advantages"] * outputs["log_probs"] * batch["response_mask"]).sum() / micro_batch.meta_info["global_token_count"]
-        return loss, {"test/pg_loss": float(loss.detach())}
+        tokens = micro_batch.meta_info["global_token_count"]
+        loss = -(batch["advantages"] * outputs["log_probs"] * batch["response_mask"]).sum() / tokens
+        gathered = (outputs["gathered_log_probs"].detach().sum(-1) * batch["response_mask"]).sum() / tokens
+        return loss, {"test/pg_loss": float(loss.detach()), "test/gathered": float(gathered)}
 
 
 def collected(engine, tensor):
@@ -57,6 +62,9 @@ def main() -> None:
         dist.all_gather_object(peaks, measure(spec["memory"]))
         results["memory"] = peaks
     batch = make_batch(spec.get("rows", 8), seed=3)
+    rows, width = batch.batch["responses"].shape
+    vocabulary = json.load(open(os.path.join(spec["model"], "config.json")))["vocab_size"]
+    batch.batch["gather"] = torch.randint(0, vocabulary, (rows, width, 3), generator=torch.Generator().manual_seed(4))
     base = dict(model_path=spec["model"], seed=7, lr=1e-3, micro_batch_size_per_gpu=2)
     for layout in spec["layouts"]:
         name = layout["name"]
@@ -73,6 +81,8 @@ def main() -> None:
         output = engine.forward(batch, calculate_entropy=True)
         results[f"{name}/log_probs"] = collected(engine, output.batch["log_probs"])
         results[f"{name}/entropy"] = collected(engine, output.batch["entropy"])
+        top = engine.forward(batch, top_k=3).batch
+        results[f"{name}/top_k"] = collected(engine, (top["top_k_log_probs"], top["top_k_ids"]))
         if layout.get("single_row"):  # fewer rows than pipeline stages
             results[f"{name}/single_row"] = collected(engine, engine.forward(batch.select_idxs([0])).batch["log_probs"])
         if layout.get("export"):
@@ -119,6 +129,8 @@ def main() -> None:
         fsdp2 = FSDP2Engine(dict(base, dtype="float32"))
         fsdp2.init_model()
         results["fsdp2/log_probs"] = fsdp2.forward(batch, calculate_entropy=True).batch["log_probs"]
+        top = fsdp2.forward(batch, top_k=3).batch
+        results["fsdp2/top_k"] = (top["top_k_log_probs"], top["top_k_ids"])
     if rank == 0:
         torch.save(results, spec["out"])
     dist.barrier()

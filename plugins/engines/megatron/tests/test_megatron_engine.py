@@ -110,3 +110,53 @@ def test_cpu_substitutes_are_confined_to_the_engines_calls(tiny_config, batch_of
     with pytest.raises((RuntimeError, AssertionError)):
         torch.zeros(1).cuda()
     assert torch.zeros(1).type() == "torch.FloatTensor"
+
+
+class GatheredLoss:
+    """Token-mean of the gathered log-probs' sum over the ``gather`` ids, reported as a metric contribution."""
+
+    gather_ids = "gather"
+    count_masks = ("half",)
+
+    def __init__(self):
+        self.counts: list[dict] = []
+
+    def __call__(self, outputs, micro_batch):
+        mask = micro_batch.batch["response_mask"] * micro_batch.batch["half"]
+        counts = micro_batch.meta_info["global_counts"]["half"]
+        self.counts.append(dict(counts))
+        loss = (outputs["gathered_log_probs"].sum(-1) * mask).sum() / counts["tokens"]
+        return loss, {"test/gathered": float(loss.detach())}
+
+
+def test_top_k_and_gathered_log_probs_equal_the_fsdp2_engines(tmp_path, batch_of):
+    """The distillation features (``features``): ``forward(top_k=k)`` and a loss's ``gather_ids`` and
+    ``count_masks`` on the vocabulary-parallel logits (one rank here; TP=2 in test_megatron_numerics)."""
+    from rlplat import DataProto
+    from rlplat_engine_fsdp2.engine import FSDP2Engine
+    from two_process_launch import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "qwen2", dict(TINY_QWEN2), seed=11)
+    batch = batch_of(6)
+    rows, width = batch.batch["responses"].shape
+    generator = torch.Generator().manual_seed(2)
+    half = torch.zeros(rows, width)
+    half[::2] = 1
+    extra = DataProto.from_dict({"gather": torch.randint(0, TINY_QWEN2["vocab_size"], (rows, width, 3), generator=generator),
+                                 "half": half})
+    data = batch.union(extra).with_meta_info({"ppo_mini_batch_size": rows})
+    megatron = MegatronEngine(dict(model_path=path, micro_batch_size_per_gpu=4))
+    megatron.init_model()
+    fsdp2 = FSDP2Engine(dict(model_path=path, dtype="float32", micro_batch_size_per_gpu=4))
+    fsdp2.init_model()
+    valid = batch.batch["response_mask"].bool()
+    ours, theirs = megatron.forward(batch, top_k=4).batch, fsdp2.forward(batch, top_k=4).batch
+    assert float((ours["top_k_log_probs"] - theirs["top_k_log_probs"])[valid].abs().max()) <= 1e-5
+    assert torch.equal(ours["top_k_ids"][valid], theirs["top_k_ids"][valid])
+    our_loss, their_loss = GatheredLoss(), GatheredLoss()
+    ours, theirs = megatron.train_batch(data, our_loss), fsdp2.train_batch(data, their_loss)
+    assert ours["test/gathered"] == pytest.approx(theirs["test/gathered"], abs=1e-5)
+    own = batch.batch["response_mask"] * half
+    assert {tuple(sorted(c.items())) for c in our_loss.counts + their_loss.counts} == {
+        (("sequences", int((own.sum(-1) > 0).sum())), ("tokens", float(own.sum())))}
+    assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)

@@ -61,6 +61,13 @@ def test_tp2_pp2_and_tp1_agree_with_each_other_and_with_fsdp2_and_export_and_res
     for name in ("tp1", "tp2", "pp2"):
         assert results[f"{name}/largest_multi_tensor_bucket"] <= 64 << 10
     assert results["tp1/metrics"]["test/pg_loss"] == pytest.approx(results["tp2/metrics"]["test/pg_loss"], abs=1e-6)
+    # the distillation features over vocabulary-parallel logits: top-k and log-probs at given ids
+    valid = make_batch(8, seed=3).batch["response_mask"].bool()
+    for name in ("tp1", "tp2", "pp2"):
+        values, ids = results[f"{name}/top_k"]
+        assert float((values - results["fsdp2/top_k"][0])[valid].abs().max()) <= 1e-5, name
+        assert torch.equal(ids[valid], results["fsdp2/top_k"][1][valid]), name
+        assert results[f"{name}/metrics"]["test/gathered"] == pytest.approx(results["tp1/metrics"]["test/gathered"], abs=1e-5), name
     assert results["tp2/export_names_equal"] and results["tp2/export_max_diff"] == 0.0
     assert float(results["pp2/resume_max_diff"]) == 0.0
 
