@@ -124,6 +124,17 @@ class RolloutEngine(abc.ABC):
         are served as usual. Required of rollouts with :attr:`partial_rollout_modes`; the default, for
         the others, does nothing (their generations are waited for)."""
 
+    scores_tokens: ClassVar[bool] = False
+    """Whether :meth:`score_tokens` is implemented (a distillation teacher can be served by this rollout)."""
+
+    def score_tokens(self, batch: "DataProto", *, temperature: float = 1.0, top_k: int = 0) -> "DataProto":
+        """Log-probs of given tokens, nothing sampled: reads ``input_ids``, ``attention_mask``, ``position_ids``
+        [B, P+R] (prompt left padded, response right padded) and ``responses`` [B, R]; returns ``log_probs``
+        [B, R] (``log softmax(logits / temperature)`` at each response token, 0 at padding) and, with
+        ``top_k`` > 0, ``top_k_log_probs`` and ``top_k_ids`` [B, R, k] (the ``k`` largest at each response
+        position, descending). Only rollouts with :attr:`scores_tokens` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not score tokens (scores_tokens is False)")
+
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
         """Load full tensors in Hugging Face naming (may be called once per bucket)."""

@@ -45,7 +45,7 @@ ROLE_PHASES = {
     "reference": {"forward": "ref_log_prob"},
     "critic": {"forward": "values", "update": "update_critic"},
     "reward_model": {"forward": "reward_model"},
-    "teacher": {"forward": "teacher"},
+    "teacher": {"forward": "teacher", "generate": "teacher"},
     "rollout": {"generate": "generation", "wake_up": "weight_sync"},
 }
 

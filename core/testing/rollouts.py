@@ -49,6 +49,9 @@ class RolloutEngineConformance:
     before the filters (SGLang) sets it False and says so in its README."""
 
     log_probs_after_filters = True
+    score_tolerance = LOG_PROB_TOLERANCE
+    """How far ``score_tokens`` may be from the log-probs a sample was drawn with (a rollout whose scoring pass
+    computes in another order, e.g. a prefill kernel against decoding steps, sets it higher and says why)."""
 
     @pytest.fixture
     def named_weights(self):
@@ -106,6 +109,23 @@ class RolloutEngineConformance:
         out = rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=6, seed=2))
         log_probs, mask = out.batch["rollout_log_probs"], out.batch["response_mask"]
         assert (log_probs <= 0).all() and (log_probs[mask == 0] == 0).all()
+
+    def test_scored_tokens_if_supported_have_the_log_probs_they_were_sampled_with(self, rollout, prompts):
+        """``score_tokens`` (a distillation teacher served by the rollout) of its own samples gives their
+        ``rollout_log_probs`` (no top-p / top-k filter, so both are of the whole distribution), within
+        :attr:`score_tolerance`; its top-k is sorted and bounds them."""
+        if not getattr(rollout, "scores_tokens", False):
+            pytest.skip(f"{type(rollout).__name__} does not score given tokens (scores_tokens is False)")
+        out = rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=6, temperature=0.7, seed=3))
+        scored = rollout.score_tokens(out, temperature=0.7, top_k=3).batch
+        mask = out.batch["response_mask"].bool()
+        torch.testing.assert_close(scored["log_probs"][mask], out.batch["rollout_log_probs"][mask],
+                                   atol=self.score_tolerance, rtol=0)
+        assert (scored["log_probs"][~mask] == 0).all()
+        values, ids = scored["top_k_log_probs"], scored["top_k_ids"]
+        assert values.shape == ids.shape == (*mask.shape, 3) and ids.dtype == torch.long
+        assert (values[mask][:, :-1] >= values[mask][:, 1:]).all()
+        assert (values[mask][:, 0] >= scored["log_probs"][mask] - self.score_tolerance).all()
 
     def test_the_same_seed_gives_the_same_samples_and_another_seed_others(self, rollout, prompts):
         first = rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=6, seed=7))

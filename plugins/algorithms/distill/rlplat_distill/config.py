@@ -21,6 +21,7 @@ DISTILLATION_LOSSES = ("reverse_kl", "reverse_kl_topk", "forward_kl_topk", "jsd_
 TOPK_LOSSES = ("reverse_kl_topk", "forward_kl_topk", "jsd_topk")
 UNROUTED = ("error", "skip")
 RETOKENIZE = ("never", "text")
+SCORERS = ("engine", "rollout")
 
 
 @dataclasses.dataclass
@@ -34,10 +35,18 @@ class TeacherConfig:
     data_sources: Optional[List[str]] = None
     """The ``teacher_key`` values (data sources) whose rows this teacher scores; None: every row no other teacher
     claims (the default teacher; at most one)."""
+    scorer: str = "engine"
+    """What serves the teacher: ``engine``, a training engine's forward pass, or ``rollout``, a rollout that scores
+    given tokens (``RolloutEngine.scores_tokens``: hf)."""
     engine: Optional[str] = None
-    """Registered training engine (kind ``engine``) whose forward pass scores (None: ``actor.engine``)."""
+    """``scorer=engine``: the registered training engine (kind ``engine``; None: ``actor.engine``)."""
     engine_config: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    """The engine's own keys for the teacher (e.g. ``dtype``), over the actor's ``engine_config``."""
+    """``scorer=engine``: the engine's own keys for the teacher (e.g. ``dtype``), over the actor's ``engine_config``."""
+    rollout: Optional[str] = None
+    """``scorer=rollout``: the registered rollout (kind ``rollout``; None: ``rollout.name``). It keeps its weights
+    between calls (a rollout asleep would need a weight sync the teacher never gets)."""
+    rollout_config: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``scorer=rollout``: the rollout's own keys for the teacher, over the run's ``rollout.config``."""
     micro_batch_size_per_gpu: Optional[int] = None
     """Rows per forward micro-batch (None: ``actor.micro_batch_size_per_gpu``)."""
     retokenize: str = "never"
@@ -46,6 +55,8 @@ class TeacherConfig:
     built: a teacher with another tokenizer is refused."""
 
     def __post_init__(self) -> None:
+        if self.scorer not in SCORERS:
+            raise ValueError(f"scorer must be one of {', '.join(SCORERS)}, got {self.scorer!r}")
         if self.retokenize not in RETOKENIZE:
             raise ValueError(f"retokenize must be one of {', '.join(RETOKENIZE)}, got {self.retokenize!r}")
         if self.micro_batch_size_per_gpu is not None and self.micro_batch_size_per_gpu < 1:
@@ -137,6 +148,31 @@ def teacher_engine(config: Any, teacher: TeacherConfig) -> str:
     return teacher.engine or str(config.actor.engine)
 
 
+def teacher_rollout(config: Any, teacher: TeacherConfig) -> str:
+    return teacher.rollout or str(config.rollout.name)
+
+
+def rollout_node(config: Any, teacher: TeacherConfig) -> dict[str, Any]:
+    """What a rollout teacher's factory receives: the run's rollout node with the teacher's model, its weights
+    loaded from there, then the teacher's ``rollout_config``."""
+    from omegaconf import OmegaConf
+
+    from rlplat.config.components import rollout_node as run_rollout_node
+
+    own = teacher.rollout_config
+    if not isinstance(own, dict):
+        own = OmegaConf.to_container(own, resolve=True)
+    run_node = run_rollout_node(config) if teacher_rollout(config, teacher) == str(config.rollout.name) else {}
+    return {**run_node, "model_path": str(Path(teacher.model_path).resolve()), "load_weights": True, **own}
+
+
+def teacher_component(config: Any, teacher: TeacherConfig, total_steps: int) -> tuple[str, str, dict[str, Any]]:
+    """``(kind, registered name, factory node)`` of what serves a teacher."""
+    if teacher.scorer == "rollout":
+        return "rollout", teacher_rollout(config, teacher), rollout_node(config, teacher)
+    return "engine", teacher_engine(config, teacher), engine_node(config, teacher, total_steps)
+
+
 def same_vocabulary(policy: Any, teacher: Any) -> bool:
     """Whether the teacher's tokenizer reads the policy's ids as the same tokens: vocabulary and special tokens."""
     specials = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -191,11 +227,15 @@ def distillation_nodes(config: Any) -> list:
     total_steps = int(config.trainer.total_training_steps or 0)
     for name, teacher in settings.teachers.items():
         where = f"distillation.teachers.{name}"
-        schema, owner = entry_schema("engine", teacher_engine(config, teacher), f"{where}.engine")
+        kind, registered, node = teacher_component(config, teacher, total_steps)
+        schema, owner = entry_schema(kind, registered, f"{where}.{kind}")
+        if kind == "rollout":
+            build = {"model_path": f"{where}.model_path", "load_weights": "(a teacher loads its own weights)"}
+            nodes.append(PluginNode(f"{where}.rollout_config", owner, schema, node, build, tuple(teacher.rollout_config)))
+            continue
         build = {"model_path": f"{where}.model_path", "lora": "(none for a teacher)",
                  "value_model": "(a teacher is a causal LM)", "reward_model": "(a teacher is a causal LM)"}
-        nodes.append(PluginNode(f"{where}.engine_config", owner, schema, engine_node(config, teacher, total_steps), build,
-                                tuple(teacher.engine_config)))
+        nodes.append(PluginNode(f"{where}.engine_config", owner, schema, node, build, tuple(teacher.engine_config)))
     return nodes
 
 
@@ -226,13 +266,26 @@ def check_run(config: Any, settings: DistillationConfig) -> None:
     roles = config.get("roles") or {}
     if (roles.get("teacher") or {}).get("placement") == "separate" and config.cluster.backend == "local":
         raise ConfigError("roles.teacher.placement=separate needs cluster.backend=ray (the local backend is one process).")
+    def implementation(kind: str, registered: str, where: str) -> Any:
+        try:
+            return registry.get(kind, registered)
+        except Exception as error:
+            raise ConfigError(f"{where}: {error}") from None
+
     for name, teacher in settings.teachers.items():
-        engine = teacher_engine(config, teacher)
-        if topk and engine in registry.names("engine"):
-            features = getattr(registry.get("engine", engine), "features", frozenset())
-            if "top_k" not in features:
-                raise ConfigError(f"distillation.teachers.{name}: engine {engine!r} does not return top-k log-probs "
-                                  f"(its features: {sorted(features) or 'none'}); a top-k loss needs one that does (fsdp2, megatron).")
+        where = f"distillation.teachers.{name}"
+        if teacher.scorer == "rollout":
+            rollout = teacher_rollout(config, teacher)
+            if not getattr(implementation("rollout", rollout, f"{where}.rollout"), "scores_tokens", False):
+                raise ConfigError(f"{where}: rollout {rollout!r} does not score given tokens "
+                                  "(RolloutEngine.scores_tokens); serve the teacher with scorer=engine, or a rollout that does (hf).")
+        else:
+            engine = teacher_engine(config, teacher)
+            if topk:
+                features = getattr(implementation("engine", engine, f"{where}.engine"), "features", frozenset())
+                if "top_k" not in features:
+                    raise ConfigError(f"distillation.teachers.{name}: engine {engine!r} does not return top-k log-probs "
+                                      f"(its features: {sorted(features) or 'none'}); a top-k loss needs one that does (fsdp2, megatron).")
         check_teacher(config, name, teacher, settings.top_k)
 
 
@@ -248,10 +301,13 @@ def plan(config: Any, gpu: bool) -> list:
     role = read_role_config(config, "teacher")
     total_steps = int(config.trainer.total_training_steps or 0)
     sleeping = ("teacher",) if settings.sleep and gpu and role.placement == "colocated" else None
-    return [PlannedComponent("engine", teacher_engine(config, teacher), "teacher", role.placement, role.nnodes,
-                             role.devices_per_node, f"distillation.teachers.{name}", engine_node(config, teacher, total_steps),
-                             str(teacher.model_path), "teacher", sleeping)
-            for name, teacher in settings.teachers.items()]
+    components = []
+    for name, teacher in settings.teachers.items():
+        kind, registered, node = teacher_component(config, teacher, total_steps)
+        components.append(PlannedComponent(kind, registered, "teacher", role.placement, role.nnodes, role.devices_per_node,
+                                           f"distillation.teachers.{name}", node, str(teacher.model_path), "teacher",
+                                           sleeping if kind == "engine" else None))
+    return components
 
 
 def check(settings: DistillationConfig, config: Any) -> None:

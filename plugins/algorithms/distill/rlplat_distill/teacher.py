@@ -35,7 +35,7 @@ class TeacherWorkerConfig:
     """What :class:`TeacherWorker` builds in its process."""
 
     teachers: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    """Per teacher: ``{"engine": name, "engine_config": node}``."""
+    """Per teacher: ``{"engine": name, "engine_config": node}`` or ``{"rollout": name, "rollout_config": node}``."""
     top_k: int = 0
     """The teacher's top-k per position (0: sampled tokens only)."""
     sleep: bool = True
@@ -49,6 +49,7 @@ class TeacherWorker(Worker):
         super().__init__()
         self.config: TeacherWorkerConfig = read_config_node(config, TeacherWorkerConfig, "teacher worker config")
         self.engines: dict[str, Any] = {}
+        self.rollouts: dict[str, Any] = {}
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -57,6 +58,12 @@ class TeacherWorker(Worker):
 
         layout = None
         for name, teacher in self.config.teachers.items():
+            if "rollout" in teacher:  # scored by a rollout: every process holds the whole model, one data-parallel rank each
+                rollout = EngineRegistry("rollout").build(teacher["rollout"], dict(teacher["rollout_config"]))
+                if not getattr(rollout, "scores_tokens", False):
+                    raise ValueError(f"teacher {name}: rollout {teacher['rollout']!r} does not score given tokens")
+                self.rollouts[name] = rollout
+                continue
             engine = EngineRegistry("engine").build(teacher["engine"], dict(teacher["engine_config"]))
             if self.config.top_k and "top_k" not in getattr(engine, "features", frozenset()):
                 raise ValueError(f"teacher {name}: engine {teacher['engine']!r} does not return top-k log-probs; "
@@ -70,6 +77,14 @@ class TeacherWorker(Worker):
             if self.config.sleep:
                 engine.offload()
             self.engines[name] = engine
+        if self.rollouts:  # a rollout holds the whole model: each process is a data-parallel rank of its own
+            import torch.distributed as dist
+
+            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+            if layout is not None and layout != (rank, world, True):
+                raise ValueError(f"the teachers served by rollouts take one data-parallel rank per process ({(rank, world, True)}), "
+                                 f"and an engine teacher here shards the data as {layout}; serve them all the same way")
+            layout = (rank, world, True)
         self.set_dispatch_info(*layout)
 
     @register(Dispatch.DP_MESH)
@@ -77,17 +92,21 @@ class TeacherWorker(Worker):
         """The teacher ``batch.meta_info["teacher"]``'s ``teacher_log_probs`` (and top-k columns) of the batch's
         response tokens at ``batch.meta_info["temperature"]``."""
         name = batch.meta_info.get("teacher")
-        if name not in self.engines:
-            raise KeyError(f"TeacherWorker.score(): unknown teacher {name!r}; the teachers are {', '.join(self.engines)}"
-                           if self.engines else "TeacherWorker.score() needs the models: call init_model() first")
-        engine = self.engines[name]
+        known = [*self.engines, *self.rollouts]
+        if name not in known:
+            raise KeyError(f"TeacherWorker.score(): unknown teacher {name!r}; the teachers are {', '.join(known)}"
+                           if known else "TeacherWorker.score() needs the models: call init_model() first")
         inputs = batch.select(batch_keys=list(SCORE_INPUTS), meta_info_keys=[])
         arguments = {"temperature": float(batch.meta_info.get("temperature", 1.0))}
         if self.config.top_k:
             arguments["top_k"] = self.config.top_k
-        scored = engine.forward(inputs, **arguments).batch
-        if self.config.sleep:
-            engine.offload()
+        if name in self.rollouts:
+            scored = self.rollouts[name].score_tokens(inputs, **arguments).batch
+        else:
+            engine = self.engines[name]
+            scored = engine.forward(inputs, **arguments).batch
+            if self.config.sleep:
+                engine.offload()
         columns = {"teacher_log_probs": scored["log_probs"]}
         if self.config.top_k:
             columns["teacher_topk_log_probs"] = scored["top_k_log_probs"]
@@ -108,15 +127,16 @@ class TeacherRole(Role):
         return self.settings_cache.enabled
 
     def worker(self, run: RunContext) -> WorkerSpec:
-        from rlplat_distill.config import engine_node, read_distillation, teacher_engine
+        from rlplat_distill.config import read_distillation, teacher_component
 
         settings = read_distillation(run.config)
         self.settings_cache = settings
         self.temperature = float(run.config.rollout.temperature)
         colocated = self.settings(run, "teacher").placement == "colocated"
-        teachers = {name: {"engine": teacher_engine(run.config, teacher),
-                           "engine_config": engine_node(run.config, teacher, run.total_steps)}
-                    for name, teacher in settings.teachers.items()}
+        teachers = {}
+        for name, teacher in settings.teachers.items():
+            kind, registered, node = teacher_component(run.config, teacher, run.total_steps)
+            teachers[name] = {kind: registered, f"{kind}_config": node}
         return WorkerSpec(TeacherWorker, {"teachers": teachers, "top_k": settings.top_k,
                                           "sleep": settings.sleep and colocated})
 

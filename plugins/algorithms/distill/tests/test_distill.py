@@ -115,6 +115,21 @@ def test_two_teachers_each_score_only_the_rows_of_their_data_source(assets):
     assert metrics["distill/a/rows"] == sources.count("x") and metrics["distill/b/rows"] == sources.count("y")
 
 
+def test_a_teacher_served_by_a_rollout_scores_as_one_served_by_an_engine(assets):
+    batch = trainer_batch(["x", "y", "x", "y", "x"], seed=3)
+    by_engine = teacher_worker(assets, top_k=5)
+    by_rollout = TeacherWorker({"teachers": {"a": {"rollout": "hf", "rollout_config": {"model_path": assets["teacher_a"]}},
+                                             "b": {"rollout": "hf", "rollout_config": {"model_path": assets["teacher_b"]}}},
+                                "top_k": 5})
+    by_rollout.init_model()
+    expected = score_batch(by_engine, batch, settings(top_k=5), temperature=0.6)
+    got = score_batch(by_rollout, batch, settings(top_k=5), temperature=0.6)
+    mask = batch.batch["response_mask"].bool()
+    for key in (TEACHER_LOG_PROBS, TEACHER_TOPK_LOG_PROBS):
+        assert torch.allclose(got.batch[key][mask], expected.batch[key][mask], atol=1e-5), key
+    assert torch.equal(got.batch[TEACHER_TOPK_IDS][mask], expected.batch[TEACHER_TOPK_IDS][mask])
+
+
 def test_rows_no_teacher_serves_stop_the_step_or_are_skipped(assets):
     batch = trainer_batch(["x", "z", "y", "z"])
     worker = teacher_worker(assets)
@@ -158,6 +173,9 @@ TERM = "actor.loss.terms=[{loss_mode: reverse_kl, coef: 1.0}]"
     (("distillation.teachers.t.model_path={teacher_a}", "distillation.teachers.t.engine_config.dtyp=float32", TERM),
      "distillation.teachers.t.engine_config"),
     (("distillation.teachers.t.model_path={teacher_a}", "actor.loss.terms=[{loss_mode: reverse_kl, estimator: k9}]"), "estimator"),
+    (("distillation.teachers.t.model_path={teacher_a}", "distillation.teachers.t.scorer=rollout",
+      "distillation.teachers.t.rollout=sglang", TERM), r"distillation.teachers.t.rollout: rollout 'sglang' is unavailable"),
+    (("distillation.teachers.t.model_path={teacher_a}", "distillation.teachers.t.scorer=remote", TERM), "scorer must be one of"),
 ])
 def test_the_distillation_node_is_checked_at_load(assets, tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):

@@ -85,6 +85,7 @@ class HFRollout(RolloutEngine):
     """
 
     supports_adapters = True
+    scores_tokens = True
 
     def __init__(self, config: Any = None, **_: Any):
         self.config = read_config_node(config, HFRolloutConfig, "rollout.config")
@@ -190,6 +191,32 @@ class HFRollout(RolloutEngine):
             positions = positions + 1
             output = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
         return responses, log_probs, response_mask
+
+    @torch.no_grad()
+    @holding_model_lock
+    def score_tokens(self, batch: DataProto, *, temperature: float = 1.0, top_k: int = 0) -> DataProto:
+        """One forward of the served model per ``max_batch_rows`` rows (see the contract); float32 log-probs."""
+        self.check_ready()
+        missing = [key for key in (*PROMPT_KEYS, "responses") if key not in batch.batch.keys()]
+        if missing:
+            raise KeyError(f"hf rollout: score_tokens needs {missing} (the full sequences and their responses)")
+        if top_k and not 1 <= top_k <= self.vocabulary_size:
+            raise ValueError(f"hf rollout: top_k={top_k} must be between 1 and the vocabulary size {self.vocabulary_size}")
+        width = batch.batch["responses"].shape[1]
+        columns: dict[str, list[torch.Tensor]] = {"log_probs": [], "top_k_log_probs": [], "top_k_ids": []}
+        for start in range(0, len(batch), self.config.max_batch_rows):
+            rows = {key: batch.batch[key][start : start + self.config.max_batch_rows].to(self.device)
+                    for key in (*PROMPT_KEYS, "responses")}
+            logits = self.model(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"],
+                                position_ids=rows["position_ids"], use_cache=False).logits[:, -width - 1 : -1]
+            log_softmax = (logits.float() / temperature).log_softmax(-1)
+            mask = rows["attention_mask"][:, -width:].to(log_softmax.dtype)
+            columns["log_probs"].append((log_softmax.gather(-1, rows["responses"].unsqueeze(-1))[..., 0] * mask).cpu())
+            if top_k:
+                top = log_softmax.topk(top_k, dim=-1)
+                columns["top_k_log_probs"].append(top.values.cpu())
+                columns["top_k_ids"].append(top.indices.cpu())
+        return DataProto.from_dict({key: torch.cat(values) for key, values in columns.items() if values})
 
     async def generate_tokens(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> TokenOutput:
         """One sample for ``prompt_ids``; concurrent calls (from any event loop or thread) share forward
