@@ -3,6 +3,9 @@ docstring, the plugin-owned ones from the schema the chosen plugin declares."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Dict
+
 import pytest
 
 from rlplat import hookimpl
@@ -75,3 +78,23 @@ def test_config_show_without_a_model_shows_the_demo_config_as_run_uses_it(cli_ru
     assert result.returncode == 0, result.stderr
     assert "using the built-in demo's settings" in result.stderr
     assert "demo/assets/model" in result.stdout and "scorer: gsm8k" in result.stdout
+
+
+
+@dataclasses.dataclass
+class NamedEntry:
+    path: str = "x"
+    """Where it is."""
+
+
+@dataclasses.dataclass
+class NodeOfNamedEntries:
+    entries: Dict[str, NamedEntry] = dataclasses.field(default_factory=dict)
+    """Named entries."""
+
+
+def test_a_mapping_of_named_entries_lists_the_entries_keys_under_a_name_placeholder():
+    from rlplat.config.explain import schema_keys
+
+    keys = [(doc.key, doc.doc) for doc in schema_keys(NodeOfNamedEntries, "node.", {}, "test")]
+    assert keys == [("node.entries", "Named entries."), ("node.entries.<name>.path", "Where it is.")]

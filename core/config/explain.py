@@ -59,6 +59,20 @@ def schema_keys(schema: type, prefix: str, values: Any, owner: str) -> Iterator[
             continue
         default = default_of(field)
         yield KeyDoc(key, describe(hint), default, values.get(field.name, default), owner, docs.get(field.name, ""))
+        entry = mapped_schema(hint)
+        if entry is not None:  # a mapping of named entries of one schema: its keys under <name>
+            yield from schema_keys(entry, f"{key}.<name>.", {}, owner)
+
+
+def mapped_schema(hint: Any) -> type | None:
+    """The dataclass of the values of a ``Dict[str, Dataclass]`` annotation, else None."""
+    import typing
+    from collections.abc import Mapping
+
+    arguments = typing.get_args(hint)
+    if typing.get_origin(hint) in (dict, Mapping) and len(arguments) == 2 and dataclasses.is_dataclass(arguments[1]):
+        return arguments[1]
+    return None
 
 
 def explain(config: DictConfig) -> list[KeyDoc]:
