@@ -104,6 +104,8 @@ class TeacherWorker(Worker):
             scored = self.rollouts[name].score_tokens(inputs, **arguments).batch
         else:
             engine = self.engines[name]
+            if self.config.sleep:
+                engine.onload()
             scored = engine.forward(inputs, **arguments).batch
             if self.config.sleep:
                 engine.offload()
