@@ -126,6 +126,9 @@ class RolloutEngine(abc.ABC):
 
     scores_tokens: ClassVar[bool] = False
     """Whether :meth:`score_tokens` is implemented (a distillation teacher can be served by this rollout)."""
+    scores_at_any_temperature: ClassVar[bool] = True
+    """Whether :meth:`score_tokens` honours a temperature other than 1. False: it scores the raw logits (vLLM's
+    prompt log-probs) and refuses another temperature with a ``ValueError``; a run is refused at load instead."""
 
     def score_tokens(self, batch: "DataProto", *, temperature: float = 1.0, top_k: int = 0) -> "DataProto":
         """Log-probs of given tokens, nothing sampled: reads ``input_ids``, ``attention_mask``, ``position_ids``

@@ -113,11 +113,13 @@ class RolloutEngineConformance:
     def test_scored_tokens_if_supported_have_the_log_probs_they_were_sampled_with(self, rollout, prompts):
         """``score_tokens`` (a distillation teacher served by the rollout) of its own samples gives their
         ``rollout_log_probs`` (no top-p / top-k filter, so both are of the whole distribution), within
-        :attr:`score_tolerance`; its top-k is sorted and bounds them."""
+        :attr:`score_tolerance`, at temperature 0.7 (1 for a rollout that scores raw logits only,
+        ``scores_at_any_temperature``); its top-k is sorted and bounds them."""
         if not getattr(rollout, "scores_tokens", False):
             pytest.skip(f"{type(rollout).__name__} does not score given tokens (scores_tokens is False)")
-        out = rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=6, temperature=0.7, seed=3))
-        scored = rollout.score_tokens(out, temperature=0.7, top_k=3).batch
+        temperature = 0.7 if getattr(rollout, "scores_at_any_temperature", True) else 1.0
+        out = rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=6, temperature=temperature, seed=3))
+        scored = rollout.score_tokens(out, temperature=temperature, top_k=3).batch
         mask = out.batch["response_mask"].bool()
         torch.testing.assert_close(scored["log_probs"][mask], out.batch["rollout_log_probs"][mask],
                                    atol=self.score_tolerance, rtol=0)

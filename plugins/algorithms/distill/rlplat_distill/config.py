@@ -276,9 +276,14 @@ def check_run(config: Any, settings: DistillationConfig) -> None:
         where = f"distillation.teachers.{name}"
         if teacher.scorer == "rollout":
             rollout = teacher_rollout(config, teacher)
-            if not getattr(implementation("rollout", rollout, f"{where}.rollout"), "scores_tokens", False):
+            served_by = implementation("rollout", rollout, f"{where}.rollout")
+            if not getattr(served_by, "scores_tokens", False):
                 raise ConfigError(f"{where}: rollout {rollout!r} does not score given tokens "
-                                  "(RolloutEngine.scores_tokens); serve the teacher with scorer=engine, or a rollout that does (hf).")
+                                  "(RolloutEngine.scores_tokens); serve the teacher with scorer=engine, or a rollout that does (hf, vllm).")
+            if not getattr(served_by, "scores_at_any_temperature", True) and float(config.rollout.temperature) != 1.0:
+                raise ConfigError(f"{where}: rollout {rollout!r} scores the raw logits only (temperature 1), and teachers score at "
+                                  f"rollout.temperature={config.rollout.temperature}; serve the teacher with scorer=engine, or "
+                                  "sample at temperature 1.")
         else:
             engine = teacher_engine(config, teacher)
             if topk:

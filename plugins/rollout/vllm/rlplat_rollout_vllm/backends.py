@@ -5,7 +5,8 @@ vLLM's weight-sync client protocol (``init_weight_transfer_engine``, ``start_wei
 for the ``load`` weight path), one LoRA adapter served with every request (``load_adapter``,
 ``drop_adapter``), and what partial rollouts need: ``pause_generation`` (drained for a weight update, or kept
 in flight at a token boundary), ``resume_generation`` (carrying the requests in flight over new weights),
-``set_weights_label`` (the version vLLM records per sampled token) and ``abort_generation``.
+``set_weights_label`` (the version vLLM records per sampled token) and ``abort_generation``; ``score`` (the prompt
+log-probs of given token lists, for ``score_tokens``) and ``score_limits``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from rlplat_rollout_vllm.translate import (
     samples_from_completion_response,
     samples_per_request,
     sampling_kwargs,
+    score_kwargs,
+    score_payload,
     server_arguments,
 )
 
@@ -188,6 +191,23 @@ class InProcessBackend:
     def generate(self, token_lists: Sequence[Sequence[int]], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> list[TokenOutput]:
         per_request = samples_per_request(sampling)
         return self.run(token_lists, [sampling] * len(token_lists), eos_token_ids, [index * per_request for index in range(len(token_lists))])
+
+    def score(self, token_lists: Sequence[Sequence[int]], top_k: int) -> list[Any]:
+        """Per token list, vLLM's prompt log-probs of it (:func:`~rlplat_rollout_vllm.translate.score_kwargs`): one
+        ``LLM.generate`` call, given the engine to itself as a batch ``generate`` is. ``flat_logprobs``: vLLM keeps them
+        in flat lists instead of a dictionary per position (it scores every prompt position, the rollout reads the
+        response's)."""
+        params = self.vllm.SamplingParams(**score_kwargs(top_k), flat_logprobs=True)
+        salt = cache_salt(self.weights_loaded)
+        with self.loop.engine_to_itself(), self.lock:
+            outputs = self.llm.generate([{"prompt_token_ids": list(tokens), "cache_salt": salt} for tokens in token_lists],
+                                        [params] * len(token_lists), use_tqdm=False, lora_request=self.adapter)
+        return [output.prompt_logprobs for output in outputs]
+
+    def score_limits(self) -> tuple[int | None, int | None]:
+        """The engine's ``max_logprobs`` and ``max_model_len``, which bound a scoring call."""
+        model_config = self.llm.model_config
+        return model_config.max_logprobs, model_config.max_model_len
 
     async def generate_one(self, token_ids: list[int], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> TokenOutput:
         """One request to the token loop: sampled as row 0 of a ``generate`` with ``sampling.seed``, its tokens
@@ -341,20 +361,51 @@ class ServerBackend:
         url = self.base_url + path + ("?" + urllib.parse.urlencode(query) if query else "")
         return request_json(url, payload, method="POST", timeout=self.config.request_timeout_s)
 
-    def generate(self, token_lists: Sequence[Sequence[int]], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> list[TokenOutput]:
-        """One ``/v1/completions`` request for the batch; a seeded call one request per prompt, sent at once
-        (a request has one seed, and each prompt needs its own: :func:`request_seed`). Waits while generation
-        is paused with requests kept in flight: a batch is sampled with one version of the weights."""
+    @contextlib.contextmanager
+    def batch_call(self) -> Iterator[None]:
+        """The block is a batch call (``generate``, ``score``): it waits while generation is paused with requests kept
+        in flight (a batch is served with one version of the weights), and a pause waits for it."""
         with self.condition:
             while self.held:
                 self.condition.wait()
             self.batches += 1
         try:
-            return self.generate_batch(token_lists, sampling, eos_token_ids)
+            yield
         finally:
             with self.condition:
                 self.batches -= 1
                 self.condition.notify_all()
+
+    def generate(self, token_lists: Sequence[Sequence[int]], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> list[TokenOutput]:
+        """One ``/v1/completions`` request for the batch; a seeded call one request per prompt, sent at once
+        (a request has one seed, and each prompt needs its own: :func:`request_seed`). A batch call
+        (:meth:`batch_call`)."""
+        with self.batch_call():
+            return self.generate_batch(token_lists, sampling, eos_token_ids)
+
+    def score(self, token_lists: Sequence[Sequence[int]], top_k: int) -> list[Any]:
+        """Per token list, the JSON of vLLM's prompt log-probs of it: one ``/v1/completions`` request with
+        ``prompt_logprobs`` (:func:`~rlplat_rollout_vllm.translate.score_payload`), a batch call. What the server
+        refuses (``top_k`` above its ``--max-logprobs``, a sequence with no room left within its ``--max-model-len``)
+        is raised as a ValueError with the settings to change."""
+        payload = score_payload(token_lists, top_k, self.adapter, cache_salt(self.weights_loaded))
+        with self.batch_call():
+            try:
+                response = self.post("/v1/completions", payload)
+            except ServerError as error:
+                if " answered 400" not in str(error):
+                    raise
+                raise ValueError(f"vllm rollout: score_tokens: the server refused the scoring request ({error}); a top_k above "
+                                 "its max_logprobs (rollout.config.engine_kwargs.max_logprobs) or a sequence without room for one "
+                                 "generated token within its max_model_len (rollout.config.max_model_len) is refused so") from None
+        choices = sorted(response.get("choices") or [], key=lambda choice: choice["index"])
+        if len(choices) != len(token_lists):
+            raise RuntimeError(f"vllm server returned {len(choices)} choices for {len(token_lists)} scoring requests")
+        return [choice.get("prompt_logprobs") for choice in choices]
+
+    def score_limits(self) -> tuple[int | None, int | None]:
+        """Unknown here (an attached server has its own): the server refuses what exceeds them (:meth:`score`)."""
+        return None, None
 
     def generate_batch(self, token_lists: Sequence[Sequence[int]], sampling: SamplingParams, eos_token_ids: Sequence[int]) -> list[TokenOutput]:
         per_request, stop = samples_per_request(sampling), set(sampling.stop_token_ids) | set(eos_token_ids)

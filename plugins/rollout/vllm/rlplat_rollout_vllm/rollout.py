@@ -26,6 +26,12 @@ token-in, token-out route, which returns each token's version). ``recompute`` re
 request in flight from its prompt and tokens so far (vLLM preempts them: ``reset_prefix_cache`` with
 ``reset_running_requests``). A seeded request keeps its random stream across the switch, so its continuation is
 not a fresh seeded generation from its prefix; greedy continuations are.
+
+Scoring given tokens (``score_tokens``, a distillation teacher served by this rollout) uses vLLM's prompt log-probs:
+each row with response tokens is one request whose prompt is the row's tokens without padding, with
+``prompt_logprobs=top_k`` and ``max_tokens=1``, all in one ``LLM.generate`` (server: one ``/v1/completions`` request);
+the response positions are read back. vLLM computes prompt log-probs from the raw logits, so only temperature 1 is
+scored; another is refused.
 """
 
 from __future__ import annotations
@@ -54,7 +60,16 @@ from rlplat.kits.rollout_batch import (
 )
 from rlplat_rollout_vllm.backends import InProcessBackend, ServerBackend
 from rlplat_rollout_vllm.config import VLLMRolloutConfig
-from rlplat_rollout_vllm.translate import packed_update_info, weight_path, write_adapter
+from rlplat_rollout_vllm.translate import (
+    RAW_PROMPT_LOG_PROBS,
+    model_config_number,
+    packed_update_info,
+    scored_response,
+    scoring_limits_problem,
+    scoring_rows,
+    weight_path,
+    write_adapter,
+)
 
 AWAKE, WEIGHTS_ONLY, ASLEEP = "awake", "weights only", "asleep"
 
@@ -71,6 +86,8 @@ class VLLMRollout(BackendRolloutEngine):
 
     supports_adapters = True
     partial_rollout_modes = ("keep", "recompute")
+    scores_tokens = True
+    scores_at_any_temperature = False  # vLLM's prompt log-probs come from the raw logits
 
     @classmethod
     def estimate_memory(cls, config: Any, model_config: Mapping[str, Any], context: Any) -> Any:
@@ -122,6 +139,41 @@ class VLLMRollout(BackendRolloutEngine):
         check_single_request(prompt_ids, sampling)
         self.check_ready()
         return await self.backend.generate_one(list(prompt_ids), sampling, self.eos_token_ids)
+
+    def score_tokens(self, batch: DataProto, *, temperature: float = 1.0, top_k: int = 0) -> DataProto:
+        """See the contract: vLLM's prompt log-probs of each row (the module docstring), float32 as vLLM computes them.
+        Top-k columns are 0 at padding. Temperature 1 only (:data:`~rlplat_rollout_vllm.translate.RAW_PROMPT_LOG_PROBS`)."""
+        if temperature != 1.0:
+            raise ValueError(f"vllm rollout: score_tokens at temperature={temperature} is refused: {RAW_PROMPT_LOG_PROBS}, so "
+                             "only temperature 1 is scored exactly; score at temperature 1, or serve the teacher with "
+                             "scorer=engine or the hf rollout")
+        missing = [key for key in ("input_ids", "attention_mask", "position_ids", "responses") if key not in batch.batch.keys()]
+        if missing:
+            raise KeyError(f"vllm rollout: score_tokens needs {missing} (the full sequences and their responses)")
+        vocabulary = model_config_number(self.config.model_path, "vocab_size")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0 or (vocabulary and top_k > vocabulary):
+            raise ValueError(f"vllm rollout: top_k={top_k!r} must be between 0 and the vocabulary size {vocabulary or '(unknown)'}")
+        tensors = batch.batch
+        rows = scoring_rows(tensors["input_ids"], tensors["attention_mask"], tensors["position_ids"], tensors["responses"])
+        problem = scoring_limits_problem(rows, top_k, *self.backend.score_limits())
+        if problem is not None:
+            raise ValueError(f"vllm rollout: score_tokens: {problem}")
+        self.check_ready()
+        scored = [index for index, row in enumerate(rows) if row.length]
+        answers = self.backend.score([rows[index].token_ids for index in scored], top_k) if scored else []
+        size, width = tensors["responses"].shape
+        log_probs = torch.zeros(size, width, dtype=torch.float32)
+        top_values = torch.zeros(size, width, top_k, dtype=torch.float32)
+        top_ids = torch.zeros(size, width, top_k, dtype=torch.long)
+        for index, answer in zip(scored, answers):
+            values, best_values, best_ids = scored_response(answer, rows[index], top_k)
+            length = rows[index].length
+            log_probs[index, :length] = torch.tensor(values, dtype=torch.float32)
+            if top_k:
+                top_values[index, :length] = torch.tensor(best_values, dtype=torch.float32)
+                top_ids[index, :length] = torch.tensor(best_ids, dtype=torch.long)
+        columns = {"log_probs": log_probs, **({"top_k_log_probs": top_values, "top_k_ids": top_ids} if top_k else {})}
+        return DataProto.from_dict(columns)
 
     def check_ready(self) -> None:
         if self.state != AWAKE:

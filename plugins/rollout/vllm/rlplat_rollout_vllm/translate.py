@@ -6,6 +6,7 @@ Every keyword below is checked against the installed vLLM by ``tests/test_api_co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -77,9 +78,8 @@ GIB = 1 << 30
 CPU_BATCHED_TOKENS = 8192
 
 
-def model_max_length(model_path: str | None) -> int:
-    """``max_position_embeddings`` of the model's ``config.json`` (the length vLLM allows when
-    ``max_model_len`` is not set), 0 when unknown."""
+def model_config_number(model_path: str | None, key: str) -> int:
+    """An integer of the model's ``config.json`` (of its ``text_config`` where it has one), 0 when unknown."""
     if model_path is None:
         return 0
     try:
@@ -87,8 +87,14 @@ def model_max_length(model_path: str | None) -> int:
     except (OSError, ValueError):
         return 0
     config = config.get("text_config", config)
-    value = config.get("max_position_embeddings")
+    value = config.get(key)
     return int(value) if isinstance(value, int) else 0
+
+
+def model_max_length(model_path: str | None) -> int:
+    """``max_position_embeddings`` of the model's ``config.json`` (the length vLLM allows when
+    ``max_model_len`` is not set), 0 when unknown."""
+    return model_config_number(model_path, "max_position_embeddings")
 
 
 def weight_path(config: VLLMRolloutConfig, cpu: bool) -> str:
@@ -285,6 +291,122 @@ def samples_from_completion_response(response: Mapping[str, Any], prompts: int, 
         values = [float(value) for value in token_logprobs]
         samples.append(TokenOutput(list(tokens), values, finish_reason(tokens, stop, max_new_tokens, choice.get("finish_reason"))))
     return samples
+
+
+# -- scoring given tokens (RolloutEngine.score_tokens) ---------------------------------------------------------
+
+#: Why ``score_tokens`` scores at temperature 1 only: vLLM 0.32's ``GPUModelRunner._get_prompt_logprobs_dict`` (which
+#: the CPU runner inherits) and its V2 runner's ``compute_prompt_logprobs_with_chunking`` take prompt log-probs as the
+#: log-softmax of the raw logits (or the raw logits), whatever the request's temperature and the engine's
+#: ``logprobs_mode`` (measured on the tiny Qwen2: a request at temperature 0.5 returns log softmax(logits) to 2.4e-7,
+#: 0.62 nats from log softmax(logits / 0.5)).
+RAW_PROMPT_LOG_PROBS = ("vLLM computes the log-probs of given (prompt) tokens from the raw logits; a request's temperature "
+                        "and the engine's logprobs_mode apply to sampled tokens only")
+
+
+def score_kwargs(top_k: int) -> dict[str, Any]:
+    """``vllm.SamplingParams`` keywords of a scoring request: the log-prob of each prompt token and the ``top_k``
+    largest at each position (``prompt_logprobs``). vLLM generates at least one token; it is greedy here (nothing
+    random is drawn) and ignored."""
+    return {"n": 1, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": top_k, "detokenize": False}
+
+
+def score_payload(token_lists: Sequence[Sequence[int]], top_k: int, model: str | None, salt: str | None = None) -> dict[str, Any]:
+    """A ``/v1/completions`` request scoring ``token_lists``, one choice each in their order: the keywords of
+    :func:`score_kwargs` (vLLM's completion request takes ``prompt_logprobs``; the server detokenizes)."""
+    values = score_kwargs(top_k)
+    values.pop("detokenize")  # not a request field
+    payload = {"prompt": [list(tokens) for tokens in token_lists], **values}
+    if model is not None:
+        payload["model"] = model
+    if salt is not None:
+        payload["cache_salt"] = salt
+    return payload
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoringRow:
+    """One row of a ``score_tokens`` batch as a vLLM request."""
+
+    token_ids: list[int]
+    """The row's tokens without padding (``attention_mask`` 1): the request's prompt."""
+    first: int
+    """Where the response starts in ``token_ids``."""
+    length: int
+    """The response's tokens (the other response columns are padding)."""
+
+
+def scoring_rows(input_ids: Any, attention_mask: Any, position_ids: Any, responses: Any) -> list[ScoringRow]:
+    """The rows of a ``score_tokens`` batch (``input_ids``, ``attention_mask``, ``position_ids`` [B, P+R],
+    ``responses`` [B, R]) as vLLM requests. vLLM numbers a request's tokens 0, 1, ... and attends to all of them, so
+    a row's tokens must be one run (a left-padded prompt, then a right-padded response) numbered so, and a response
+    needs a prompt token before it (a request's first token has no log-prob). Rows without response tokens are
+    not checked (nothing of them is scored)."""
+    if position_ids.dim() != 2:
+        raise ValueError(f"vllm rollout: score_tokens takes position_ids [B, P+R] (text positions), got shape {tuple(position_ids.shape)}")
+    prompt_width = input_ids.shape[1] - responses.shape[1]
+    rows = []
+    for row, (ids, mask, positions, response) in enumerate(zip(input_ids.tolist(), attention_mask.tolist(), position_ids.tolist(),
+                                                                 responses.tolist())):
+        kept = [column for column, value in enumerate(mask) if value]
+        length = sum(1 for column in kept if column >= prompt_width)
+        first = len(kept) - length
+        tokens = [ids[column] for column in kept]
+        if length:
+            where = f"vllm rollout: score_tokens row {row}"
+            if kept[-1] - kept[0] + 1 != len(kept):
+                raise ValueError(f"{where}: its attention_mask has holes; vLLM scores a row whose tokens are one run (a left-padded "
+                                 "prompt, then a right-padded response)")
+            if first == 0:
+                raise ValueError(f"{where}: its response has no prompt token before it (vLLM gives no log-prob for a request's first token)")
+            if [positions[column] for column in kept] != list(range(len(kept))):
+                raise ValueError(f"{where}: its position_ids are not 0, 1, ... over its tokens, which is how vLLM numbers a request's tokens")
+            if tokens[first:] != response[:length]:
+                raise ValueError(f"{where}: the response columns of input_ids differ from responses")
+        rows.append(ScoringRow(tokens, first, length))
+    return rows
+
+
+def scoring_limits_problem(rows: Sequence[ScoringRow], top_k: int, max_logprobs: int | None, max_model_len: int | None) -> str | None:
+    """What vLLM would refuse in a scoring call, said with the setting to change; None when nothing (or the limits are
+    unknown: a server refuses by itself). ``max_logprobs`` -1 is no limit."""
+    if max_logprobs is not None and max_logprobs >= 0 and top_k > max_logprobs:
+        return (f"top_k={top_k} is above vLLM's max_logprobs={max_logprobs} (the most log-probs a request may ask per position): "
+                f"set rollout.config.engine_kwargs.max_logprobs (a teacher's: its rollout_config) to at least {top_k}")
+    for index, row in enumerate(rows):
+        if max_model_len is not None and row.length and len(row.token_ids) >= max_model_len:
+            return (f"row {index} has {len(row.token_ids)} tokens, and vLLM scores a sequence only with room for one generated token "
+                    f"after it within max_model_len={max_model_len}: set rollout.config.max_model_len (a teacher's: its rollout_config) "
+                    f"to at least {len(row.token_ids) + 1}")
+    return None
+
+
+def scored_response(prompt_logprobs: Any, row: ScoringRow, top_k: int) -> tuple[list[float], list[list[float]], list[list[int]]]:
+    """A row's response read from vLLM's prompt log-probs of its request: each response token's log-prob, and the
+    ``top_k`` largest log-probs at its position with their ids, largest first.
+
+    ``prompt_logprobs``: ``RequestOutput.prompt_logprobs`` (None for the first token, then ``{token_id: Logprob}`` per
+    position; a ``FlatLogprobs`` reads the same) or its JSON in a server's choice (ids as strings). At each position
+    vLLM lists the prompt token with its rank (1 + the number of other tokens at least as likely) and the ``top_k``
+    largest with ranks 1 to ``top_k``; a prompt token among those has their entry, so ranks up to ``top_k`` are
+    exactly the top ``top_k``."""
+    if prompt_logprobs is None or len(prompt_logprobs) != len(row.token_ids):
+        raise RuntimeError(f"vllm returned {0 if prompt_logprobs is None else len(prompt_logprobs)} prompt log-prob positions "
+                           f"for a request of {len(row.token_ids)} tokens (prompt_logprobs was asked)")
+    log_probs, top_values, top_ids = [], [], []
+    for position in range(row.first, row.first + row.length):
+        entries = {int(token): (float(entry["logprob"]), int(entry["rank"])) if isinstance(entry, Mapping)
+                   else (float(entry.logprob), int(entry.rank)) for token, entry in prompt_logprobs[position].items()}
+        token = row.token_ids[position]
+        if token not in entries:
+            raise RuntimeError(f"vllm's prompt log-probs at position {position} lack the prompt token {token}")
+        log_probs.append(entries[token][0])
+        best = sorted((rank, token_id, value) for token_id, (value, rank) in entries.items() if rank <= top_k)
+        if [rank for rank, _, _ in best] != list(range(1, top_k + 1)):
+            raise RuntimeError(f"vllm's prompt log-probs at position {position} rank {[rank for rank, _, _ in best]}, not the top {top_k}")
+        top_values.append([value for _, _, value in best])
+        top_ids.append([token_id for _, token_id, _ in best])
+    return log_probs, top_values, top_ids
 
 
 def packed_update_info(chunk: Any) -> dict[str, Any]:

@@ -34,8 +34,8 @@ import rlplat_rollout_vllm  # noqa: E402
 from rlplat_rollout_vllm import backends, rollout as rollout_module  # noqa: E402
 from rlplat_rollout_vllm.config import VLLMRolloutConfig  # noqa: E402
 from rlplat_rollout_vllm.translate import (  # noqa: E402
-    WORKER_EXTENSION, completion_payload, engine_kwargs, generate_payload, packed_update_info, sample_from_generate_response,
-    sampling_kwargs, server_arguments,
+    WORKER_EXTENSION, ScoringRow, completion_payload, engine_kwargs, generate_payload, packed_update_info, sample_from_generate_response,
+    sampling_kwargs, score_kwargs, score_payload, scored_response, server_arguments,
 )
 from rlplat_rollout_vllm.worker_extension import WeightLoader  # noqa: E402
 
@@ -231,6 +231,40 @@ def test_a_real_token_route_response_parses_with_each_tokens_weights_version():
     sample = sample_from_generate_response(body, stop_token_ids={2}, max_new_tokens=8)
     assert sample.token_ids == [5, 6, 7] and sample.log_probs == [-0.5, -1.0, -1.5]
     assert sample.versions == [10, 11, 11] and sample.finish_reason == "abort"
+
+
+def test_a_scoring_request_asks_vllm_for_prompt_log_probs_alike_in_process_and_from_the_server():
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    local = vllm.SamplingParams(**score_kwargs(3), flat_logprobs=True)
+    for key, value in score_kwargs(3).items():
+        assert getattr(local, key) == value, key
+    payload = score_payload([[1, 2, 3], [4, 5]], 3, model="adapter", salt="rlplat-weights-1")
+    request = CompletionRequest.model_validate(payload)
+    served = request.to_sampling_params(max_tokens=payload["max_tokens"])
+    for key in ("n", "max_tokens", "temperature", "prompt_logprobs"):
+        assert getattr(served, key) == getattr(local, key), key
+    assert (request.prompt, request.model, request.cache_salt) == ([[1, 2, 3], [4, 5]], "adapter", "rlplat-weights-1")
+
+
+def test_vllms_prompt_log_probs_read_alike_as_objects_flat_lists_and_a_servers_json():
+    """vLLM's own containers (built with its ``append_logprobs_for_next_position``, the prompt token first with its
+    rank, then the top 2) and a completion choice's JSON of them give the same response columns."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponseChoice
+    from vllm.logprobs import append_logprobs_for_next_position, create_prompt_logprobs
+
+    # per position after the first: (the prompt token, its log-prob, its rank), then the top 2 (ids, log-probs)
+    positions = [(5, -1.0, 1, [5, 3], [-1.0, -2.0]), (6, -3.0, 4, [2, 4], [-0.5, -1.5]), (7, -0.25, 1, [7, 1], [-0.25, -2.5])]
+    containers = []
+    for flat in (False, True):
+        container = create_prompt_logprobs(flat)
+        for token, value, rank, top_ids, top_values in positions:
+            append_logprobs_for_next_position(container, [token, *top_ids], [value, *top_values], [None] * 3, rank, 2)
+        containers.append(container)
+    choice = json.loads(CompletionResponseChoice(index=0, text="", prompt_logprobs=list(containers[0])).model_dump_json())
+    row = ScoringRow([1, 5, 6, 7], 2, 2)
+    expected = ([-3.0, -0.25], [[-0.5, -1.5], [-0.25, -2.5]], [[2, 4], [7, 1]])
+    assert [scored_response(found, row, 2) for found in (*containers, choice["prompt_logprobs"])] == [expected] * 3
 
 
 def test_the_lora_engine_arguments_make_a_lora_config_vllm_accepts():

@@ -24,6 +24,7 @@ if not cpu_build_installed():
     pytest.skip("the installed vLLM is a CUDA build: tests/test_gpu.py covers it (`make test-vllm-gpu`)", allow_module_level=True)
 
 from rlplat.contracts.rollout import SamplingParams  # noqa: E402
+from rlplat.protocol import DataProto  # noqa: E402
 from rlplat.testing import RolloutEngineConformance, TinyModelRolloutFixtures, left_padded_prompts  # noqa: E402
 from rlplat.testing.engines import TokenMeanNLL  # noqa: E402
 from rlplat.testing.rollouts import TINY_MODEL_PROMPTS as PROMPTS  # noqa: E402
@@ -31,7 +32,9 @@ from rlplat.testing.tiny_models import tiny_causal_lm  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-SETTINGS = {"dtype": "float32", "max_model_len": 128, "enforce_eager": True, "cpu_kv_cache_gib": 0.25}
+# max_logprobs below the tiny model's 16 tokens, so that a top_k above it is refused by vLLM's limit, not the vocabulary
+SETTINGS = {"dtype": "float32", "max_model_len": 128, "enforce_eager": True, "cpu_kv_cache_gib": 0.25,
+            "engine_kwargs": {"max_logprobs": 8}}
 #: vLLM's CPU kernels vs transformers' on the same float32 weights (measured: up to 5e-7)
 KERNEL_TOLERANCE = 1e-5
 #: the sync probe's tolerance in float32
@@ -195,6 +198,68 @@ def test_log_probs_after_every_sync_from_the_fsdp2_engine_equal_the_engines(engi
         engine.update_weights(trainer_weights(tiny_causal_lm(seed=0)))
     print(f"rollout vs fsdp2 log-probs after each sync: {differences}")
     assert max(differences) < SYNC_TOLERANCE
+
+
+# -- scoring given tokens (a distillation teacher served by the rollout) ------------------------------------------
+
+#: responses of the tiny model's prompts (and of a fourth prompt: none), right padded; the prompts are left padded
+SCORED_PROMPTS = [*PROMPTS, [1, 4]]
+SCORED_RESPONSES = [[9, 14, 10, 15, 4], [6, 2], [11, 12, 13], []]
+
+
+def scoring_batch(prompts, responses, width: int) -> DataProto:
+    """Sequences as a rollout returns them: left-padded prompts, right-padded responses, positions counting real tokens."""
+    prompt_batch = left_padded_prompts(prompts, 0).batch
+    response_ids = torch.zeros(len(responses), width, dtype=torch.long)
+    response_mask = torch.zeros(len(responses), width, dtype=torch.long)
+    for row, tokens in enumerate(responses):
+        response_ids[row, : len(tokens)], response_mask[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long), 1
+    positions = prompt_batch["position_ids"][:, -1:] + torch.arange(1, width + 1)
+    return DataProto.from_dict({
+        "prompts": prompt_batch["input_ids"], "responses": response_ids, "response_mask": response_mask,
+        "input_ids": torch.cat([prompt_batch["input_ids"], response_ids], 1),
+        "attention_mask": torch.cat([prompt_batch["attention_mask"], response_mask], 1),
+        "position_ids": torch.cat([prompt_batch["position_ids"], positions], 1),
+    })
+
+
+def test_scored_tokens_equal_a_float32_transformers_forward_of_the_padded_batch(engine):
+    """Log-probs and top-4 of vLLM's prompt log-probs against the transformers forward of the same padded rows (the hf
+    rollout's computation), within the kernels' 1e-5 (measured: 2.4e-7, top-k 4.8e-7); 0 at padding, a row without
+    response all 0. The top-4 ids are equal: no two of the 5 largest log-probs at a response position are within 1e-4."""
+    batch = scoring_batch(SCORED_PROMPTS, SCORED_RESPONSES, width=5)
+    scored = engine.score_tokens(batch, top_k=4).batch
+    with torch.no_grad():
+        logits = tiny_causal_lm(seed=0).eval()(input_ids=batch.batch["input_ids"], attention_mask=batch.batch["attention_mask"],
+                                               position_ids=batch.batch["position_ids"]).logits.float()
+    expected = torch.log_softmax(logits[:, -6:-1], -1)
+    mask = batch.batch["response_mask"].bool()
+    expected_log_probs = expected.gather(-1, batch.batch["responses"][..., None]).squeeze(-1) * mask
+    best = expected.topk(5, -1).values[mask]
+    assert (best[:, :-1] - best[:, 1:]).min() > 1e-4
+    torch.testing.assert_close(scored["log_probs"], expected_log_probs, atol=KERNEL_TOLERANCE, rtol=0)
+    assert (scored["log_probs"][~mask] == 0).all() and (scored["log_probs"][3] == 0).all()
+    torch.testing.assert_close(scored["top_k_log_probs"][mask], expected.topk(4, -1).values[mask], atol=KERNEL_TOLERANCE, rtol=0)
+    assert torch.equal(scored["top_k_ids"][mask], expected.topk(4, -1).indices[mask])
+
+
+def test_scoring_at_another_temperature_is_refused(hybrid_engine):
+    """vLLM computes prompt log-probs from the raw logits whatever the request's temperature (0.62 nats from
+    log softmax(logits / 0.5) at temperature 0.5, measured): the rollout refuses rather than answer at temperature 1."""
+    with pytest.raises(ValueError, match="temperature=0.7 is refused: vLLM computes the log-probs of given .* from the raw logits"):
+        hybrid_engine.score_tokens(scoring_batch(PROMPTS, SCORED_RESPONSES[:3], width=5), temperature=0.7)
+
+
+def test_what_vllm_refuses_in_a_scoring_call_is_named_with_the_setting_to_change(engine):
+    """A top_k above vLLM's max_logprobs (8 here), and a sequence of max_model_len tokens (vLLM wants room for the one
+    token it generates; one token fewer is scored): the hybrid rollout checks the engine's limits, the server's 400
+    answer is translated."""
+    batch = scoring_batch(PROMPTS, SCORED_RESPONSES[:3], width=5)
+    with pytest.raises(ValueError, match="max_logprobs"):
+        engine.score_tokens(batch, top_k=9)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.score_tokens(scoring_batch([[1] + [5] * 119], [[6] * 9], width=9), top_k=2)
+    assert engine.score_tokens(scoring_batch([[1] + [5] * 117], [[6] * 9], width=9)).batch["log_probs"].shape == (1, 9)
 
 
 # -- partial rollouts: generations carried over new weights, aborted ------------------------------------------

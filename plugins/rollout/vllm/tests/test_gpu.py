@@ -28,6 +28,9 @@ def hf_weights(model_dir):
 
 
 class Fixtures(TinyModelRolloutFixtures):
+    #: bfloat16: a prefill (scoring) and decoding steps (sampling) round differently (as the transformers check's 5e-2)
+    score_tolerance = 5e-2
+
     @pytest.fixture
     def named_weights(self, hf_weights):
         return hf_weights

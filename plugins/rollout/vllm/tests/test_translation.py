@@ -6,6 +6,7 @@ import json
 import types
 
 import pytest
+import torch
 
 from rlplat.config_node import read_config_node
 
@@ -22,6 +23,12 @@ from rlplat_rollout_vllm.translate import (
     sample_from_generate_response,
     samples_from_completion_response,
     sampling_kwargs,
+    score_kwargs,
+    score_payload,
+    scored_response,
+    scoring_limits_problem,
+    scoring_rows,
+    ScoringRow,
     server_arguments,
     token_finish_reason,
     versions_from_spans,
@@ -338,3 +345,62 @@ def test_an_engine_stepped_in_this_process_runs_without_async_scheduling():
     assert engine_kwargs(config, in_process=True)["async_scheduling"] is False
     assert "async_scheduling" not in engine_kwargs(config)
     assert engine_kwargs(VLLMRolloutConfig(model_path="/m", engine_kwargs={"async_scheduling": True}), in_process=True)["async_scheduling"] is True
+
+
+class TestScoring:
+    """``score_tokens``: rows as vLLM requests (prompt log-probs), vLLM's answers back."""
+
+    def batch(self, **changes):
+        """Prompt width 3, response width 3: a padded prompt and response, a full row, a row without response."""
+        tensors = {
+            "input_ids": [[0, 1, 5, 6, 7, 0], [1, 4, 9, 8, 2, 3], [0, 0, 1, 0, 0, 0]],
+            "attention_mask": [[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [0, 0, 1, 0, 0, 0]],
+            "position_ids": [[0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 3]],
+            "responses": [[6, 7, 0], [8, 2, 3], [0, 0, 0]],
+        }
+        tensors.update(changes)
+        return [torch.tensor(tensors[key]) for key in ("input_ids", "attention_mask", "position_ids", "responses")]
+
+    def test_each_row_is_its_tokens_without_padding_and_where_its_response_starts(self):
+        assert scoring_rows(*self.batch()) == [ScoringRow([1, 5, 6, 7], 2, 2), ScoringRow([1, 4, 9, 8, 2, 3], 3, 3), ScoringRow([1], 1, 0)]
+
+    @pytest.mark.parametrize("changes, message", [
+        ({"attention_mask": [[0, 1, 1, 1, 0, 1], [1] * 6, [0, 0, 1, 0, 0, 0]]}, "row 0: its attention_mask has holes"),
+        ({"attention_mask": [[0, 1, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1], [0, 0, 1, 0, 0, 0]]}, "row 1: its response has no prompt token"),
+        ({"position_ids": [[0, 0, 1, 2, 3, 4], [0, 1, 2, 4, 5, 6], [0, 0, 0, 1, 2, 3]]}, "row 1: its position_ids are not 0, 1, ..."),
+        ({"responses": [[6, 9, 0], [8, 2, 3], [0, 0, 0]]}, "row 0: the response columns of input_ids differ from responses"),
+        ({"position_ids": [[[0] * 6] * 3] * 3}, r"takes position_ids \[B, P\+R\]"),
+    ], ids=["holes", "no-prompt", "positions", "responses", "mrope"])
+    def test_rows_vllm_cannot_score_as_given_are_refused_by_row(self, changes, message):
+        with pytest.raises(ValueError, match=message):
+            scoring_rows(*self.batch(**changes))
+
+    def test_what_vllms_limits_refuse_is_named_with_the_setting_to_change(self):
+        rows = [ScoringRow([1] * 5, 2, 3), ScoringRow([1] * 8, 4, 4), ScoringRow([1] * 9, 9, 0)]
+        assert "top_k=5 is above vLLM's max_logprobs=4" in scoring_limits_problem(rows, 5, 4, 100)
+        too_long = scoring_limits_problem(rows, 4, 4, 8)  # row 2 has no response tokens: it is not sent
+        assert too_long.startswith("row 1 has 8 tokens") and too_long.endswith("max_model_len (a teacher's: its rollout_config) to at least 9")
+        assert scoring_limits_problem(rows, 5, -1, 9) is None and scoring_limits_problem(rows, 50, None, None) is None
+
+    def test_the_request_asks_prompt_log_probs_and_one_greedy_token(self):
+        assert score_kwargs(3) == {"n": 1, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 3, "detokenize": False}
+        assert score_payload([[1, 2], (3, 4, 5)], 0, "adapter-2", cache_salt(1)) == {
+            "prompt": [[1, 2], [3, 4, 5]], "n": 1, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
+            "model": "adapter-2", "cache_salt": "rlplat-weights-1"}
+
+    def test_the_response_positions_are_read_from_vllms_objects_or_their_json(self):
+        """Position 2 (token 6): the token outside the top 2 (rank 4); position 3 (token 7): the token is the top 1, so
+        its entry is the top-k's (vLLM writes it first with its own rank, then the top-k over it)."""
+        positions = [None, {5: (-1.0, 1), 3: (-2.0, 2)}, {6: (-3.0, 4), 2: (-0.5, 1), 4: (-1.5, 2)}, {7: (-0.25, 1), 1: (-2.5, 2)}]
+        objects = [None] + [{token: types.SimpleNamespace(logprob=value, rank=rank) for token, (value, rank) in position.items()}
+                            for position in positions[1:]]
+        json_form = [None] + [{str(token): {"logprob": value, "rank": rank, "decoded_token": "x"} for token, (value, rank) in position.items()}
+                              for position in positions[1:]]
+        row = ScoringRow([1, 5, 6, 7], 2, 2)
+        expected = ([-3.0, -0.25], [[-0.5, -1.5], [-0.25, -2.5]], [[2, 4], [7, 1]])
+        assert scored_response(objects, row, 2) == scored_response(json_form, row, 2) == expected
+        assert scored_response(objects, row, 0) == ([-3.0, -0.25], [[], []], [[], []])
+        with pytest.raises(RuntimeError, match="3 prompt log-prob positions for a request of 4 tokens"):
+            scored_response(objects[:3], row, 2)
+        with pytest.raises(RuntimeError, match="rank \\[1, 2\\], not the top 3"):
+            scored_response(objects, row, 3)
