@@ -201,7 +201,7 @@ def main() -> None:
     labels = {"rlplat": "rlplat run (demo" + (", " + " ".join(args.override) if args.override else "") + ")",
               "plain": f"plain PyTorch loop ({args.threads} threads)"}
     load_before = os.getloadavg()[0]
-    rows, ratios, common = [], [], []
+    rows, ratios, common, per_seed = [], [], [], []
     for index, seed in enumerate(seeds):
         order = names if index % 2 == 0 else names[::-1]
         found, results = {}, {}
@@ -224,6 +224,7 @@ def main() -> None:
                          f"{s['other_s']:.1f}" if s["reached"] else "-",
                          f"{s['start_acc']:.3f}" if s["start_acc"] is not None else "-",
                          f"{last[2]:.3f} @ {last[1]}" if last else "-"])
+        per_seed.append(found)
         if all(found.get(n, {}).get("reached") for n in ("rlplat", "plain")):
             ratios.append(found["rlplat"]["seconds"] / found["plain"]["seconds"])
         if {"rlplat", "plain"} <= set(found) and all(found[n]["best_acc"] is not None for n in ("rlplat", "plain")):
@@ -239,6 +240,12 @@ def main() -> None:
          f"{os.cpu_count()} CPUs; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} now (above ~0.5 means something "
          f"else shared the cores; a {args.threads}-thread plain loop suffers most from that, see its median s/step)"],
     )
+    for name in names:  # the medians over seeds: one seed is one sample of a noisy curve
+        reached = [found_by_seed[name] for found_by_seed in per_seed if found_by_seed.get(name, {}).get("reached")]
+        if reached:
+            print(f"{labels[name]}: median over {len(reached)} of {len(seeds)} seed(s) that reached {args.target:g}: "
+                  f"{statistics.median(s['seconds'] for s in reached):.1f} s, step {statistics.median(s['steps'] for s in reached):g}, "
+                  f"{statistics.median(s['median_step_s'] for s in reached):.3f} s/step")
     if ratios:
         print(f"rlplat / plain loop, seconds to {args.target:g}: " + ", ".join(f"{r:.2f}" for r in ratios)
               + (f" (median {statistics.median(ratios):.2f})" if len(ratios) > 1 else "") + "; target <= 1.0")

@@ -32,6 +32,7 @@ ROWS = 8
 TOLERANCE = 0.15
 
 ENGINE_CASES = {
+    "float32, one micro-batch per step": (dict(dtype="float32", micro_batch_size_per_gpu=8), 32),
     "float32, micro-batch 4": (dict(dtype="float32", micro_batch_size_per_gpu=4), 32),
     "float32, micro-batch 2": (dict(dtype="float32", micro_batch_size_per_gpu=2), 32),
     "float32, recomputation": (dict(dtype="float32", micro_batch_size_per_gpu=4, enable_gradient_checkpointing=True), 32),

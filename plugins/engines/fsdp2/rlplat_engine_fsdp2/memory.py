@@ -7,7 +7,10 @@ What one process holds, as :mod:`rlplat_engine_fsdp2.engine` allocates it:
 * **parameters**: float32 master weights, sharded evenly over the processes (FSDP2's ``fully_shard``;
   one process computing and reducing in float32 trains the plain module, all of it).
 * **gradients** (actor, critic): float32, sharded like the parameters; ``zero_grad(set_to_none=True)``
-  runs at the start of each optimizer step, so they stay allocated between updates.
+  runs at the start of each optimizer step, so they stay allocated between updates. With one micro-batch
+  per optimizer step the update never holds them with every activation (freed before its forward, made as
+  backward frees the activations): its activations are counted less the gradients, so the update's total
+  is the larger of the two; with several, later micro-batches run with them, and both count.
 * **optimizer states**: AdamW's two float32 moments of every trainable parameter, sharded; allocated at
   the first step and kept.
 * **gathered parameters**: FSDP2 all-gathers a layer in the compute dtype for its forward and backward;
@@ -121,12 +124,29 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
             tokens = min(max(engine.max_token_len_per_gpu, sequence), per_process * sequence)
             rows = max(tokens // sequence, 1)
         response_tokens = rows * response
-        items.append(activation_item(shape, engine, call, b, tokens, response_tokens, head, compute))
+        item = activation_item(shape, engine, call, b, tokens, response_tokens, head, compute)
+        if call == "update" and micro_batches_per_step(engine, world, per_process, rows, sequence) == 1:
+            # the step's zero_grad frees the gradients before its one forward, and backward makes them as the
+            # activations go: the update holds the larger of the two, not their sum
+            gradients = math.ceil(trainable * 4 / shards)
+            item = MemoryItem(item.name, max(item.bytes - gradients, 0), item.calls,
+                              f"{item.detail}; less the gradients ({human_bytes(gradients)}), freed as the step starts and "
+                              "made as these go (one micro-batch per optimizer step)")
+        items.append(item)
     if context.role == "actor" and sharded:
         bucket = min(context.weight_bucket_bytes, parameters * 4)
         items.append(MemoryItem("weight-sync bucket", bucket, ("export",),
                                 f"full float32 tensors gathered one bucket ({human_bytes(context.weight_bucket_bytes)}) at a time"))
     return MemoryEstimate(tuple(items), tuple(notes))
+
+
+def micro_batches_per_step(engine: Any, world: int, per_process: int, rows: int, sequence: int) -> int:
+    """Micro-batches of one optimizer step on one process: its rows of a mini-batch over the rows (or, with
+    ``use_dynamic_bsz``, the tokens) of a micro-batch."""
+    step_rows = min(max(engine.ppo_mini_batch_size // world, 1), per_process) if engine.ppo_mini_batch_size else per_process
+    if engine.use_dynamic_bsz:
+        return max(math.ceil(step_rows * sequence / max(engine.max_token_len_per_gpu, sequence)), 1)
+    return max(math.ceil(step_rows / max(rows, 1)), 1)
 
 
 def activation_item(shape: ModelShape, engine: Any, call: str, b: int, tokens: int, response_tokens: int, head: str,
