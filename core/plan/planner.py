@@ -39,13 +39,12 @@ PHASES = {
     "weight_sync": "weight sync and wake-up",
 }
 
-#: role -> {call of an estimate item -> the phase it happens in}.
+#: role -> {call of an estimate item -> the phase it happens in}, for core's roles; a plugin role's component
+#: names its one phase (:class:`PlannedComponent`).
 ROLE_PHASES = {
     "actor": {"forward": "old_log_prob", "update": "update_actor", "export": "weight_sync"},
     "reference": {"forward": "ref_log_prob"},
     "critic": {"forward": "values", "update": "update_critic"},
-    "reward_model": {"forward": "reward_model"},
-    "teacher": {"forward": "teacher", "generate": "teacher"},
     "rollout": {"generate": "generation", "wake_up": "weight_sync"},
 }
 
@@ -68,10 +67,14 @@ class Component:
     unknown_reason: str = ""
     resident_phases: Optional[tuple[str, ...]] = None
     """Phases its resident items are on the device, when not all (a sleeping reward model)."""
+    phase: Optional[str] = None
+    """A plugin role's component: the one phase every call of it happens in (:class:`PlannedComponent`)."""
 
     def phases_of(self, item: MemoryItem, phases: list[str]) -> list[str]:
         if "resident" in item.calls:
             return list(self.resident_phases or phases)
+        if self.phase is not None:
+            return [self.phase] if self.phase in phases else []
         mapping = ROLE_PHASES[self.role]
         return [phase for phase in phases if any(mapping.get(call) == phase for call in item.calls)]
 
@@ -133,7 +136,7 @@ class RunPlan:
             if total > self.device_memory:
                 component, item = largest
                 problems.append(
-                    f"the {PHASES[phase]} phase needs {human_bytes(total)} on each device of the {pool.name} pool "
+                    f"the {PHASES.get(phase, phase)} phase needs {human_bytes(total)} on each device of the {pool.name} pool "
                     f"({', '.join(pool.roles)}), more than the {human_bytes(self.device_memory)} of a device "
                     f"({self.device_memory_source}); its largest part is the {component.role}'s {item.name}: "
                     f"{human_bytes(item.bytes)} ({item.detail})")
@@ -166,7 +169,7 @@ class RunPlan:
             })
         problems = self.problems()
         return {"device": self.device, "device_memory": self.device_memory, "device_memory_source": self.device_memory_source,
-                "devices_needed": self.devices_needed, "phases": {phase: PHASES[phase] for phase in self.phases},
+                "devices_needed": self.devices_needed, "phases": {phase: PHASES.get(phase, phase) for phase in self.phases},
                 "pools": pools, "fits": None if self.device_memory is None and not problems else not problems,
                 "problems": problems, "notes": self.notes()}
 
@@ -188,7 +191,7 @@ class RunPlan:
             totals = self.totals(pool.name)
             lines.append("  per phase:")
             for phase in self.phases:
-                lines.append(f"    {phase:<14} {human_bytes(totals[phase]):>10}  {PHASES[phase]}")
+                lines.append(f"    {phase:<14} {human_bytes(totals[phase]):>10}  {PHASES.get(phase, phase)}")
             phase, total, largest = self.peak(pool.name)
             share = f", {100 * total / self.device_memory:.0f}% of the device" if self.device_memory else ""
             lines.append(f"  peak: {human_bytes(total)} in {phase}{share}"
@@ -360,7 +363,7 @@ def plan_run(config: Any, algorithm: Any = None) -> RunPlan:
             pool = pool_of(item.role, item.placement, item.nnodes, item.devices_per_node, item.key)
             component = add(item.kind, item.name, item.role, pool, item.node,
                             read_model_config(item.model_path, f"{item.key}.path"), item.model_path)
-            component.resident_phases = item.resident_phases
+            component.resident_phases, component.phase = item.resident_phases, item.phase
             if item.phase not in phases:
                 phases.append(item.phase)
     roles = {component.role for component in components}
