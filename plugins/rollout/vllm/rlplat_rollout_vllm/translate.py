@@ -388,8 +388,9 @@ def scored_response(prompt_logprobs: Any, row: ScoringRow, top_k: int) -> tuple[
     ``prompt_logprobs``: ``RequestOutput.prompt_logprobs`` (None for the first token, then ``{token_id: Logprob}`` per
     position; a ``FlatLogprobs`` reads the same) or its JSON in a server's choice (ids as strings). At each position
     vLLM lists the prompt token with its rank (1 + the number of other tokens at least as likely) and the ``top_k``
-    largest with ranks 1 to ``top_k``; a prompt token among those has their entry, so ranks up to ``top_k`` are
-    exactly the top ``top_k``."""
+    largest with ranks 1 to ``top_k``; a prompt token among those has their entry. Where log-probs tie, ranks tie
+    too (a prompt token ranked as a listed one), so the ``top_k`` largest values of the entries ranked up to
+    ``top_k`` are taken."""
     if prompt_logprobs is None or len(prompt_logprobs) != len(row.token_ids):
         raise RuntimeError(f"vllm returned {0 if prompt_logprobs is None else len(prompt_logprobs)} prompt log-prob positions "
                            f"for a request of {len(row.token_ids)} tokens (prompt_logprobs was asked)")
@@ -401,9 +402,12 @@ def scored_response(prompt_logprobs: Any, row: ScoringRow, top_k: int) -> tuple[
         if token not in entries:
             raise RuntimeError(f"vllm's prompt log-probs at position {position} lack the prompt token {token}")
         log_probs.append(entries[token][0])
-        best = sorted((rank, token_id, value) for token_id, (value, rank) in entries.items() if rank <= top_k)
-        if [rank for rank, _, _ in best] != list(range(1, top_k + 1)):
-            raise RuntimeError(f"vllm's prompt log-probs at position {position} rank {[rank for rank, _, _ in best]}, not the top {top_k}")
+        # ranks tie where log-probs do (the prompt token's rank then equals a listed one's): the k largest values
+        best = sorted(((rank, token_id, value) for token_id, (value, rank) in entries.items() if rank <= top_k),
+                      key=lambda entry: (-entry[2], entry[0], entry[1]))[:top_k]
+        if len(best) < top_k:
+            raise RuntimeError(f"vllm's prompt log-probs at position {position} rank {sorted(rank for rank, _, _ in best)}, "
+                               f"not the top {top_k}")
         top_values.append([value for _, _, value in best])
         top_ids.append([token_id for _, token_id, _ in best])
     return log_probs, top_values, top_ids
