@@ -46,10 +46,39 @@ def left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+GAMMA = np.uint64(0x9E3779B97F4A7C15)
+
+
+def mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function (uint64 arithmetic wraps modulo 2**64)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+class RowStreams:
+    """A random stream per row, the scheme rlplat's hf rollout uses for a seeded call: row ``i``'s token ``t`` is
+    the inverse CDF of its distribution at uniform ``u_t`` of the SplitMix64 sequence keyed by
+    ``mix64(mix64(seed) + i * gamma)``. With rlplat's step seed (``trainer.seed * 1_000_003 + step``) the plain
+    loop draws the very numbers rlplat's rollout draws for the same rows, so the two samplers can differ only
+    where float rounding of the probabilities moves a token boundary past a uniform."""
+
+    def __init__(self, seed: int, rows: int):
+        base = mix64(np.array([seed % 2**64], dtype=np.uint64))
+        self.keys = mix64(base + np.arange(rows, dtype=np.uint64) * GAMMA)
+
+    def draw(self, probabilities: torch.Tensor, step: int) -> torch.Tensor:
+        uniforms = (mix64(self.keys + np.array(step + 1, dtype=np.uint64) * GAMMA) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+        cumulative = probabilities.double().cumsum(-1)
+        targets = torch.from_numpy(uniforms)[:, None] * cumulative[:, -1:]
+        return torch.searchsorted(cumulative, targets, right=True).squeeze(-1).clamp(max=probabilities.shape[-1] - 1)
+
+
 @torch.no_grad()
 def sample(model, ids, mask, new_tokens, eos, pad, generator=None):
-    """Token by token with the KV cache; greedy when ``generator`` is None. Returns responses [B, T] and
-    their mask [B, T] (1 up to and including the first EOS)."""
+    """Token by token with the KV cache; greedy when ``generator`` is None, each row from its own stream when
+    it is a :class:`RowStreams`, else ``torch.multinomial`` from the ``torch.Generator``. Returns responses
+    [B, T] and their mask [B, T] (1 up to and including the first EOS)."""
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
     responses = torch.full((ids.shape[0], new_tokens), pad)
@@ -60,6 +89,8 @@ def sample(model, ids, mask, new_tokens, eos, pad, generator=None):
         logits = out.logits[:, -1, :].float()
         if generator is None:
             tokens = logits.argmax(-1)
+        elif isinstance(generator, RowStreams):
+            tokens = generator.draw(torch.log_softmax(logits, -1).exp(), step)
         else:
             tokens = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator).squeeze(-1)
         responses[:, step] = torch.where(finished, pad, tokens)
@@ -84,7 +115,7 @@ def validate(model, tokenizer, val_ids, val_answers, new_tokens=4) -> float:
     model.eval()
     responses, mask = sample(model, *left_pad(val_ids, tokenizer.pad_token_id), new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)
     model.train()
-    return float((scores(tokenizer, responses, mask, val_answers) > 0).float().mean())
+    return int((scores(tokenizer, responses, mask, val_answers) > 0).sum()) / len(val_answers)  # exact: count / rows
 
 
 def grpo_step(model, optimizer, ids, mask, responses, response_mask, advantages, clip=0.2) -> float:
@@ -108,10 +139,12 @@ def grpo_step(model, optimizer, ids, mask, responses, response_mask, advantages,
 
 def run(steps: int, seed: int = 0, threads: int = 2, val_every: int | None = None, time_budget: float | None = None,
         lr: float = 1e-4, prompts: int = 32, samples: int = 8, warmup_steps: int = 0, new_tokens: int = 4,
-        stop_at: float | None = None, verbose: bool = False) -> dict:
+        stop_at: float | None = None, verbose: bool = False, streams: bool = False) -> dict:
     """Train up to ``steps`` steps; stop early when ``time_budget`` seconds have passed since the end of the
     first validation (or since the start, without validation) or when validation accuracy reaches
-    ``stop_at``. ``warmup_steps``: linear lr warm-up from 0 over that many steps, then constant."""
+    ``stop_at``. ``warmup_steps``: linear lr warm-up from 0 over that many steps, then constant. ``streams``:
+    sample step ``s`` from :class:`RowStreams` seeded ``seed * 1_000_003 + s`` (rlplat's rollout's numbers)
+    instead of ``torch.multinomial`` from one generator seeded ``seed``."""
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
@@ -141,7 +174,8 @@ def run(steps: int, seed: int = 0, threads: int = 2, val_every: int | None = Non
         group_ids = [train_ids[i] for i in chosen for _ in range(samples)]
         answers = [train_answers[i] for i in chosen for _ in range(samples)]
         ids, mask = left_pad(group_ids, pad)
-        responses, response_mask = sample(model, ids, mask, new_tokens, eos, pad, generator)
+        draws = RowStreams(seed * 1_000_003 + step, len(group_ids)) if streams else generator
+        responses, response_mask = sample(model, ids, mask, new_tokens, eos, pad, draws)
         reward = scores(tokenizer, responses, response_mask, answers)
         grouped = reward.view(prompts, samples)
         advantages = ((grouped - grouped.mean(-1, keepdim=True)) / (grouped.std(-1, keepdim=True) + 1e-6)).view(-1)
@@ -176,9 +210,11 @@ def main() -> None:
     parser.add_argument("--lr-warmup", type=int, default=0, help="linear lr warm-up steps")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--streams", action="store_true", help="draw rlplat's rollout's per-row random numbers")
     args = parser.parse_args()
     result = run(args.steps, args.seed, args.threads, args.val_every or None, args.time_budget, lr=args.lr,
-                 prompts=args.prompts, samples=args.samples, warmup_steps=args.lr_warmup, verbose=True)
+                 prompts=args.prompts, samples=args.samples, warmup_steps=args.lr_warmup, verbose=True,
+                 streams=args.streams)
     timed = slice(args.warmup, None) if result["steps"] > args.warmup else slice(None)
     median = statistics.median(result["step_s"][timed])
     print(f"plain PyTorch GRPO, {args.prompts} prompts x {args.samples} samples, lr {args.lr:g}, {result['threads']} threads: "

@@ -14,7 +14,15 @@ process of this script, one at a time:
   (``--override cluster.backend=local``, ...). This script reads its ``metrics.jsonl``
   (``rlplat.trainer.tracking.read_metrics``) once a second and stops it (SIGINT twice: no checkpoint) once a
   validation reaches the target or the time budget is spent.
-* ``plain``: ``plain_grpo.run`` with ``--threads`` torch threads, stopping at the target or the budget.
+* ``plain``: ``plain_grpo.run`` with ``--threads`` torch threads, stopping at the target or the budget. It
+  samples with rlplat's rollout's random numbers (``--plain-sampler streams``, the default: per row a
+  SplitMix64 stream keyed by rlplat's step seed, ``plain_grpo.RowStreams``), so the two runs draw the same
+  tokens for as long as their weights agree. ``bench/grpo_replay.py`` shows they do: rlplat's batches
+  replayed through the plain step give the same models (log-probs within 5e-5 after 50 steps) and the plain
+  sampler then draws every one of rlplat's rows. The curves are equal validation for validation until float32
+  rounding moves one sampled token (on seed 0 up to step 80); after that the two are independent samples of
+  the same process and steps to the target scatter by a few hundred either way. ``--plain-sampler
+  multinomial`` gives the plain loop its own ``torch.multinomial`` stream from the start.
 
 Wall time, the same for both: from the end of the first validation (before step 1) to the end of the first
 validation whose accuracy is >= ``--target``. For rlplat that is the difference of the ``time`` fields
@@ -32,7 +40,10 @@ step 680; from the shipped 0.445 one, under this script's step cap (the cosine d
 the default budget is often too short, so ``--budget 400`` (about 15 minutes in all) is the real measurement.
 
 Greedy accuracy on 200 prompts moves 0.05-0.15 between evaluations and across seeds: one seed is one
-sample; ``--seed 0 --seed 1`` runs both contenders per seed (alternating order) and prints each.
+sample; ``--seed 0 --seed 1`` runs both contenders per seed (alternating order) and prints each, the medians
+over seeds of seconds and steps and their ratios (the figure the target is about), and per seed how long the
+two validation curves stayed equal. Writes ``time_to_accuracy.png`` (the curves, a panel per seed) and
+``time_to_accuracy.json`` under ``--out``.
 Run: python bench/time_to_accuracy.py [--target 0.75] [--val-every 10] [--budget 170] [--seed 0 ...] [--override KEY=VALUE ...]
 """
 
@@ -136,7 +147,8 @@ def stop(child: subprocess.Popen) -> None:
 
 def run_plain(args: argparse.Namespace, seed: int) -> dict:
     command = [sys.executable, __file__, "--child-plain", "--seed", str(seed), "--val-every", str(args.val_every),
-               "--target", str(args.target), "--budget", str(args.budget), "--threads", str(args.threads)]
+               "--target", str(args.target), "--budget", str(args.budget), "--threads", str(args.threads),
+               "--plain-sampler", args.plain_sampler]
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.budget + args.startup_timeout + 60,
                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     for line in reversed(done.stdout.splitlines()):
@@ -158,7 +170,7 @@ def plain_child(args: argparse.Namespace) -> None:
     import plain_grpo  # bench/plain_grpo.py, beside this script
 
     result = plain_grpo.run(10**6, seed=args.seed, threads=args.threads, val_every=args.val_every,
-                            time_budget=args.budget, stop_at=args.target, lr=demo_lr())
+                            time_budget=args.budget, stop_at=args.target, lr=demo_lr(), streams=args.plain_sampler == "streams")
     reached = result["val"] and result["val"][-1][2] >= args.target
     print(RESULT_TAG + json.dumps({"val": result["val"], "step_s": result["step_s"],
                                    "reason": "target reached" if reached else "budget spent"}), flush=True)
@@ -176,6 +188,30 @@ def summary(result: dict, target: float) -> dict:
     return summary
 
 
+def plot(all_results: list, args: argparse.Namespace, path: Path) -> None:
+    """Greedy validation accuracy against step, a panel per seed, both contenders."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(all_results), figsize=(5 * len(all_results), 3.6), squeeze=False, sharey=True)
+    for axis, (seed, results) in zip(axes[0], all_results):
+        for name, style in (("rlplat", "-"), ("plain", "--")):
+            if name in results and results[name]["val"]:
+                _, steps, accuracies = zip(*results[name]["val"])
+                axis.plot(steps, accuracies, style, label=name)
+        axis.axhline(args.target, color="grey", linewidth=0.8)
+        axis.set_title(f"seed {seed}")
+        axis.set_xlabel("step")
+    axes[0][0].set_ylabel("greedy validation accuracy")
+    axes[0][0].legend()
+    figure.suptitle(f"demo: rlplat vs the plain loop ({args.plain_sampler} sampling in the plain loop)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=float, default=0.75, help="greedy validation accuracy to reach")
@@ -183,10 +219,14 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=170.0, help="seconds after the first validation, per contender run")
     parser.add_argument("--seed", type=int, action="append", help="seed(s); default 0")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the plain loop")
+    parser.add_argument("--plain-sampler", choices=["streams", "multinomial"], default="streams",
+                        help="the plain loop draws rlplat's rollout's per-row random numbers (default) or its own")
     parser.add_argument("--only", choices=["rlplat", "plain"], action="append", help="run only these contenders")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="an rlplat override after the script's own (repeatable), e.g. cluster.backend=local")
     parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds a contender may take to its first validation")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"),
+                        help="folder of time_to_accuracy.png and .json ('' writes neither)")
     parser.add_argument("--child-plain", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     seeds = args.seed or [0]
@@ -201,7 +241,7 @@ def main() -> None:
     labels = {"rlplat": "rlplat run (demo" + (", " + " ".join(args.override) if args.override else "") + ")",
               "plain": f"plain PyTorch loop ({args.threads} threads)"}
     load_before = os.getloadavg()[0]
-    rows, ratios, common, per_seed = [], [], [], []
+    rows, ratios, common, per_seed, all_results, paired = [], [], [], [], [], []
     for index, seed in enumerate(seeds):
         order = names if index % 2 == 0 else names[::-1]
         found, results = {}, {}
@@ -225,6 +265,9 @@ def main() -> None:
                          f"{s['start_acc']:.3f}" if s["start_acc"] is not None else "-",
                          f"{last[2]:.3f} @ {last[1]}" if last else "-"])
         per_seed.append(found)
+        all_results.append((seed, results))
+        if {"rlplat", "plain"} <= set(results):
+            paired.append((seed, results))
         if all(found.get(n, {}).get("reached") for n in ("rlplat", "plain")):
             ratios.append(found["rlplat"]["seconds"] / found["plain"]["seconds"])
         if {"rlplat", "plain"} <= set(found) and all(found[n]["best_acc"] is not None for n in ("rlplat", "plain")):
@@ -246,11 +289,39 @@ def main() -> None:
             print(f"{labels[name]}: median over {len(reached)} of {len(seeds)} seed(s) that reached {args.target:g}: "
                   f"{statistics.median(s['seconds'] for s in reached):.1f} s, step {statistics.median(s['steps'] for s in reached):g}, "
                   f"{statistics.median(s['median_step_s'] for s in reached):.3f} s/step")
+    medians = {name: [found_by_seed[name] for found_by_seed in per_seed if found_by_seed.get(name, {}).get("reached")]
+               for name in ("rlplat", "plain")}
+    if ratios and all(len(medians[name]) == len(seeds) for name in medians):
+        seconds = {name: statistics.median(s["seconds"] for s in medians[name]) for name in medians}
+        steps = {name: statistics.median(s["steps"] for s in medians[name]) for name in medians}
+        print(f"rlplat / plain loop over {len(seeds)} seed(s): median seconds to {args.target:g} {seconds['rlplat']:.1f} / "
+              f"{seconds['plain']:.1f} = {seconds['rlplat'] / seconds['plain']:.2f} (target <= 1.0); median steps "
+              f"{steps['rlplat']:g} / {steps['plain']:g} = {steps['rlplat'] / steps['plain']:.2f}")
     if ratios:
-        print(f"rlplat / plain loop, seconds to {args.target:g}: " + ", ".join(f"{r:.2f}" for r in ratios)
-              + (f" (median {statistics.median(ratios):.2f})" if len(ratios) > 1 else "") + "; target <= 1.0")
+        print(f"rlplat / plain loop, seconds to {args.target:g}, per seed: " + ", ".join(f"{r:.2f}" for r in ratios)
+              + (f" (their median {statistics.median(ratios):.2f})" if len(ratios) > 1 else ""))
     elif {"rlplat", "plain"} <= set(names):
         print(f"rlplat / plain loop, seconds to {args.target:g}: no ratio (a contender did not reach it within the budget); target <= 1.0")
+    for seed, results in paired:
+        # Same streams: the two curves are one trajectory up to rounding; how far apart they drift is the noise left.
+        rlplat_curve_, plain_curve_ = ({step: acc for _, step, acc in results[n]["val"]} for n in ("rlplat", "plain"))
+        steps = sorted(set(rlplat_curve_) & set(plain_curve_))
+        if steps:
+            gaps = [abs(rlplat_curve_[s] - plain_curve_[s]) for s in steps]
+            same = sum(gap < 1e-6 for gap in gaps)  # accuracies are counts / 200: equal ones agree to float64 rounding
+            print(f"seed {seed}: the two validation curves at their {len(steps)} common steps: equal at {same}, mean |difference| "
+                  f"{statistics.fmean(gaps):.3f}, largest {max(gaps):.3f}; equal up to step "
+                  f"{max((s for s, g in zip(steps, gaps) if all(h < 1e-6 for h in gaps[:steps.index(s) + 1])), default='-')}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        figures = {"target": args.target, "val_every": args.val_every, "budget_s": args.budget, "plain_sampler": args.plain_sampler,
+                   "seeds": {str(seed): {name: {"val": result["val"], "median_step_s": statistics.median(result["step_s"]) if result["step_s"] else None,
+                                                "reason": result["reason"]} for name, result in results.items()}
+                             for seed, results in all_results}}
+        (out / "time_to_accuracy.json").write_text(json.dumps(figures, indent=1))
+        plot(all_results, args, out / "time_to_accuracy.png")
+        print(f"curves: {out / 'time_to_accuracy.png'}, figures: {out / 'time_to_accuracy.json'}")
     for seed, level, hits in common:
         # One evaluation crossing a level is noisy (0.05-0.15 between evaluations): a hint, not the measure.
         print(f"seed {seed}: highest accuracy both reached, {level:.3f}: rlplat {hits['rlplat']['seconds']:.1f} s (step "

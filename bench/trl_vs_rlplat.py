@@ -8,7 +8,11 @@ checkpointing. Contenders, each in a fresh child process of this script:
 * ``TRL GRPOTrainer``: one process, torch threads = ``--threads`` (2);
 * ``TRL GRPOTrainer, 1 thread``: the same with one torch thread (two threads that wait for each other at
   every barrier suffer most when something else shares the 2 cores);
-* ``rlplat ray x2``: the demo's layout, 2 FSDP2 worker processes on a private Ray cluster (1 CPU each);
+* ``rlplat ray x2``: 2 fsdp2 worker processes on a private Ray cluster (1 CPU each), each holding the whole
+  model (``actor.engine_config.data_parallel=replicate``: one gradient all-reduce per step, and each
+  worker's colocated rollout shares its engine's weights);
+* ``rlplat ray x2, sharded``: the same with FSDP2's sharding (``data_parallel=shard``, the engine's default:
+  per-layer all-gathers and reduce-scatters, DTensor optimizer, full weights gathered at every sync);
 * ``rlplat local``: ``cluster.backend=local``, the worker in the driver process, torch threads = ``--threads``;
 * ``plain PyTorch loop``: ``bench/plain_grpo.py``, the same recipe hand-written in one process (sampling with
   the KV cache, one forward and backward, AdamW), torch threads = ``--threads``: the floor a framework's own
@@ -119,7 +123,7 @@ def run_trl(warmup: int, steps: int, threads: int, output_dir: str) -> dict:
 
 # -- rlplat ---------------------------------------------------------------------------------------------
 
-def run_rlplat(backend: str, warmup: int, steps: int, threads: int, output_dir: str) -> dict:
+def run_rlplat(backend: str, warmup: int, steps: int, threads: int, output_dir: str, extra: tuple[str, ...] = ()) -> dict:
     import torch
 
     torch.set_num_threads(threads)
@@ -134,6 +138,7 @@ def run_rlplat(backend: str, warmup: int, steps: int, threads: int, output_dir: 
         "trainer.save_freq=0", "trainer.logger=[jsonl]", f"trainer.output_dir={output_dir}", "trainer.resume=disable",
         f"cluster.devices_per_node={2 if backend == 'ray' else 1}", f"cluster.backend={backend}",  # local: one process
         f"actor.optim.lr={LR}", "actor.optim.lr_scheduler_type=constant",  # the contenders' recipe, not the demo's schedule
+        *extra,
     ]
     config = load_config(overrides=overrides, algo="grpo")
     Trainer(config).fit()
@@ -163,7 +168,8 @@ def run_plain(warmup: int, steps: int, threads: int) -> dict:
 
 # -- driver ---------------------------------------------------------------------------------------------
 
-CONTENDERS = {"trl": "TRL GRPOTrainer", "trl-t1": "TRL GRPOTrainer, 1 thread", "rlplat-ray": "rlplat ray x2 (demo)",
+CONTENDERS = {"trl": "TRL GRPOTrainer", "trl-t1": "TRL GRPOTrainer, 1 thread", "rlplat-ray": "rlplat ray x2 (replicate)",
+              "rlplat-ray-shard": "rlplat ray x2, sharded",
               "rlplat-local": "rlplat local x1", "plain": "plain PyTorch loop"}
 # Targets: (contender, reference, most allowed ratio contender / reference).
 TARGETS = [("rlplat-local", "trl", 0.7), ("rlplat-ray", "trl", 1.0), ("rlplat-local", "plain", 1.3)]
@@ -176,7 +182,8 @@ def child(name: str, args: argparse.Namespace) -> None:
         elif name == "plain":
             result = run_plain(args.warmup, args.steps, args.threads)
         else:
-            result = run_rlplat(name.split("-")[1], args.warmup, args.steps, args.threads, str(Path(tmp) / "run"))
+            extra = ("actor.engine_config.data_parallel=replicate",) if name == "rlplat-ray" else ()
+            result = run_rlplat(name.split("-")[1], args.warmup, args.steps, args.threads, str(Path(tmp) / "run"), extra)
     print(RESULT_TAG + json.dumps(result), flush=True)
 
 
@@ -212,7 +219,7 @@ def main() -> None:
 
     from measure import print_table
 
-    names = args.only or ["trl", "trl-t1", "rlplat-ray", "rlplat-local", "plain"]
+    names = args.only or ["trl", "trl-t1", "rlplat-ray", "rlplat-ray-shard", "rlplat-local", "plain"]
     runs: dict[str, list[dict]] = {}
     load_before = os.getloadavg()[0]
     # Rounds in alternating order. The machine's 2 cores may be shared (a test suite, another benchmark):

@@ -56,6 +56,18 @@ def test_fsdp_mixed_precision_adam_holds_16_bytes_per_parameter_over_the_shards(
     assert sum(items.values()) == 16 * LLAMA3_8B_PARAMETERS // 8 == 16_060_522_496
 
 
+def test_replicated_data_parallel_holds_16_bytes_per_parameter_on_every_process_and_a_reduce_bucket():
+    from rlplat_engine_fsdp2.config import REDUCE_BUCKET_BYTES
+    from rlplat_engine_fsdp2.memory import estimate
+
+    result = estimate({"model_path": "llama", "dtype": "float32", "data_parallel": "replicate"}, LLAMA3_8B, context())
+    items = {item.name: item.bytes for item in result.items}
+    assert (items["parameters"], items["gradients"], items["optimizer states"]) == (
+        LLAMA3_8B_PARAMETERS * 4, LLAMA3_8B_PARAMETERS * 4, LLAMA3_8B_PARAMETERS * 8)
+    assert items["all-reduce bucket"] == REDUCE_BUCKET_BYTES
+    assert "gathered parameters" not in items and "weight-sync bucket" not in items  # nothing is gathered
+
+
 def test_the_reference_holds_only_its_parameter_shards_and_forward_activations():
     from rlplat_engine_fsdp2.memory import estimate
 

@@ -73,13 +73,16 @@ FINGERPRINT_TOLERANCE = 1e-9
 
 
 def frozen_fingerprint(model: torch.nn.Module) -> float:
-    """Sum of the squares of every frozen parameter, in float64, over every rank's shards (a collective)."""
+    """Sum of the squares of every frozen parameter, in float64, over every rank's shards (a collective when
+    the model is sharded)."""
     total = torch.zeros((), dtype=torch.float64)
+    sharded = False
     for parameter in model.parameters():
         if not parameter.requires_grad:
+            sharded |= isinstance(parameter, DTensor)
             local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
             total += local.detach().double().square().sum().cpu()
-    if dist.get_world_size() > 1:
+    if dist.get_world_size() > 1 and sharded:  # a replicated model's every rank holds all of it
         total = total.to(torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(total)
     return float(total)

@@ -22,6 +22,9 @@ from rlplat.contracts.engine import EngineBuildConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "cosine")
 OPTIMIZER_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
+DATA_PARALLEL_MODES = ("shard", "replicate")
+REDUCE_BUCKET_BYTES = 64 << 20
+"""Most bytes one gradient all-reduce (``data_parallel: replicate``) or start-up broadcast carries."""
 
 
 @dataclasses.dataclass
@@ -109,6 +112,16 @@ class FSDP2EngineConfig(EngineBuildConfig):
     so the engine trains the plain module (7% of the demo's update on CPU, bench/update_step.py): the
     same steps bit for bit. True wraps it in ``fully_shard`` anyway. Checkpoints are the same DCP format
     either way and load at any world size."""
+    data_parallel: str = "shard"
+    """How the data-parallel ranks hold the model. ``shard``: FSDP2 (``fully_shard`` per decoder layer),
+    parameters, gradients and AdamW state split over the ranks, gathered layer by layer. ``replicate``:
+    every rank holds the whole model and its optimizer state (DDP's memory: 16 bytes a parameter on each
+    rank), the gradients are all-reduced once per optimizer step in flat buckets and the optimizer runs
+    on plain tensors; the same updates as ``shard`` to float32 rounding. For models whose state fits
+    every rank many times over, where FSDP2's per-layer collectives and DTensor dispatch cost more than
+    the arithmetic (the demo's 0.5M model on 2 CPU processes: bench/trl_vs_rlplat.py), and it lets a
+    colocated rollout share each rank's weights instead of gathering them at every sync. float32
+    compute and reduction only."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters of a layer after its forward (re-gathered in backward)."""
     gradient_sync_every_micro_batch: bool = True
@@ -145,6 +158,14 @@ class FSDP2EngineConfig(EngineBuildConfig):
         for name in ("ppo_mini_batch_size", "forward_micro_batch_size_per_gpu"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1 or None, got {getattr(self, name)}")
+        if self.data_parallel not in DATA_PARALLEL_MODES:
+            problems.append(f"data_parallel must be one of {list(DATA_PARALLEL_MODES)}, got {self.data_parallel!r}")
+        elif self.data_parallel == "replicate":
+            if (self.dtype not in ("auto", "float32")) or self.reduce_dtype != "float32":
+                problems.append(f"data_parallel 'replicate' computes and reduces in float32; got dtype={self.dtype!r}, "
+                                f"reduce_dtype={self.reduce_dtype!r} (use data_parallel 'shard' for mixed precision)")
+            if self.shard_one_rank:
+                problems.append("shard_one_rank wraps the model in fully_shard; data_parallel 'replicate' never does")
         if self.grad_clip is not None and self.grad_clip <= 0:
             problems.append(f"grad_clip must be positive or None, got {self.grad_clip}")
         if self.lora is not None:

@@ -5,6 +5,8 @@ whole process group (gloo on CPU, NCCL on GPU). Master weights and AdamW state a
 forward and backward run in ``dtype`` (``MixedPrecisionPolicy``: bfloat16 with a float32 reduction on
 GPU, float32 on CPU unless asked). One rank computing and reducing in float32 has nothing to shard or
 cast, so it trains the plain module (``shard_one_rank``); everything else behaves the same.
+``data_parallel: replicate`` trains the plain module on every rank instead (DDP's layout): rank 0's weights
+broadcast at start, gradients all-reduced in flat buckets once per optimizer step, AdamW on plain tensors.
 
 Gradients: the loss function returns each micro-batch's share of the mini-batch loss (normalised by
 the global token or sequence counts the engine puts in ``meta_info``), and the engine *sums* gradients
@@ -48,7 +50,7 @@ from rlplat.kits.engine import WarmupSchedule, fixed_size_partition, token_budge
 from rlplat.lora import LoraConfig, read_lora
 from rlplat.protocol import DataProto
 from rlplat_engine_fsdp2 import checkpoint, lora, modeling
-from rlplat_engine_fsdp2.config import FSDP2EngineConfig, read_engine_config
+from rlplat_engine_fsdp2.config import REDUCE_BUCKET_BYTES, FSDP2EngineConfig, read_engine_config
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "responses")
 REWARD_MODEL_INPUTS = ("input_ids", "attention_mask")
@@ -107,7 +109,14 @@ class FSDP2Engine(TrainingEngine):
             # peft changes the Hugging Face module in place; the PeftModel around it is kept for its switches.
             self.peft_model = lora.attach_adapter(model, self.lora, config.seed, config.model_path)
         reduce_dtype = modeling.TORCH_DTYPES[config.reduce_dtype]
-        self.sharded = self.world_size > 1 or config.shard_one_rank or (self.compute_dtype(), reduce_dtype) != (torch.float32, torch.float32)
+        full_precision = (self.compute_dtype(), reduce_dtype) == (torch.float32, torch.float32)
+        replicate = config.data_parallel == "replicate"
+        if replicate and not full_precision:
+            raise ValueError(f"fsdp2 engine: data_parallel 'replicate' computes in float32, but dtype {config.dtype!r} is "
+                             f"{self.compute_dtype()} on {self.device.type}; set dtype: float32 or data_parallel: shard")
+        self.sharded = not replicate and (self.world_size > 1 or config.shard_one_rank or not full_precision)
+        # every rank holds the whole model; gradients are all-reduced once per optimizer step
+        self.replicated = not self.sharded and self.world_size > 1
         if self.sharded:
             mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
             policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype(), reduce_dtype=reduce_dtype)
@@ -116,6 +125,8 @@ class FSDP2Engine(TrainingEngine):
             fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
         else:
             model.to(self.device)
+            if self.replicated:  # the ranks built the same weights from the same seed or files; rank 0's are the truth
+                self.broadcast_from_rank0([*model.parameters(), *model.buffers()])
         self.module = model
         # The parameters the optimizer updates (FSDP2's shards, or the plain module's own); between a forward
         # and its backward FSDP2 registers gathered copies on the module in their place, so shared_weights
@@ -355,6 +366,8 @@ class FSDP2Engine(TrainingEngine):
             else:
                 loss = sum(outputs[key].sum() for key in self.output_keys(False)) * 0.0
             (loss * self.world_size).backward()
+        if self.replicated:
+            self.all_reduce_gradients()
         grad_norm = self.clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
         if math.isfinite(grad_norm):
@@ -374,6 +387,47 @@ class FSDP2Engine(TrainingEngine):
             return batch.batch["response_mask"]
         response_length = batch.batch["responses"].shape[1]
         return batch.batch["attention_mask"][:, -response_length:]
+
+    def flat_buckets(self, tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+        """``tensors`` in consecutive groups of at most :data:`REDUCE_BUCKET_BYTES` (one tensor may exceed it)."""
+        bucket, size = [], 0
+        for tensor in tensors:
+            if bucket and size + tensor.numel() * tensor.element_size() > REDUCE_BUCKET_BYTES:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append(tensor)
+            size += tensor.numel() * tensor.element_size()
+        if bucket:
+            yield bucket
+
+    def all_reduce_gradients(self) -> None:
+        """``replicate``: every trainable parameter's gradient summed over the ranks and divided by their number
+        (what FSDP2's averaging reduce-scatter gives), flattened into buckets. A parameter this rank's forward
+        did not reach gets a zero gradient, so every rank reduces the same layout."""
+        for parameter in self.module.parameters():
+            if parameter.requires_grad and parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+        gradients = [parameter.grad for parameter in self.module.parameters() if parameter.requires_grad]
+        for bucket in self.flat_buckets(gradients):
+            flat = torch.cat([gradient.reshape(-1) for gradient in bucket])
+            dist.all_reduce(flat)
+            flat.div_(self.world_size)
+            offset = 0
+            for gradient in bucket:
+                gradient.copy_(flat[offset : offset + gradient.numel()].view_as(gradient))
+                offset += gradient.numel()
+
+    def broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        """Rank 0's values of ``tensors`` on every rank (flattened into buckets per dtype)."""
+        with torch.no_grad():
+            for dtype in sorted({tensor.dtype for tensor in tensors}, key=str):
+                for bucket in self.flat_buckets([tensor for tensor in tensors if tensor.dtype == dtype]):
+                    flat = torch.cat([tensor.reshape(-1) for tensor in bucket])
+                    dist.broadcast(flat, src=0)
+                    offset = 0
+                    for tensor in bucket:
+                        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                        offset += tensor.numel()
 
     def clip_gradients(self) -> float:
         max_norm = self.config.grad_clip if self.config.grad_clip is not None else math.inf
@@ -461,7 +515,7 @@ class FSDP2Engine(TrainingEngine):
         replaces storage): a caller keeps them across syncs only while each ``data_ptr()`` is unchanged,
         or calls again at every sync. Not a collective; callers must not write to them."""
         model = self.require_model("shared_weights")
-        if self.peft_model is not None or self.world_size > 1 or self.config.param_offload or self.params_offloaded:
+        if self.peft_model is not None or self.sharded and self.world_size > 1 or self.config.param_offload or self.params_offloaded:
             return None
         shared = []
         for name, parameter in self.sharded_parameters.items():

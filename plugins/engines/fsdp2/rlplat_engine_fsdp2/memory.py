@@ -5,7 +5,9 @@
 What one process holds, as :mod:`rlplat_engine_fsdp2.engine` allocates it:
 
 * **parameters**: float32 master weights, sharded evenly over the processes (FSDP2's ``fully_shard``;
-  one process computing and reducing in float32 trains the plain module, all of it).
+  one process computing and reducing in float32 trains the plain module, all of it; with
+  ``data_parallel: replicate`` every process holds all of it, and of its gradients and optimizer state,
+  plus one flat all-reduce bucket during the update).
 * **gradients** (actor, critic): float32, sharded like the parameters; ``zero_grad(set_to_none=True)``
   runs at the start of each optimizer step, so they stay allocated between updates. With one micro-batch
   per optimizer step the update never holds them with every activation (freed before its forward, made as
@@ -42,7 +44,7 @@ import math
 from typing import Any, Mapping
 
 from rlplat.plan.estimate import MemoryContext, MemoryEstimate, MemoryItem, ModelShape, dtype_bytes, human_bytes
-from rlplat_engine_fsdp2.config import read_engine_config
+from rlplat_engine_fsdp2.config import REDUCE_BUCKET_BYTES, read_engine_config
 
 #: modeling.KEEP_FLOAT32_BYTES: logits up to this size are kept whole for backward, not chunked.
 KEEP_FLOAT32_BYTES = 16 << 20
@@ -76,7 +78,8 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
     head = "score" if engine.reward_model else ("value" if engine.value_model else "lm")
     parameters = shape.parameters(head)
     world = max(context.processes, 1)
-    sharded = world > 1 or engine.shard_one_rank or (compute, engine.reduce_dtype) != ("float32", "float32")
+    sharded = engine.data_parallel == "shard" and (
+        world > 1 or engine.shard_one_rank or (compute, engine.reduce_dtype) != ("float32", "float32"))
     shards = world if sharded else 1
     trains = context.role in ("actor", "critic")
     lora = engine.lora if context.role in ("actor", "reference") else None
@@ -133,6 +136,10 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
                               f"{item.detail}; less the gradients ({human_bytes(gradients)}), freed as the step starts and "
                               "made as these go (one micro-batch per optimizer step)")
         items.append(item)
+    if trains and not sharded and world > 1:
+        items.append(MemoryItem("all-reduce bucket", min(trainable * 4, REDUCE_BUCKET_BYTES), ("update",),
+                                f"data_parallel replicate: the gradients flattened into buckets of at most "
+                                f"{human_bytes(REDUCE_BUCKET_BYTES)} for their all-reduce"))
     if context.role == "actor" and sharded:
         bucket = min(context.weight_bucket_bytes, parameters * 4)
         items.append(MemoryItem("weight-sync bucket", bucket, ("export",),

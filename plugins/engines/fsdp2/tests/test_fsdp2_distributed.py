@@ -65,6 +65,13 @@ class EngineHost(Worker):
         engine.init_model()
         self.engines[name] = engine
 
+    @register(Dispatch.ONE_TO_ALL)
+    def build_seeded_per_rank(self, name: str, overrides: dict) -> None:
+        """An engine whose seed differs by rank (random weights that differ, unless the engine makes them agree)."""
+        engine = FSDP2Engine(BASE, **{**overrides, "seed": 1000 + self.rank})
+        engine.init_model()
+        self.engines[name] = engine
+
     @register(Dispatch.DP_COMPUTE_PROTO)
     def forward(self, name: str, batch: DataProto) -> DataProto:
         return self.engines[name].forward(batch)
@@ -277,3 +284,66 @@ def test_the_value_model_loss_goes_down_on_a_fixed_batch(two_ranks, batch_of):
     assert losses[-1] < losses[0] / 2
     values = two_ranks.forward("critic", batch).batch
     assert set(values.keys()) == {"values"} and values["values"].shape == (8, 5)
+
+
+# -- data_parallel: replicate ------------------------------------------------------------------------
+
+REPLICATE = {"data_parallel": "replicate"}
+
+
+def test_replicated_two_ranks_step_as_sharded_two_ranks_and_one_rank(two_ranks, one_rank, batch_of):
+    batch = batch_of(7).with_meta_info({"ppo_mini_batch_size": 4})  # dispatch padding and two optimizer steps
+    two_ranks.build("replicated", {**REPLICATE, "micro_batch_size_per_gpu": 1})
+    two_ranks.build("sharded", {"micro_batch_size_per_gpu": 1})
+    replicated, sharded = two_ranks.train("replicated", batch)[0], two_ranks.train("sharded", batch)[0]
+    after_replicated, after_sharded = two_ranks.parameters("replicated"), two_ranks.parameters("sharded")[0]
+    difference = max_difference(after_replicated[0], after_sharded)
+    print(f"replicate vs shard on 2 ranks, 2 steps, max |parameter difference|: {difference:.3g}")
+    assert difference <= 1e-5
+    assert max_difference(after_replicated[0], after_replicated[1]) == 0  # the ranks hold the same weights
+    assert replicated["grad_norm"] == pytest.approx(sharded["grad_norm"], rel=1e-5)
+    one_rank.build("replicated", REPLICATE)  # one rank: replicate is the plain module, as shard is
+    for rows in ([0, 1, 4, 5], [2, 3, 6]):
+        one_rank.train("replicated", batch.select_idxs(rows).with_meta_info({"ppo_mini_batch_size": len(rows)}))
+    assert max_difference(one_rank.parameters("replicated")[0], after_replicated[0]) <= 1e-5
+
+
+def test_replicated_ranks_start_from_rank_zeros_weights(two_ranks):
+    # Different seeds per rank build different random models; the start-up broadcast makes both rank 0's.
+    two_ranks.build_seeded_per_rank("per_rank", REPLICATE)
+    two_ranks.build("rank0_seed", {**REPLICATE, "seed": 1000})
+    first, second = two_ranks.parameters("per_rank")
+    assert max_difference(first, second) == 0
+    assert max_difference(first, two_ranks.parameters("rank0_seed")[0]) == 0
+
+
+def test_replicated_checkpoints_resume_exactly_and_load_sharded(two_ranks, one_rank, batch_of, tmp_path):
+    batch = one_step_batch(batch_of)
+    schedule = {"lr_warmup_steps": 2, "lr_scheduler_type": "cosine", "total_training_steps": 6}
+    two_ranks.build("writer", {**REPLICATE, **schedule, "seed": 3})
+    two_ranks.build("reader", {**REPLICATE, **schedule, "seed": 99})
+    two_ranks.build("sharded_reader", {**schedule, "seed": 98})
+    two_ranks.train("writer", batch)
+    two_ranks.save("writer", str(tmp_path / "checkpoint"))
+    expected = two_ranks.train("writer", batch)[0]
+    after_writer = two_ranks.parameters("writer")[0]
+    for reader in ("reader", "sharded_reader"):
+        two_ranks.load(reader, str(tmp_path / "checkpoint"))
+        resumed = two_ranks.train(reader, batch)[0]
+        difference = max_difference(two_ranks.parameters(reader)[0], after_writer)
+        print(f"replicate saves, {reader} loads, next step: max |parameter difference| {difference:.3g}")
+        assert difference == 0 if reader == "reader" else difference <= 1e-5
+        assert resumed["lr"] == expected["lr"] > 0
+    one_rank.build("reader", {**schedule, "seed": 97})
+    one_rank.load("reader", str(tmp_path / "checkpoint"))
+    one_rank.train("reader", batch)
+    assert max_difference(one_rank.parameters("reader")[0], after_writer) <= 1e-5
+
+
+def test_replicate_refuses_mixed_precision():
+    from rlplat_engine_fsdp2.config import read_engine_config
+
+    with pytest.raises(ValueError, match="data_parallel 'replicate' computes and reduces in float32"):
+        read_engine_config({**BASE, **REPLICATE, "dtype": "bfloat16"})
+    with pytest.raises(ValueError, match="data_parallel must be one of"):
+        read_engine_config({**BASE, "data_parallel": "ddp"})
