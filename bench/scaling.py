@@ -46,6 +46,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -54,6 +55,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import Contender, describe_environment, print_table, race  # noqa: E402
+from rlplat import Dispatch, Worker, register  # noqa: E402
 from plain_grpo import grpo_step  # noqa: E402
 from update_step import CpuClock  # noqa: E402
 
@@ -84,11 +86,15 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--sync-sizes", default="0.5M,5M,50M", help="shapes whose weight sync is timed")
     parser.add_argument("--repetitions", type=int, default=5, help="timed steps per contender at least (quick ones get more)")
     parser.add_argument("--torch-threads", type=int, default=2, help="torch intra-op threads for every contender")
+    parser.add_argument("--two-workers", default="0.5M,5M,50M", help="shapes also run on 2 Ray worker processes ('' for none)")
+    parser.add_argument("--two-worker-modes", default="replicate,shard", help="the fsdp2 engine's data_parallel modes on 2 workers")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder of the plots and scaling.json")
     args = parser.parse_args()
     args.sizes = [size for size in args.sizes.split(",") if size]
     args.lengths = [int(length) for length in args.lengths.split(",") if length]
     args.sync_sizes = [size for size in args.sync_sizes.split(",") if size]
+    args.two_workers = [size for size in args.two_workers.split(",") if size]
+    args.two_worker_modes = [mode for mode in args.two_worker_modes.split(",") if mode]
     unknown = [size for size in [*args.sizes, args.length_size] if size not in SHAPES]
     if unknown:
         parser.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
@@ -123,7 +129,9 @@ def engine_node(config: dict, rows: int) -> dict:
 class EngineStep:
     """``update_actor``'s call of ``train_batch``, without the worker around it."""
 
-    def __init__(self, config: dict, batch):
+    def __init__(self, config: dict, batch, global_rows: int | None = None, **node: object):
+        """``batch``: this process's rows; ``global_rows``: the mini-batch's rows over every process (default: the
+        batch's); ``node``: engine settings over ``engine_node``'s."""
         from rlplat import registry
         from rlplat.protocol import DataProto
         from rlplat.workers.actor_rollout_ref import ROW_INDEX
@@ -139,7 +147,7 @@ class EngineStep:
              ROW_INDEX: torch.arange(self.rows)},
             meta_info={"temperature": 1.0, "calculate_entropy": False, "ppo_mini_batch_size": None, "ppo_epochs": 1},
         )
-        self.node = engine_node(config, self.rows)
+        self.node = {**engine_node(config, global_rows or self.rows), "micro_batch_size_per_gpu": self.rows, **node}
         self.engine = FSDP2Engine(self.node)
         self.engine.init_model()
         algorithm = registry.get("algorithm", "grpo")()
@@ -150,6 +158,54 @@ class EngineStep:
         from rlplat.workers.actor_rollout_ref import OldLogProbsFromForward
 
         return self.engine.train_batch(self.batch, OldLogProbsFromForward(self.actor_loss, self.rows))
+
+
+class TwoWorkerUpdate(Worker):
+    """One of two rlplat worker processes (Ray, gloo, one torch thread each): ``EngineStep`` on its half of the
+    point's batch, the mini-batch the whole batch (``ppo_mini_batch_size`` = its rows), as ``update_actor``'s
+    dispatch splits it."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def measure(self, config: dict, rows: int, response_length: int, vocab_size: int, data_parallel: str, repetitions: int) -> dict:
+        import torch.distributed as dist
+
+        from rlplat.testing.memory import TensorMemoryMeter
+
+        torch.set_num_threads(1)
+        ids, mask, responses, response_mask, advantages = grpo_batch(rows, response_length, vocab_size)
+        half = slice(self.rank * rows // 2, (self.rank + 1) * rows // 2)
+        shard = (ids[half], mask[half], responses[half], response_mask[half], advantages[half])
+        with TensorMemoryMeter() as meter:
+            step = EngineStep(config, shard, global_rows=rows, data_parallel=data_parallel)
+            step()
+            with meter.phase("update"):
+                step()
+        seconds = []
+        for _ in range(max(repetitions, 3)):
+            dist.barrier()
+            started = time.perf_counter()
+            step()
+            seconds.append(time.perf_counter() - started)
+        return {"seconds": seconds, "peak": meter.peaks()["update"]}
+
+
+def measure_two_workers(size: str, rows: int, response_length: int, args) -> dict:
+    """``TwoWorkerUpdate`` in each ``data_parallel`` mode: the median step (the slower rank's) and one rank's peak."""
+    from rlplat import RayWorkerGroup, ResourcePool, WorkerSpec
+
+    config = model_config(size, args.vocab_size, response_length)
+    found = {}
+    for mode in args.two_worker_modes:
+        pool = ResourcePool([2])
+        group = RayWorkerGroup(pool, WorkerSpec(TwoWorkerUpdate), role="bench")
+        try:
+            per_rank = group.measure(config, rows, response_length, args.vocab_size, mode, args.repetitions)
+        finally:
+            group.shutdown()
+            pool.release()
+        steps = [max(rank["seconds"][i] for rank in per_rank) for i in range(len(per_rank[0]["seconds"]))]
+        found[mode] = {"s": statistics.median(steps), "peak": max(rank["peak"] for rank in per_rank)}
+    return found
 
 
 class PlainStep:
@@ -205,10 +261,58 @@ def weight_sync(engine: EngineStep, config: dict, repetitions: int) -> dict:
         for bucket in engine.engine.named_weights(BUCKET_BYTES):
             rollout.update_weights(bucket)
 
+    bound = HFRollout({"model_config": config, "dtype": "float32", "device": "cpu"})
+
+    def share(_=None):  # rollout.share_weights, as every sync runs it: the rollout's parameters become views of the engine's
+        if not bound.bind_weights(engine.engine.shared_weights()):
+            raise RuntimeError("the hf rollout refused the engine's shared weights")
+
+    import ray
+
+    host = rollout_host_class().remote(config)
+    ray.get(host.ready.remote())
+
+    from rlplat.kits.weights import pack_bucket
+
+    def object_store(_=None):  # a rollout in its own process: each bucket packed and put in Ray's object store, as
+        # export_weights and load_weights move them
+        ray.get(host.load.remote([ray.put(pack_bucket(bucket)) for bucket in engine.engine.named_weights(BUCKET_BYTES)]))
+
     source = torch.ones(nbytes // 4)
     target = torch.empty_like(source)
-    contenders = race([Contender("sync", sync), Contender("copy", lambda _: target.copy_(source))], repetitions, warmup=2)
-    return {"bytes": nbytes, "sync_s": contenders[0].median_ms / 1e3, "copy_s": contenders[1].median_ms / 1e3}
+    contenders = race([Contender("sync", sync), Contender("copy", lambda _: target.copy_(source)), Contender("share", share),
+                       Contender("object store", object_store)], repetitions, warmup=2)
+    ray.kill(host)
+    seconds = {contender.name: contender.median_ms / 1e3 for contender in contenders}
+    return {"bytes": nbytes, "sync_s": seconds["sync"], "copy_s": seconds["copy"], "share_s": seconds["share"],
+            "object_store_s": seconds["object store"]}
+
+
+def rollout_host_class():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Host:
+        """An hf rollout in its own process, loading weight buckets it is handed as object references."""
+
+        def __init__(self, config: dict):
+            from rlplat_rollout_hf.rollout import HFRollout
+
+            torch.set_num_threads(1)
+            self.rollout = HFRollout({"model_config": config, "dtype": "float32", "device": "cpu"})
+
+        def ready(self) -> bool:
+            return True
+
+        def load(self, buckets: list) -> None:
+            import ray
+
+            from rlplat.kits.weights import unpack_bucket
+
+            for bucket in buckets:
+                self.rollout.update_weights(unpack_bucket(ray.get(bucket)))
+
+    return Host
 
 
 def available_bytes() -> int | None:
@@ -309,6 +413,22 @@ def print_tables(sizes: list[dict], lengths: list[dict], machine: dict, args) ->
               mib(p["planned_peak"]), f"{p['planned_peak'] / p['rlplat_peak']:.2f}", p["planned_largest"]] for p in points],
             ["target: plan/measured within 0.85-1.15 (the plan: FSDP2Engine.estimate_memory(...).during('update'))"],
         )
+    two = [p for p in sizes if "two_workers" in p]
+    if two:
+        modes = list(two[0]["two_workers"])
+        print_table(
+            f"GRPO update step on 2 Ray worker processes (1 torch thread each, half the rows each) vs one process with "
+            f"{args.torch_threads} threads",
+            ["point", "1 process ms", *(f"2 workers {m} ms" for m in modes), *(f"{m}/1 process" for m in modes),
+             "peak MiB 1 process", *(f"peak MiB/worker {m}" for m in modes)],
+            [[f"{p['size']} ({p['parameters'] / 1e6:.2f}M)", f"{p['rlplat_s'] * 1e3:,.1f}",
+              *(f"{p['two_workers'][m]['s'] * 1e3:,.1f}" for m in modes),
+              *(f"{p['two_workers'][m]['s'] / p['rlplat_s']:.2f}" for m in modes),
+              mib(p["rlplat_peak"]), *(mib(p["two_workers"][m]["peak"]) for m in modes)] for p in two],
+            ["2 workers: the slower rank's median step, timed in the workers after a barrier (Ray's dispatch, about 1 ms, "
+             "not in it); below 1.00 the 2-worker layout pays for time, and the sharded layout's peak per worker is where it "
+             "pays for memory"],
+        )
     synced = [p for p in sizes if "sync" in p]
     print_table(
         "Against the machine",
@@ -316,12 +436,20 @@ def print_tables(sizes: list[dict], lengths: list[dict], machine: dict, args) ->
         [["float32 GEMM 2048^3 (GFLOP/s)", f"{gemm / 1e9:.1f}", "peak"],
          ["copy of 512 MiB (GB/s copied)", f"{machine['copy_bytes_per_s'] / 1e9:.2f}", "peak"]]
         + [[f"update at {p['size']} (GFLOP/s, 6NT)", f"{update_flops(p) / 1e9:.1f}", f"{update_flops(p) / gemm:.0%}"] for p in sizes]
-        + [[f"weight sync at {p['size']}: {mib(p['sync']['bytes'])} MiB in {p['sync']['sync_s'] * 1e3:.2f} ms (GB/s)",
-            f"{p['sync']['bytes'] / p['sync']['sync_s'] / 1e9:.2f}",
-            f"{p['sync']['bytes'] / p['sync']['sync_s'] / machine['copy_bytes_per_s']:.0%} "
-            f"(one copy_ of as many bytes: {p['sync']['bytes'] / p['sync']['copy_s'] / 1e9:.2f} GB/s)"] for p in synced],
-        ["6NT: 6 x parameters x tokens per step (forward 2, backward 4); the weight sync: named_weights() in 256 MiB "
-         "buckets into HFRollout.update_weights, bytes copied over its median time"],
+        + [row for p in synced for row in (
+            [f"weight sync at {p['size']}, bucketed: {mib(p['sync']['bytes'])} MiB in {p['sync']['sync_s'] * 1e3:.2f} ms (GB/s)",
+             f"{p['sync']['bytes'] / p['sync']['sync_s'] / 1e9:.2f}",
+             f"{p['sync']['bytes'] / p['sync']['sync_s'] / machine['copy_bytes_per_s']:.0%} "
+             f"(one copy_ of as many bytes: {p['sync']['bytes'] / p['sync']['copy_s'] / 1e9:.2f} GB/s, "
+             f"{p['sync']['copy_s'] / p['sync']['sync_s']:.0%} of it)"],
+            [f"weight sync at {p['size']}, zero copy (shared): {p['sync']['share_s'] * 1e3:.3f} ms", "0 bytes", "-"],
+            [f"weight sync at {p['size']}, through Ray's object store: {p['sync']['object_store_s'] * 1e3:.2f} ms (GB/s)",
+             f"{p['sync']['bytes'] / p['sync']['object_store_s'] / 1e9:.2f}",
+             f"{p['sync']['bytes'] / p['sync']['object_store_s'] / machine['copy_bytes_per_s']:.0%}"])],
+        ["6NT: 6 x parameters x tokens per step (forward 2, backward 4). Weight sync: bucketed = named_weights() in 256 MiB "
+         "buckets into HFRollout.update_weights in the same process (rollout.share_weights=false); zero copy = the rollout's "
+         "parameters made views of the engine's (share_weights, the default when colocated); object store = each bucket "
+         "ray.put by this process and loaded by an hf rollout in another (a rollout in its own pool); bytes over median time"],
     )
 
 
@@ -360,11 +488,17 @@ def plot(sizes: list[dict], lengths: list[dict], args, folder: Path) -> list[Pat
         figure("scaling_time_vs_size.png", f"GRPO update step, {args.rows} rows x {PROMPT_LENGTH}+{args.response_length} tokens",
                "parameters", "median step (s)",
                [("rlplat (fsdp2 train_batch)", parameters, [p["rlplat_s"] for p in sizes], "o-"),
-                ("plain PyTorch", parameters, [p["plain_s"] for p in sizes], "s--")], ticks)
+                ("plain PyTorch", parameters, [p["plain_s"] for p in sizes], "s--")]
+               + [(f"rlplat, 2 Ray workers, {mode}", [p["parameters"] for p in sizes if "two_workers" in p],
+                   [p["two_workers"][mode]["s"] for p in sizes if "two_workers" in p], style)
+                  for mode, style in zip(args.two_worker_modes, ("v-.", "d:"))], ticks)
         figure("scaling_memory_vs_size.png", "Peak live tensor memory of the update", "parameters", "MiB",
                [("rlplat measured", parameters, [p["rlplat_peak"] / MIB for p in sizes], "o-"),
                 ("plain measured", parameters, [p["plain_peak"] / MIB for p in sizes], "s--"),
-                ("rlplat plan", parameters, [p["planned_peak"] / MIB for p in sizes], "^:")], ticks)
+                ("rlplat plan", parameters, [p["planned_peak"] / MIB for p in sizes], "^:")]
+               + [(f"rlplat, per worker of 2, {mode}", [p["parameters"] for p in sizes if "two_workers" in p],
+                   [p["two_workers"][mode]["peak"] / MIB for p in sizes if "two_workers" in p], style)
+                  for mode, style in zip(args.two_worker_modes, ("v-.", "d:"))], ticks)
     if lengths:
         xs = [p["response_length"] for p in lengths]
         rows = ", ".join(f"{p['rows']}" for p in lengths)
@@ -380,12 +514,23 @@ def main() -> None:
     started = time.perf_counter()
     load_before = os.getloadavg()[0]
     cpu_before = sum(os.times()[:4])
+    if args.two_workers or args.sync_sizes:
+        os.environ["RAY_ADDRESS"] = "local"  # a private cluster, never one that tests or `ray start` announced
+        import rlplat
+
+        rlplat.start_ray(num_cpus=4)
     machine = machine_rates(args.repetitions)
     print(f"machine: {machine['gemm_flops'] / 1e9:.1f} GFLOP/s float32 GEMM, {machine['copy_bytes_per_s'] / 1e9:.2f} GB/s copy", flush=True)
     sizes = []
     for size in args.sizes:
         rows = SHAPES[size][4] or args.rows
         sizes.append(measure_point(size, rows, args.response_length, args, sync=size in args.sync_sizes))
+    if args.two_workers:
+        for point in sizes:
+            if point["size"] in args.two_workers:
+                started_point = time.perf_counter()
+                point["two_workers"] = measure_two_workers(point["size"], point["rows"], point["response_length"], args)
+                print(f"  {point['size']} on 2 workers: {time.perf_counter() - started_point:.0f} s", flush=True)
     lengths = []
     for length in args.lengths:
         rows = min(args.rows, max(1, args.length_tokens // length))

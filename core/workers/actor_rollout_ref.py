@@ -35,6 +35,7 @@ from rlplat.contracts.rollout import SamplingParams
 from rlplat.controller.decorator import Dispatch, register
 from rlplat.controller.worker import Worker, without_padding_weight
 from rlplat.kits.rollout_batch import ABORTED_KEY, MIN_VERSION, generate_through_tokens, pad_and_eos_token_ids
+from rlplat.kits.weights import pack_bucket, unpack_bucket
 from rlplat.protocol import DataProto
 from rlplat.registry import EngineRegistry
 from rlplat.config_node import read_config_node
@@ -490,10 +491,10 @@ class ActorRolloutRefWorker(Worker):
         if self.lora_sync() == "adapter":
             if full:
                 with actor.adapter_disabled():
-                    payload["buckets"] = list(actor.named_weights(self.config.weight_bucket_bytes))
+                    payload["buckets"] = [pack_bucket(bucket) for bucket in actor.named_weights(self.config.weight_bucket_bytes)]
             payload["adapter"] = actor.adapter_weights()
         else:
-            payload["buckets"] = list(actor.named_weights(self.config.weight_bucket_bytes))
+            payload["buckets"] = [pack_bucket(bucket) for bucket in actor.named_weights(self.config.weight_bucket_bytes)]
         return payload if self.rank == 0 else None
 
     @register(Dispatch.ONE_TO_ALL)
@@ -514,7 +515,8 @@ class ActorRolloutRefWorker(Worker):
             try:
                 rollout.wake_up_weights()
                 sent = self.sent_fingerprints()
-                for bucket in weights["buckets"]:
+                for packed in weights["buckets"]:
+                    bucket = unpack_bucket(packed)
                     rollout.update_weights(bucket)
                     sent.add(bucket)
                 if weights.get("adapter") is not None:

@@ -70,6 +70,7 @@ class FSDP2Engine(TrainingEngine):
             config = read_engine_config({**dataclasses.asdict(config), **overrides})
         self.config: FSDP2EngineConfig = config
         self.module: torch.nn.Module | None = None
+        self.persistent_buffer_names: set[str] | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.hf_config: Any = None
@@ -128,6 +129,7 @@ class FSDP2Engine(TrainingEngine):
             if self.replicated:  # the ranks built the same weights from the same seed or files; rank 0's are the truth
                 self.broadcast_from_rank0([*model.parameters(), *model.buffers()])
         self.module = model
+        self.persistent_buffer_names: set[str] | None = None
         # The parameters the optimizer updates (FSDP2's shards, or the plain module's own); between a forward
         # and its backward FSDP2 registers gathered copies on the module in their place, so shared_weights
         # reads them from here.
@@ -465,8 +467,7 @@ class FSDP2Engine(TrainingEngine):
         """``(Hugging Face name, full detached tensor)`` of every parameter and persistent buffer, one at a
         time (LoRA: merged unless the adapter is off, see :meth:`named_weights`). A collective."""
         model = self.module
-        persistent = set(model.state_dict().keys())
-        named = list(model.named_parameters()) + [(name, buffer) for name, buffer in model.named_buffers() if name in persistent]
+        named = list(model.named_parameters()) + self.persistent_buffers()
         layers = lora.adapter_layers(model) if self.peft_model is not None else {}
         for name, tensor in named:
             if layers and lora.is_adapter_parameter(name):
@@ -525,9 +526,16 @@ class FSDP2Engine(TrainingEngine):
             if local.shape != parameter.shape:
                 return None
             shared.append((name, local))
-        persistent = set(model.state_dict().keys())
-        shared += [(name, buffer.detach()) for name, buffer in model.named_buffers() if name in persistent]
+        shared += [(name, buffer.detach()) for name, buffer in self.persistent_buffers()]
         return shared
+
+    def persistent_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """The module's buffers that its state dict holds (their names found once: a state dict costs more than
+        the weight sync of a small model)."""
+        if self.persistent_buffer_names is None:
+            keys = set(self.module.state_dict().keys())
+            self.persistent_buffer_names = {name for name, _ in self.module.named_buffers() if name in keys}
+        return [(name, buffer) for name, buffer in self.module.named_buffers() if name in self.persistent_buffer_names]
 
     def save(self, path: str) -> None:
         self.require_model("save")

@@ -316,17 +316,32 @@ class HFRollout(RolloutEngine):
         self.unbind_weights()  # never write into the training engine's parameters
         self.remove_adapter()  # full weights are a new base: the adapter is off until loaded again
         with torch.no_grad():
+            # a bucket at a time: its names and shapes checked, then one batched copy (a copy per tensor costs
+            # more than the bytes at a small model's sizes)
+            pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
             for name, tensor in named_tensors:
                 target = self.targets.get(name)
                 if target is None:
                     raise KeyError(f"hf rollout: the model has no weight named {name!r}")
                 if target.shape != tensor.shape:
                     raise ValueError(f"hf rollout: weight {name!r} has shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
-                target.data.copy_(tensor.to(device=target.device, dtype=target.dtype, non_blocking=True))
-                self.missing_weights.discard(id(target))
-                base = self.adapter_base.get(name)
-                if base is not None:
-                    base.copy_(target.data)
+                pairs.append((name, target, tensor))
+                if len(pairs) == 256:
+                    self.copy_weights(pairs)
+                    pairs = []
+            self.copy_weights(pairs)
+
+    def copy_weights(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        if not pairs:
+            return
+        targets = [target.data for _, target, _ in pairs]
+        torch._foreach_copy_(targets, [tensor.to(device=target.device, dtype=target.dtype, non_blocking=True)
+                                       for _, target, tensor in pairs])
+        for name, target, _ in pairs:
+            self.missing_weights.discard(id(target))
+            base = self.adapter_base.get(name)
+            if base is not None:
+                base.copy_(target.data)
 
     @holding_model_lock
     def weight_fingerprints(self) -> dict[str, Any] | None:
