@@ -7,14 +7,17 @@ In one process, every figure a median of repeated steps:
    default, 500M with ``--sizes``), the demo's vocabulary (16 tokens) unless ``--vocab-size``, tied
    embeddings, float32. The batch is fixed: ``--rows`` (32: 8 prompts x 4 samples) rows of 7 prompt tokens
    (the demo's length) and ``--response-length`` (64) response tokens, every row full length (no padding:
-   the plan's worst case), random tokens, a normal advantage per row. Two contenders, interleaved step by
+   the plan's worst case), random tokens, a normal advantage per row. Three contenders, interleaved step by
    step (``bench/measure.py``'s ``race``):
 
    - ``rlplat``: ``FSDP2Engine.train_batch`` configured as ``bench/update_step.py`` configures it (one
      mini-batch, one micro-batch of every row, packing on), the grpo algorithm's ``ActorLoss``
      (token-mean, no KL) wrapped in ``OldLogProbsFromForward``, as ``update_actor`` runs it;
    - ``plain``: ``AutoModelForCausalLM`` with the same weights and ``torch.optim.AdamW``,
-     ``bench/plain_grpo.py``'s ``grpo_step``.
+     ``bench/plain_grpo.py``'s ``grpo_step``;
+   - ``TRL`` (where ``trl`` is installed, as in ``make bench``'s environment; ``--no-trl`` leaves it out):
+     ``trl.GRPOTrainer``'s update on the same batch and weights, ``compute_loss`` (its ``dapo`` loss, the
+     token-mean; it computes the entropy too), backward, clipping and its AdamW, without its generation.
 
    Peak memory: live tensor bytes during a second update (the first made the optimizer state), each
    contender measured alone from before its model is built, with :class:`rlplat.testing.memory.TensorMemoryMeter`;
@@ -48,6 +51,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -88,8 +92,11 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--torch-threads", type=int, default=2, help="torch intra-op threads for every contender")
     parser.add_argument("--two-workers", default="0.5M,5M,50M", help="shapes also run on 2 Ray worker processes ('' for none)")
     parser.add_argument("--two-worker-modes", default="replicate,shard", help="the fsdp2 engine's data_parallel modes on 2 workers")
+    parser.add_argument("--no-trl", dest="trl", action="store_false",
+                        help="leave TRL's update out (it runs where trl is installed: make bench's environment)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder of the plots and scaling.json")
     args = parser.parse_args()
+    args.trl = args.trl and trl_available()
     args.sizes = [size for size in args.sizes.split(",") if size]
     args.lengths = [int(length) for length in args.lengths.split(",") if length]
     args.sync_sizes = [size for size in args.sync_sizes.split(",") if size]
@@ -224,6 +231,61 @@ class PlainStep:
         return grpo_step(self.model, self.optimizer, *self.batch, clip=CLIP)
 
 
+class TRLStep:
+    """TRL's update on the same batch: ``GRPOTrainer.compute_loss`` (its ``dapo`` loss, token sum over the batch's
+    response tokens: the token-mean of the others; no KL; old log-probs the detached current ones, as TRL with
+    ``num_iterations=1``), ``accelerator.backward``, gradient clipping at 1.0 and the trainer's AdamW: what its
+    ``training_step`` and the optimizer step run after generation, without the generation (``_prepare_inputs``)."""
+
+    def __init__(self, config: dict, batch, output_dir: str):
+        import datasets
+        import trl
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        import rlplat_demo
+
+        settings = dict(config)
+        torch.manual_seed(SEED)  # the same weights as the other contenders
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(settings.pop("model_type"), **settings),
+                                                 dtype=torch.float32, attn_implementation="sdpa")
+        ids, mask, responses, response_mask, advantages = batch
+        arguments = trl.GRPOConfig(
+            output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, seed=SEED,
+            per_device_train_batch_size=len(ids), generation_batch_size=len(ids), num_generations=len(ids),
+            gradient_accumulation_steps=1, num_iterations=1, max_completion_length=responses.shape[1],
+            learning_rate=1e-4, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+            adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch", beta=0.0, loss_type="dapo",
+            epsilon=CLIP, gradient_checkpointing=False, logging_strategy="no", save_strategy="no", eval_strategy="no",
+            report_to="none", disable_tqdm=True)
+        tokenizer = AutoTokenizer.from_pretrained(rlplat_demo.model_dir())
+        self.trainer = trl.GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                                       args=arguments, processing_class=tokenizer,
+                                       train_dataset=datasets.Dataset.from_dict({"prompt": ["1+1="]}))
+        self.trainer.create_optimizer()
+        self.trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop, which this step leaves out
+        self.model = self.trainer.model
+        self.model.train()
+        self.inputs = {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": responses, "completion_mask": response_mask,
+                       "advantages": advantages, "num_items_in_batch": response_mask.sum()}
+
+    def __call__(self, _=None) -> float:
+        optimizer = self.trainer.optimizer
+        optimizer.zero_grad(set_to_none=True)
+        loss = self.trainer.compute_loss(self.model, self.inputs)
+        self.trainer.accelerator.backward(loss)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        optimizer.step()
+        return float(loss.detach())
+
+
+def trl_available() -> bool:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def built_and_measured(build):
     """``build()``'s contender and its peak live tensor bytes during its second step (the first makes
     AdamW's state), counted from before the model exists."""
@@ -280,8 +342,10 @@ def weight_sync(engine: EngineStep, config: dict, repetitions: int) -> dict:
 
     source = torch.ones(nbytes // 4)
     target = torch.empty_like(source)
-    contenders = race([Contender("sync", sync), Contender("copy", lambda _: target.copy_(source)), Contender("share", share),
-                       Contender("object store", object_store)], repetitions, warmup=2)
+    contenders = race([Contender("sync", sync), Contender("copy", lambda _: target.copy_(source)), Contender("share", share)],
+                      repetitions, warmup=2)
+    # on its own: interleaved with the in-process contenders its median at 50M was 500 ms, alone 70-140 ms
+    contenders += race([Contender("object store", object_store)], repetitions, warmup=2)
     ray.kill(host)
     seconds = {contender.name: contender.median_ms / 1e3 for contender in contenders}
     return {"bytes": nbytes, "sync_s": seconds["sync"], "copy_s": seconds["copy"], "share_s": seconds["share"],
@@ -339,8 +403,10 @@ def measure_point(size: str, rows: int, response_length: int, args, sync: bool) 
     # interleaved, each contender keeps its weights, gradients and AdamW state between its steps while the other
     # steps: both residents, plus a step's transients: one more resident's worth (the plain loop's stale gradients,
     # foreach AdamW's temporaries; 500M was killed for memory at 24 GB without it) and the update's activations
-    together = available is None or 3 * resident + 2.5 * (planned - resident) < available
     builders = {"rlplat": lambda: EngineStep(config, batch), "plain": lambda: PlainStep(config, batch)}
+    if args.trl:
+        builders["trl"] = lambda: TRLStep(config, batch, args.trl_output)
+    together = available is None or (len(builders) + 1) * resident + 2.5 * (planned - resident) < available
     point = {"size": size, "rows": rows, "response_length": response_length, "tokens": rows * (PROMPT_LENGTH + response_length),
              "planned_peak": planned, "planned_largest": largest, "interleaved": together}
     groups = [list(builders)] if together else [[name] for name in builders]
@@ -395,22 +461,29 @@ def print_tables(sizes: list[dict], lengths: list[dict], machine: dict, args) ->
     ):
         if not points:
             continue
+        trl = all("trl_s" in p for p in points)
         print_table(
             title,
-            ["point", "rows", "steps", "rlplat ms", "plain ms", "rlplat/plain", "CPU-time ratio", "GFLOP/s (6NT)", "of GEMM peak"],
+            ["point", "rows", "steps", "rlplat ms", "plain ms", *(["TRL ms"] if trl else []), "rlplat/plain",
+             *(["rlplat/TRL"] if trl else []), "CPU-time ratio", "GFLOP/s (6NT)", "of GEMM peak"],
             [[label(p), str(p["rows"]), str(p["steps"]) + ("" if p["interleaved"] else ", apart"),
-              f"{p['rlplat_s'] * 1e3:,.1f}", f"{p['plain_s'] * 1e3:,.1f}",
-              f"{p['rlplat_s'] / p['plain_s']:.2f}", f"{p['rlplat_cpu_s'] / p['plain_cpu_s']:.2f}",
-              f"{update_flops(p) / 1e9:.1f}", f"{update_flops(p) / gemm:.0%}"] for p in points],
+              f"{p['rlplat_s'] * 1e3:,.1f}", f"{p['plain_s'] * 1e3:,.1f}", *([f"{p['trl_s'] * 1e3:,.1f}"] if trl else []),
+              f"{p['rlplat_s'] / p['plain_s']:.2f}", *([f"{p['rlplat_s'] / p['trl_s']:.2f}"] if trl else []),
+              f"{p['rlplat_cpu_s'] / p['plain_cpu_s']:.2f}", f"{update_flops(p) / 1e9:.1f}", f"{update_flops(p) / gemm:.0%}"]
+             for p in points],
             ["target: rlplat/plain <= 1.10 (medians of interleaved steps; 'apart': one contender's steps after the "
-             "other's, the two did not fit in memory together; CPU-time ratio: this process's CPU seconds, what others' "
-             "work on the cores inflates least)"],
+             "other's, they did not fit in memory together; CPU-time ratio: rlplat's CPU seconds over plain's, what others' "
+             "work on the cores inflates least)"]
+            + (["TRL: GRPOTrainer.compute_loss (dapo: token-mean; it also computes the entropy) + backward + clipping + "
+                "AdamW on the same batch, its generation left out"] if trl else []),
         )
         print_table(
             title.replace("GRPO update step", "Peak live tensor memory of the update"),
-            ["point", "rlplat MiB", "plain MiB", "rlplat/plain", "plan MiB", "plan/measured", "plan's largest item"],
-            [[label(p), mib(p["rlplat_peak"]), mib(p["plain_peak"]), f"{p['rlplat_peak'] / p['plain_peak']:.2f}",
-              mib(p["planned_peak"]), f"{p['planned_peak'] / p['rlplat_peak']:.2f}", p["planned_largest"]] for p in points],
+            ["point", "rlplat MiB", "plain MiB", *(["TRL MiB"] if trl else []), "rlplat/plain", "plan MiB", "plan/measured",
+             "plan's largest item"],
+            [[label(p), mib(p["rlplat_peak"]), mib(p["plain_peak"]), *([mib(p["trl_peak"])] if trl else []),
+              f"{p['rlplat_peak'] / p['plain_peak']:.2f}", mib(p["planned_peak"]), f"{p['planned_peak'] / p['rlplat_peak']:.2f}",
+              p["planned_largest"]] for p in points],
             ["target: plan/measured within 0.85-1.15 (the plan: FSDP2Engine.estimate_memory(...).during('update'))"],
         )
     two = [p for p in sizes if "two_workers" in p]
@@ -453,6 +526,13 @@ def print_tables(sizes: list[dict], lengths: list[dict], machine: dict, args) ->
     )
 
 
+def trl_series(points: list[dict], xs: list, key: str, unit: float) -> list[tuple]:
+    """TRL's line where every point has it."""
+    if not points or not all(key in p for p in points):
+        return []
+    return [("TRL GRPOTrainer (compute_loss, backward, AdamW)", xs, [p[key] / unit for p in points], "x-")]
+
+
 def plot(sizes: list[dict], lengths: list[dict], args, folder: Path) -> list[Path]:
     import matplotlib
 
@@ -475,7 +555,7 @@ def plot(sizes: list[dict], lengths: list[dict], args, folder: Path) -> list[Pat
         axes.yaxis.set_minor_formatter(NullFormatter())
         axes.set(title=title, xlabel=xlabel, ylabel=ylabel)
         axes.grid(True, which="major", alpha=0.3)
-        axes.legend()
+        axes.legend(loc="lower right", fontsize="small")
         fig.tight_layout()
         path = folder / name
         fig.savefig(path, dpi=110)
@@ -489,6 +569,7 @@ def plot(sizes: list[dict], lengths: list[dict], args, folder: Path) -> list[Pat
                "parameters", "median step (s)",
                [("rlplat (fsdp2 train_batch)", parameters, [p["rlplat_s"] for p in sizes], "o-"),
                 ("plain PyTorch", parameters, [p["plain_s"] for p in sizes], "s--")]
+               + trl_series(sizes, parameters, "trl_s", 1)
                + [(f"rlplat, 2 Ray workers, {mode}", [p["parameters"] for p in sizes if "two_workers" in p],
                    [p["two_workers"][mode]["s"] for p in sizes if "two_workers" in p], style)
                   for mode, style in zip(args.two_worker_modes, ("v-.", "d:"))], ticks)
@@ -496,6 +577,7 @@ def plot(sizes: list[dict], lengths: list[dict], args, folder: Path) -> list[Pat
                [("rlplat measured", parameters, [p["rlplat_peak"] / MIB for p in sizes], "o-"),
                 ("plain measured", parameters, [p["plain_peak"] / MIB for p in sizes], "s--"),
                 ("rlplat plan", parameters, [p["planned_peak"] / MIB for p in sizes], "^:")]
+               + trl_series(sizes, parameters, "trl_peak", MIB)
                + [(f"rlplat, per worker of 2, {mode}", [p["parameters"] for p in sizes if "two_workers" in p],
                    [p["two_workers"][mode]["peak"] / MIB for p in sizes if "two_workers" in p], style)
                   for mode, style in zip(args.two_worker_modes, ("v-.", "d:"))], ticks)
@@ -505,12 +587,15 @@ def plot(sizes: list[dict], lengths: list[dict], args, folder: Path) -> list[Pat
         figure("scaling_time_vs_length.png", f"GRPO update step at {args.length_size}, rows {rows}",
                "response tokens", "median step (s)",
                [("rlplat (fsdp2 train_batch)", xs, [p["rlplat_s"] for p in lengths], "o-"),
-                ("plain PyTorch", xs, [p["plain_s"] for p in lengths], "s--")], [(x, str(x)) for x in xs])
+                ("plain PyTorch", xs, [p["plain_s"] for p in lengths], "s--")] + trl_series(lengths, xs, "trl_s", 1),
+               [(x, str(x)) for x in xs])
     return written
 
 
 def main() -> None:
     args = parse_arguments()
+    trl_output = tempfile.TemporaryDirectory(prefix="scaling-trl-")  # GRPOTrainer wants an output_dir; nothing is saved
+    args.trl_output = trl_output.name
     started = time.perf_counter()
     load_before = os.getloadavg()[0]
     cpu_before = sum(os.times()[:4])
@@ -543,7 +628,7 @@ def main() -> None:
     elapsed = time.perf_counter() - started
     (folder / "scaling.json").write_text(json.dumps(
         {"machine": machine, "sizes": sizes, "lengths": lengths, "seconds": elapsed,
-         "arguments": vars(args)}, indent=1))
+         "arguments": {k: v for k, v in vars(args).items() if k != "trl_output"}}, indent=1))
     print(f"\n{describe_environment({})}")
     print(f"load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; this process used "
           f"{sum(os.times()[:4]) - cpu_before:.0f} CPU s in {elapsed:.0f} s")

@@ -140,7 +140,8 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
-        """Load full tensors in Hugging Face naming (may be called once per bucket)."""
+        """Load full tensors in Hugging Face naming (may be called once per bucket). Copy from them, never
+        write into them or keep them: from another worker group they are read-only views of Ray's shared memory."""
 
     @abc.abstractmethod
     def sleep(self) -> None:
