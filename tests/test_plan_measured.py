@@ -141,3 +141,39 @@ def test_on_a_gpu_the_plan_matches_cudas_measured_peaks():
         assert within(plan.during(call), engine[call]), f"GPU {call}: predicted {plan.during(call):,} B, measured {engine[call]:,} B"
     generation = predicted("rollout", {"dtype": "bfloat16"}, 256, device="cuda", model=GPU_MODEL, rows=8).during("generate")
     assert within(generation, rollout["generate"]), f"GPU generation: predicted {generation:,} B, measured {rollout['generate']:,} B"
+
+
+#: Mixture-of-experts models: the experts (8, 2 per token), the dispatch copies and the router's logits.
+MOE_MODELS = {
+    "qwen2_moe": dict(model_type="qwen2_moe", vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+                      shared_expert_intermediate_size=256, num_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=512,
+                      eos_token_id=2047),
+    "mixtral": dict(model_type="mixtral", vocab_size=2048, hidden_size=256, intermediate_size=384, num_local_experts=8,
+                    num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    tie_word_embeddings=False, max_position_embeddings=512, eos_token_id=2047),
+}
+MOE_CASES = {
+    "qwen2_moe, float32, micro-batch 8": ("qwen2_moe", dict(dtype="float32", micro_batch_size_per_gpu=8)),
+    "qwen2_moe, recomputation": ("qwen2_moe", dict(dtype="float32", micro_batch_size_per_gpu=8, enable_gradient_checkpointing=True)),
+    "mixtral, bfloat16, micro-batch 8": ("mixtral", dict(dtype="bfloat16", micro_batch_size_per_gpu=8)),
+}
+MOE_ROWS, MOE_LENGTH = 16, 128
+
+
+@pytest.fixture(scope="module")
+def moe_measured():
+    specs = [dict(kind="engine", name="fsdp2", config=dict(model_config=MOE_MODELS[model], **config), rows=MOE_ROWS,
+                  prompt_length=MOE_LENGTH, response_length=MOE_LENGTH) for model, config in MOE_CASES.values()]
+    return dict(zip(MOE_CASES, (peaks[0] for peaks in measure(specs))))
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_fsdp2_peaks_of_a_mixture_of_experts_model(moe_measured, case):
+    model, config = MOE_CASES[case]
+    estimate = predicted("engine", config, MOE_LENGTH, model=MOE_MODELS[model], rows=MOE_ROWS)
+    parameters = next(item for item in estimate.items if item.name == "parameters")
+    assert "experts and routers of 4 MoE layers" in parameters.detail
+    for call in ("forward", "update"):
+        measured, prediction = moe_measured[case][call], estimate.during(call)
+        assert within(prediction, measured), f"{case}, {call}: predicted {prediction:,} B, measured {measured:,} B ({prediction / measured - 1:+.1%})"

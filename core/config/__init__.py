@@ -33,6 +33,7 @@ from rlplat.config.components import (BUILTIN_LOSS_SCHEMAS, ENGINE_BUILD_SOURCES
                                       optimizer_build, plugin_nodes, rollout_node, sampling_node, total_training_steps, uses_critic)
 from rlplat.data_config import DataConfig
 from rlplat.lora import LoraConfig, check_lora
+from rlplat.config.moe import MoEConfig, check_moe
 from rlplat.trainer.pipeline import check_trainer_mode
 from rlplat.trainer.profile import ProfileConfig
 from rlplat.trainer.sentinel import SentinelConfig
@@ -104,6 +105,9 @@ OLD_LOG_PROB_MODES = ("auto", "always", "never")
 class ActorConfig(EngineRoleConfig):
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     """LoRA adapters (:mod:`rlplat.lora`); rank 0: full fine-tuning."""
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    """Mixture-of-experts policies: ``router_replay`` (off, r2, r3) and the router's ``aux_loss_coef`` and
+    ``z_loss_coef`` (:mod:`rlplat.config.moe`)."""
     recompute_old_log_prob: str = "auto"
     """Whether ``old_log_probs`` come from a forward pass of their own before the update: ``always``;
     ``never`` (the update's first forward supplies them: only for a strictly on-policy update, one
@@ -541,6 +545,7 @@ def validate_config(config: DictConfig) -> None:
     check_sampling(config)
     check_trainer_mode(config)
     check_lora(config)
+    check_moe(config)
     read_config_node(OmegaConf.to_container(config.rollout.sync_probe, resolve=True), SyncProbeConfig, "rollout.sync_probe")
     read_config_node(OmegaConf.to_container(config.trainer.sentinel, resolve=True), SentinelConfig, "trainer.sentinel")
     read_config_node(OmegaConf.to_container(config.trainer.profile, resolve=True), ProfileConfig, "trainer.profile")

@@ -22,6 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rlplat.config_node import ConfigError, did_you_mean, read_config_node, resolve_schema
+from rlplat.config.moe import moe_build_keys
 from rlplat.losses.config import LOSS_SET_KEYS
 
 __all__ = ["ENGINE_BUILD_SOURCES", "ROLLOUT_BUILD_SOURCES", "SAMPLING_SOURCES", "BUILTIN_LOSS_SCHEMAS", "PluginNode",
@@ -41,9 +42,10 @@ ENGINE_BUILD_SOURCES = {
     "ppo_epochs": "{role}.ppo_epochs", "micro_batch_size_per_gpu": "{role}.micro_batch_size_per_gpu",
     "use_dynamic_bsz": "{role}.use_dynamic_bsz", "max_token_len_per_gpu": "{role}.max_token_len_per_gpu",
     "value_model": "the role (true for the critic)", "reward_model": "the role (true for the reward model's engine)",
-    "lora": "actor.lora (when its rank is above 0)",
+    "lora": "actor.lora (when its rank is above 0)", "moe": "actor.moe (when a setting differs from its default)",
 }
-ROLLOUT_BUILD_SOURCES = {"model_path": "model.path", "load_weights": "the trainer (false: the engine syncs its weights in)"}
+ROLLOUT_BUILD_SOURCES = {"model_path": "model.path", "load_weights": "the trainer (false: the engine syncs its weights in)",
+                         "record_routes": "actor.moe.router_replay (true for r3)"}
 
 
 def optimizer_build(config: DictConfig, optim: DictConfig) -> dict[str, Any]:
@@ -70,13 +72,15 @@ def engine_node(config: DictConfig, role: str, total_steps: int) -> dict[str, An
     }
     if role == "actor" and OmegaConf.to_container(node.lora, resolve=True).get("rank"):
         build["lora"] = OmegaConf.to_container(node.lora, resolve=True)
+    if role == "actor":
+        build.update(moe_build_keys(config)[0])
     return {**build, **OmegaConf.to_container(node.engine_config, resolve=True)}
 
 
 def rollout_node(config: DictConfig) -> dict[str, Any]:
     """What the rollout factory receives: the :class:`~rlplat.contracts.rollout.RolloutBuildConfig` keys,
     then ``rollout.config``."""
-    return {"model_path": config.model.path, "load_weights": False,
+    return {"model_path": config.model.path, "load_weights": False, **moe_build_keys(config)[1],
             **OmegaConf.to_container(config.rollout.config, resolve=True)}
 
 

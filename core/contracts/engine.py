@@ -72,6 +72,11 @@ class EngineBuildConfig:
     lora: Optional[Dict[str, Any]] = None
     """``actor.lora`` when its rank is above 0 (:class:`rlplat.lora.LoraConfig`), else None: train
     adapters only; engines with ``supports_lora`` take it, the others are refused at load."""
+    moe: Optional[Dict[str, Any]] = None
+    """``actor.moe`` when a setting differs from its default (:class:`rlplat.config.moe.MoEConfig`: router
+    replay, router losses), else None; engines whose registry metadata has ``"moe": True`` take it, the
+    others are refused at load. Router replay reads the batch column ``routed_experts``
+    (:mod:`rlplat.kits.moe`)."""
 
 
 class DataParallelInfo(NamedTuple):

@@ -60,6 +60,10 @@ class RolloutBuildConfig:
     load_weights: bool = True
     """Load the weights in ``model_path``; the trainer passes False, since the training engine syncs its
     weights in before the first generation."""
+    record_routes: bool = False
+    """With a mixture-of-experts model, ``generate`` adds ``routed_experts`` (:mod:`rlplat.kits.moe`): the
+    experts each token was routed to. The trainer sets it for ``actor.moe.router_replay=r3``, only with a
+    rollout whose registry metadata has ``"records_routes": True``; others may ignore it."""
 
 
 @dataclasses.dataclass(frozen=True)

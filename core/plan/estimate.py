@@ -68,6 +68,11 @@ class ModelShape:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    moe_layers: int = 0
+    """Decoder layers with experts (Qwen-MoE's ``decoder_sparse_step`` and ``mlp_only_layers`` leave the
+    others dense, with ``intermediate_size``)."""
+    qk_norm: bool = False
+    """Qwen3's RMSNorm of each head's queries and keys (``2 x head_dim`` parameters a layer)."""
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], where: str = "config.json") -> "ModelShape":
@@ -79,11 +84,15 @@ class ModelShape:
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         experts = int(config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts") or 0)
         model_type = str(config.get("model_type", ""))
+        layers = int(config["num_hidden_layers"])
+        dense_only = set(config.get("mlp_only_layers") or ())
+        step = int(config.get("decoder_sparse_step") or 1)
+        moe_layers = sum(1 for index in range(layers) if index not in dense_only and (index + 1) % step == 0) if experts else 0
         return cls(
             model_type=model_type,
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden,
-            num_layers=int(config["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
             head_dim=int(config.get("head_dim") or hidden // heads),
@@ -94,6 +103,8 @@ class ModelShape:
             experts_per_token=int(config.get("num_experts_per_tok") or 0),
             expert_intermediate_size=int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 0) if experts else 0,
             shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
+            moe_layers=moe_layers,
+            qk_norm=model_type.startswith("qwen3"),
         )
 
     @property
@@ -104,18 +115,29 @@ class ModelShape:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def layer_parameters(self) -> int:
-        """Parameters of one decoder layer: attention, MLP (or experts and router), two norms."""
+    def layer_parameters(self, sparse: bool | None = None) -> int:
+        """Parameters of one decoder layer: attention, MLP (or experts, router and shared expert with its
+        gate), two norms. ``sparse``: a layer with experts or a dense one; None: the larger (a MoE model's
+        sparse layer)."""
         h = self.hidden_size
         attention = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
         if self.attention_bias:
             attention += self.q_size + 2 * self.kv_size
-        if self.num_experts:
+        if self.qk_norm:
+            attention += 2 * self.head_dim
+        if sparse is None:
+            sparse = self.moe_layers > 0
+        if sparse:
             mlp = self.num_experts * 3 * h * self.expert_intermediate_size + self.num_experts * h
-            mlp += 3 * h * self.shared_expert_intermediate_size
+            if self.shared_expert_intermediate_size:
+                mlp += 3 * h * self.shared_expert_intermediate_size + h  # and its sigmoid gate
         else:
             mlp = 3 * h * self.intermediate_size
         return attention + mlp + 2 * h
+
+    def expert_parameters(self) -> int:
+        """Parameters of the routed experts and their routers, over every layer."""
+        return self.moe_layers * self.num_experts * (3 * self.hidden_size * self.expert_intermediate_size + self.hidden_size)
 
     def embedding_parameters(self) -> int:
         return self.vocab_size * self.hidden_size
@@ -128,7 +150,8 @@ class ModelShape:
 
     def parameters(self, head: str = "lm") -> int:
         """All parameters: embeddings, layers, final norm and the head."""
-        return self.embedding_parameters() + self.num_layers * self.layer_parameters() + self.hidden_size + self.head_parameters(head)
+        layers = self.moe_layers * self.layer_parameters(True) + (self.num_layers - self.moe_layers) * self.layer_parameters(False)
+        return self.embedding_parameters() + layers + self.hidden_size + self.head_parameters(head)
 
     def kv_cache_bytes_per_token(self, element_bytes: int) -> int:
         """``2 x layers x KV heads x head dim x bytes``: one token's keys and values in every layer."""

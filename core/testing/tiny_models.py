@@ -2,7 +2,8 @@
 
 The tokenizer is the arithmetic one of the built-in demo: 16 ids (``[PAD] [BOS] [EOS] [UNK] 0-9 + =``),
 one token per character, BOS prepended, left padding. The model is a 2-layer Qwen2 of ~0.5M parameters
-with tied embeddings.
+with tied embeddings; :func:`tiny_moe_config` and :func:`save_tiny_moe_model` give mixture-of-experts ones
+(Qwen2-MoE, Qwen3-MoE, Mixtral).
 """
 
 from __future__ import annotations
@@ -55,6 +56,49 @@ def tiny_causal_lm(seed: int = 0, **overrides: Any):
 def save_tiny_model(directory, seed: int = 0) -> str:
     """Write a tiny model and the arithmetic tokenizer to ``directory`` (a local HF directory)."""
     model = tiny_causal_lm(seed)
+    model.save_pretrained(directory)
+    arithmetic_tokenizer().save_pretrained(directory)
+    return str(directory)
+
+
+#: Mixture-of-experts architectures :func:`tiny_moe_config` builds (Hugging Face ``model_type``).
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
+
+
+def tiny_moe_config(model_type: str = "qwen2_moe", **overrides: Any) -> dict[str, Any]:
+    """A tiny mixture-of-experts causal LM's config as a dict with ``model_type`` (an engine's or rollout's
+    ``model_config``): the arithmetic vocabulary, hidden 64, 2 layers, 8 experts with 2 per token, every
+    layer sparse (Qwen2-MoE with its shared expert)."""
+    if model_type not in MOE_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r}: one of {', '.join(MOE_MODEL_TYPES)}")
+    settings: dict[str, Any] = dict(
+        model_type=model_type, vocab_size=len(ARITHMETIC_VOCAB), hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=True,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, num_experts_per_tok=2,
+    )
+    if model_type == "mixtral":
+        settings.update(num_local_experts=8, intermediate_size=64)
+    else:
+        settings.update(num_experts=8, moe_intermediate_size=64, intermediate_size=128, norm_topk_prob=model_type == "qwen3_moe",
+                        decoder_sparse_step=1, mlp_only_layers=[])
+        if model_type == "qwen2_moe":
+            settings.update(shared_expert_intermediate_size=64)
+        else:
+            settings.update(head_dim=16)
+    settings.update(overrides)
+    return settings
+
+
+def save_tiny_moe_model(directory, model_type: str = "qwen2_moe", seed: int = 0, **overrides: Any) -> str:
+    """Write a tiny MoE model (:func:`tiny_moe_config`) and the arithmetic tokenizer to ``directory``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = tiny_moe_config(model_type, **overrides)
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(directory)
     arithmetic_tokenizer().save_pretrained(directory)
     return str(directory)

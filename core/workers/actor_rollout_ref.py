@@ -34,6 +34,7 @@ from rlplat.contracts.health import HEALTH_EVENTS, HealthEvent
 from rlplat.contracts.rollout import SamplingParams
 from rlplat.controller.decorator import Dispatch, register
 from rlplat.controller.worker import Worker, without_padding_weight
+from rlplat.kits.moe import ROUTES
 from rlplat.kits.rollout_batch import ABORTED_KEY, MIN_VERSION, generate_through_tokens, pad_and_eos_token_ids
 from rlplat.kits.weights import pack_bucket, unpack_bucket
 from rlplat.protocol import DataProto
@@ -341,7 +342,10 @@ class ActorRolloutRefWorker(Worker):
         temperature."""
         actor = self.require("actor", "compute_log_prob")
         outputs = actor.forward(batch, temperature=self.temperature(batch), calculate_entropy=True)
-        return DataProto.from_dict({"old_log_probs": outputs.batch["log_probs"], "entropys": outputs.batch["entropy"]})
+        columns = {"old_log_probs": outputs.batch["log_probs"], "entropys": outputs.batch["entropy"]}
+        if ROUTES in outputs.batch.keys():  # actor.moe.router_replay=r2: the routes the update replays
+            columns[ROUTES] = outputs.batch[ROUTES]
+        return DataProto.from_dict(columns)
 
     @register(Dispatch.DP_MESH)
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:

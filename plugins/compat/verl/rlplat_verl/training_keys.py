@@ -377,9 +377,31 @@ for _node in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
                                   "under engine_config (tensor_parallel_size, pipeline_parallel_size, ...: rlplat config "
                                   "explain actor.engine_config)")
 for _node in ("actor_rollout_ref.actor", "actor_rollout_ref.ref"):
-    gated(f"{_node}.router_replay", "mode", "rlplat has no MoE router replay", lambda value: value not in (None, "disabled"),
-          "other than disabled")
     gated(f"{_node}.qat", "enable", "rlplat has no quantization-aware training")
+
+ROUTER_REPLAY_MODES = {"disabled": "off", "R2": "r2", "R3": "r3"}
+
+
+@special("actor_rollout_ref.actor.router_replay.mode", ["actor.moe.router_replay"], "disabled -> off, R2 -> r2, R3 -> r3")
+def _router_replay(item: Item, context: Context) -> Outcome:
+    value = "disabled" if item.value is None else str(item.value)
+    if value not in ROUTER_REPLAY_MODES:
+        return refused(item, f"verl's modes are {', '.join(ROUTER_REPLAY_MODES)}")
+    return converted(item, "actor.moe.router_replay", ROUTER_REPLAY_MODES[value],
+                     "the same replay: R2 the old-log-prob forward's routes, R3 the rollout's")
+
+
+@special("actor_rollout_ref.ref.router_replay.mode", [], "accepted and ignored when disabled or the actor's mode; otherwise refused")
+def _ref_router_replay(item: Item, context: Context) -> Outcome:
+    actor = context.value("actor_rollout_ref.actor.router_replay.mode")
+    if item.value in (None, "disabled", actor):
+        return ignored(item, "rlplat's reference forward replays as the actor's engine does (actor.moe.router_replay)")
+    return refused(item, f"rlplat's reference replays as the actor does ({actor or 'disabled'})")
+
+
+for _node in ("actor_rollout_ref.actor", "actor_rollout_ref.ref"):
+    for _key in ("record_file", "replay_file"):
+        off_only(f"{_node}.router_replay.{_key}", "unset", "rlplat's routes travel in the batch, never through files")
 
 
 # -- critic ---------------------------------------------------------------------------------------------

@@ -210,6 +210,8 @@ def test_rlplat_keys_pass_unchanged_and_without_a_note():
     ("actor_rollout_ref.actor.strategy=fsdp", "actor.engine=fsdp2", "shards as verl's FSDP does"),
     ("actor_rollout_ref.actor.fsdp_config.dtype=bf16", "actor.engine_config.dtype=bfloat16", "spells the dtype out"),
     ("actor_rollout_ref.rollout.val_kwargs.do_sample=True", "rollout.val_greedy=false", "says greedy"),
+    ("actor_rollout_ref.actor.router_replay.mode=R3", "actor.moe.router_replay=r3", "R3 the rollout's"),
+    ("actor_rollout_ref.actor.router_replay.mode=R2", "actor.moe.router_replay=r2", "R2 the old-log-prob forward's"),
 ])
 def test_values_that_differ_in_convention_are_converted_and_the_note_says_why(verl, rlplat, why):
     translated, notes = translate_overrides([verl])

@@ -170,6 +170,13 @@ class FSDP2EngineConfig(EngineBuildConfig):
             problems.append(f"grad_clip must be positive or None, got {self.grad_clip}")
         if self.lora is not None:
             problems += lora_problems(self)
+        if self.moe is not None:
+            from rlplat.config.moe import read_moe
+
+            try:
+                read_moe(self.moe, "moe")
+            except (ValueError, TypeError) as error:
+                problems.append(str(error))
         if problems:
             raise ValueError("invalid fsdp2 engine config: " + "; ".join(problems))
 

@@ -49,7 +49,10 @@ from rlplat.contracts.engine import LossFunction, TrainingEngine
 from rlplat.kits.engine import WarmupSchedule, fixed_size_partition, token_budget_partition, tokenizer_folder, weight_buckets
 from rlplat.lora import LoraConfig, read_lora
 from rlplat.protocol import DataProto
+from rlplat.config.moe import MoEConfig, read_moe
+from rlplat.kits.moe import ROUTES
 from rlplat_engine_fsdp2 import checkpoint, lora, modeling
+from rlplat_engine_fsdp2.moe import EngineRouting
 from rlplat_engine_fsdp2.config import REDUCE_BUCKET_BYTES, FSDP2EngineConfig, read_engine_config
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "responses")
@@ -84,6 +87,7 @@ class FSDP2Engine(TrainingEngine):
         self.peft_model: Any = None
         self.adapter_off = False
         self.trainable_params = 0
+        self.routing: EngineRouting | None = None
 
     # -- building ----------------------------------------------------------------------------------
 
@@ -109,6 +113,7 @@ class FSDP2Engine(TrainingEngine):
         if self.lora is not None:
             # peft changes the Hugging Face module in place; the PeftModel around it is kept for its switches.
             self.peft_model = lora.attach_adapter(model, self.lora, config.seed, config.model_path)
+        self.routing = self.build_routing(model)
         reduce_dtype = modeling.TORCH_DTYPES[config.reduce_dtype]
         full_precision = (self.compute_dtype(), reduce_dtype) == (torch.float32, torch.float32)
         replicate = config.data_parallel == "replicate"
@@ -148,6 +153,18 @@ class FSDP2Engine(TrainingEngine):
         if config.param_offload:
             self.offload_parameters()
 
+    def build_routing(self, model: torch.nn.Module) -> EngineRouting | None:
+        """The MoE routing of ``model`` (None for a dense model; refused with ``moe`` set)."""
+        moe = read_moe(self.config.moe, "moe") if self.config.moe is not None else MoEConfig()
+        routing = EngineRouting(model, moe)
+        if routing.routers:
+            return routing
+        routing.hooks.remove()
+        if not moe.default:
+            raise ValueError(f"fsdp2 engine: actor.moe is set ({self.config.moe}), but {type(model).__name__} has no "
+                             "mixture-of-experts routers (router replay and router losses are for MoE models)")
+        return None
+
     def require_lora(self, method: str) -> Any:
         self.require_model(method)
         if self.peft_model is None:
@@ -179,16 +196,23 @@ class FSDP2Engine(TrainingEngine):
         pieces: list[dict[str, torch.Tensor]] = []
         with torch.no_grad():
             for rows in groups:
-                outputs = self.run(self.micro_batch(batch, rows), temperature, calculate_entropy)
+                micro_batch = self.micro_batch(batch, rows)
+                call = None if self.routing is None else self.routing.begin(micro_batch.batch, self.remove_padding, update=False)
+                outputs = self.run(micro_batch, temperature, calculate_entropy)
                 if rows:
                     pieces.append({key: outputs[key].detach() for key in self.output_keys(calculate_entropy)})
                     if top_k:
                         pieces[-1]["top_k_log_probs"], pieces[-1]["top_k_ids"] = outputs.top_k(top_k)
+                    if call is not None and call.record:  # router_replay r2: the routes the update replays
+                        pieces[-1][ROUTES] = self.routing.recorded(call, micro_batch.batch, self.remove_padding)
+        if self.routing is not None:
+            self.routing.end()
         self.offload_parameters_if_configured()
         order = [row for rows in groups for row in rows]
         restore = torch.empty(len(order), dtype=torch.long)
         restore[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
         keys = self.output_keys(calculate_entropy) + (["top_k_log_probs", "top_k_ids"] if top_k else [])
+        keys += [ROUTES] if pieces and ROUTES in pieces[0] else []
         columns = {key: torch.cat([piece[key] for piece in pieces])[restore].cpu() for key in keys}
         return DataProto.from_dict(columns)
 
@@ -348,8 +372,9 @@ class FSDP2Engine(TrainingEngine):
         rows_with_tokens = float((response_mask.sum(-1) > 0).sum())
         masks = loss_masks(mini_batch, response_mask, loss_fn)
         counts = self.all_reduce_sum([float(response_mask.sum()), rows_with_tokens,
-                                      *(value for mask in masks.values() for value in mask_counts(mask))])
-        global_tokens, global_rows = counts[:2]
+                                      *(value for mask in masks.values() for value in mask_counts(mask)),
+                                      float(mini_batch.batch["attention_mask"].sum())])
+        global_tokens, global_rows, global_input_tokens = counts[0], counts[1], counts[-1]
         meta_info = {**mini_batch.meta_info, "global_token_count": global_tokens, "global_sequence_count": int(global_rows)}
         if masks:
             meta_info["global_counts"] = {name: {"tokens": counts[2 + 2 * index], "sequences": int(counts[3 + 2 * index])}
@@ -360,6 +385,8 @@ class FSDP2Engine(TrainingEngine):
             if self.sharded and not self.config.gradient_sync_every_micro_batch:
                 self.module.set_requires_gradient_sync(index == len(groups) - 1)
             micro_batch = self.micro_batch(mini_batch, rows).with_meta_info(meta_info).to(self.device)
+            call = None if self.routing is None else self.routing.begin(micro_batch.batch, self.remove_padding, update=True,
+                                                                          counted=bool(rows))
             outputs = self.run(micro_batch, temperature, calculate_entropy, getattr(loss_fn, "gather_ids", None))
             if rows:
                 loss, metrics = loss_fn(outputs, micro_batch)
@@ -367,6 +394,12 @@ class FSDP2Engine(TrainingEngine):
                 loss_metrics.append(metrics)
             else:
                 loss = sum(outputs[key].sum() for key in self.output_keys(False)) * 0.0
+            if call is not None:  # the router losses, weighted by this call's share of the mini-batch's tokens
+                share = float(micro_batch.batch["attention_mask"].sum()) / max(global_input_tokens, 1.0) if rows else 0.0
+                term, moe_metrics = self.routing.loss_term(call, share)
+                loss = loss + term
+                loss_metrics.append(moe_metrics)
+                self.routing.count_replay(call)
             (loss * self.world_size).backward()
         if self.replicated:
             self.all_reduce_gradients()
@@ -381,6 +414,9 @@ class FSDP2Engine(TrainingEngine):
         else:
             self.optimizer.zero_grad(set_to_none=True)
         summed = self.gather_metrics(loss_metrics)
+        if self.routing is not None:
+            self.routing.end()
+            summed.update(self.routing.step_metrics(self.all_reduce_sum))
         (loss_total,) = self.all_reduce_sum([loss_total])
         return {**summed, "loss": loss_total, "grad_norm": grad_norm, "lr": float(lr), "skipped_step": float(not math.isfinite(grad_norm))}
 

@@ -61,11 +61,19 @@ def lora_parameters(shape: ModelShape, rank: int, targets: Any) -> int:
     return shape.num_layers * sum(rank * sum(sizes[name]) for name in chosen)
 
 
-def layer_activation_bytes(shape: ModelShape, compute_bytes: int) -> int:
-    """Bytes autograd keeps per token for one decoder layer (see the module docstring)."""
+def layer_activation_bytes(shape: ModelShape, compute_bytes: int, sparse: bool = False) -> int:
+    """Bytes autograd keeps per token for one decoder layer (see the module docstring); a ``sparse`` (MoE)
+    layer's MLP is its k experts' and the shared expert's, plus what dispatching keeps: each of the token's k
+    copies gathered in expert order and each expert's output before its routing weight (``2 k h``), and the
+    router's logits and float32 softmax (``E x (b + 4)``)."""
     b, h = compute_bytes, shape.hidden_size
     norm = 2 * b * h + (4 * h if b != 4 else 0)
-    return b * (2 * h + 3 * shape.q_size + 2 * shape.kv_size + 4 * shape.active_intermediate()) + 2 * norm
+    if sparse:
+        k = max(shape.experts_per_token, 1)
+        mlp = b * (4 * shape.active_intermediate() + 2 * k * h) + shape.num_experts * (b + 4)
+    else:
+        mlp = b * 4 * shape.intermediate_size
+    return b * (2 * h + 3 * shape.q_size + 2 * shape.kv_size) + mlp + 2 * norm
 
 
 def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContext) -> MemoryEstimate:
@@ -92,7 +100,10 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
     on_device = calls if offloads_parameters else ("resident",)
     items = [MemoryItem("parameters", math.ceil((parameters + adapter) * 4 / shards), on_device,
                         f"{parameters + adapter:,} x 4 B (float32 master weights){split}"
-                        + (", offloaded between calls" if offloads_parameters else ""))]
+                        + (", offloaded between calls" if offloads_parameters else "")
+                        + (f"; {shape.expert_parameters():,} of them the experts and routers of {shape.moe_layers} MoE "
+                           f"layers ({shape.num_experts} experts, {shape.experts_per_token} per token), sharded with the "
+                           "rest (no expert parallelism)" if shape.moe_layers else ""))]
     notes = []
     if not gpu and (engine.param_offload or engine.optimizer_offload):
         notes.append("param_offload and optimizer_offload move nothing on CPU")
@@ -167,16 +178,23 @@ def activation_item(shape: ModelShape, engine: Any, call: str, b: int, tokens: i
     else:
         logits = tokens * 4
     if call == "forward":
-        layer = tokens * b * (2 * h + 3 * shape.active_intermediate())
+        mlp = 3 * shape.intermediate_size
+        if shape.moe_layers:  # the experts' transients and the k dispatched copies; a dense layer's where wider
+            sparse_mlp = 3 * shape.active_intermediate() + 2 * max(shape.experts_per_token, 1) * h
+            mlp = sparse_mlp if shape.moe_layers == layers else max(sparse_mlp, mlp)
+        layer = tokens * b * (2 * h + mlp)
         return MemoryItem("forward activations", layer + logits, ("forward",),
                           f"{tokens:,} tokens per micro-batch, largest layer transient + logits of {response_tokens:,} response tokens, no gradients")
-    per_layer = layer_activation_bytes(shape, b)
+    sparse, dense = shape.moe_layers, layers - shape.moe_layers
+    per_layer = layer_activation_bytes(shape, b, sparse=sparse > 0)  # the largest layer (recomputation holds one)
+    all_layers = sparse * per_layer + dense * layer_activation_bytes(shape, b) if sparse else layers * per_layer
     final_norm = b * h + 2 * b * h + (4 * h if b != 4 else 0)
     if engine.enable_gradient_checkpointing:
         kept = tokens * (layers * b * h + per_layer)
         how = f"recomputation on: {layers} layer inputs ({b * h} B/token) + 1 layer recomputed ({per_layer:,} B/token)"
     else:
-        kept = tokens * layers * per_layer
-        how = f"{layers} layers x {per_layer:,} B/token"
+        kept = tokens * all_layers
+        how = (f"{sparse} MoE layers x {per_layer:,} B/token + {dense} dense x {layer_activation_bytes(shape, b):,}" if sparse
+               else f"{layers} layers x {per_layer:,} B/token")
     return MemoryItem("activations", kept + tokens * final_norm + logits, ("update",),
                       f"{tokens:,} tokens per micro-batch in {compute}, {how}; logits of {response_tokens:,} response tokens")

@@ -13,5 +13,6 @@ def register_engines(register):
         "rlplat_engine_fsdp2.engine:FSDP2Engine",
         description="PyTorch FSDP2 (fully_shard per decoder layer): policy or value model, gloo on CPU, NCCL on GPU.",
         config_schema="rlplat_engine_fsdp2.config:FSDP2EngineConfig",
-        metadata={"estimate_memory": "rlplat_engine_fsdp2.memory:estimate"},  # the plan's estimate without importing the engine (torch)
+        # the plan's estimate without importing the engine (torch); moe: it takes actor.moe (router replay, router losses)
+        metadata={"estimate_memory": "rlplat_engine_fsdp2.memory:estimate", "moe": True},
     )

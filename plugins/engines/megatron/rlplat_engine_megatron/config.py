@@ -76,6 +76,9 @@ class MegatronEngineConfig(EngineBuildConfig):
             problems.append("reward_model is not supported by the megatron engine (use the fsdp2 engine for a reward model)")
         if self.lora is not None:
             problems.append("lora is not supported by the megatron engine (use the fsdp2 engine for LoRA)")
+        if self.moe is not None:
+            problems.append("moe (router replay, router losses) is not supported by the megatron engine yet "
+                            "(use the fsdp2 engine for mixture-of-experts policies)")
         if self.dtype not in DTYPES:
             problems.append(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
         if self.recompute_granularity not in RECOMPUTE:

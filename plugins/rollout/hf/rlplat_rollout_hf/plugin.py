@@ -13,5 +13,6 @@ def register_rollouts(register):
         "rlplat_rollout_hf.rollout:HFRollout",
         description="transformers generation with a KV cache (CPU or one GPU per worker)",
         config_schema="rlplat_rollout_hf.config:HFRolloutConfig",
-        metadata={"estimate_memory": "rlplat_rollout_hf.memory:estimate"},  # the plan's estimate without importing the rollout (torch)
+        # the plan's estimate without importing the rollout (torch); records_routes: MoE routes for router replay r3
+        metadata={"estimate_memory": "rlplat_rollout_hf.memory:estimate", "records_routes": True},
     )

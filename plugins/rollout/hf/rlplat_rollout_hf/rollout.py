@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from rlplat.contracts.rollout import RolloutEngine, SamplingParams, TokenOutput
 from rlplat.protocol import DataProto
+from rlplat.kits.moe import ROUTES, RouteHooks, RoutingCall
 from rlplat.kits.rollout_batch import check_single_request
 from rlplat.config_node import read_config_node
 from rlplat_rollout_hf.adapters import AdapterError, read_adapter
@@ -140,6 +141,7 @@ class HFRollout(RolloutEngine):
         responses = torch.cat([p[0] for p in parts]) if parts else torch.zeros(0, sampling.max_new_tokens, dtype=torch.long)
         log_probs = torch.cat([p[1] for p in parts]) if parts else torch.zeros(0, sampling.max_new_tokens)
         response_mask = torch.cat([p[2] for p in parts]) if parts else torch.zeros(0, sampling.max_new_tokens, dtype=torch.long)
+        routes = torch.cat([p[3] for p in parts]) if parts and self.config.record_routes else None
         prompt_ids, prompt_mask, prompt_positions = (inputs[key].cpu() for key in PROMPT_KEYS)
         steps = torch.arange(1, responses.shape[1] + 1)
         response_positions = prompt_positions[:, -1:] + steps
@@ -152,6 +154,7 @@ class HFRollout(RolloutEngine):
                 "input_ids": torch.cat([prompt_ids, responses.cpu()], dim=1),
                 "attention_mask": torch.cat([prompt_mask, response_mask.cpu()], dim=1),
                 "position_ids": torch.cat([prompt_positions, response_positions], dim=1),
+                **({} if routes is None else {ROUTES: routes}),
             },
             non_tensors=repeated.non_tensor_batch,
             meta_info=prompts.meta_info,
@@ -162,7 +165,34 @@ class HFRollout(RolloutEngine):
     def sample(self, input_ids, attention_mask, position_ids, sampling: SamplingParams, keys):
         """Token-by-token sampling with the KV cache, row ``i`` from the stream ``keys[i]``, or every row
         from the engine's generator when ``keys`` is None; returns responses, log-probs and the response
-        mask ([B, max_new_tokens] each), the mask 1 up to and including the first stop token."""
+        mask ([B, max_new_tokens] each), the mask 1 up to and including the first stop token; with
+        ``record_routes``, the routes too ([B, P + max_new_tokens, moe_layers, top_k], see the config)."""
+        if not self.config.record_routes:
+            return self.sample_tokens(input_ids, attention_mask, position_ids, sampling, keys, None)
+        hooks = RouteHooks(self.model)
+        if not hooks.routers:
+            hooks.remove()
+            raise ValueError(f"hf rollout: record_routes is set, but {type(self.model).__name__} has no MoE routers "
+                             "(router replay is for mixture-of-experts models)")
+        calls: list[RoutingCall] = []
+        try:
+            responses, log_probs, response_mask = self.sample_tokens(
+                input_ids, attention_mask, position_ids, sampling, keys,
+                lambda tokens: calls.append(hooks.begin(RoutingCall(tokens, record=True))))
+        finally:
+            hooks.remove()
+        rows, prompt_length = input_ids.shape
+        seen = torch.cat([hooks.stacked(call).view(rows, -1, len(hooks.routers), hooks.top_k) for call in calls], dim=1)
+        routes = torch.full((rows, prompt_length + sampling.max_new_tokens, len(hooks.routers), hooks.top_k), -1, dtype=torch.int16)
+        routes[:, : seen.shape[1]] = seen
+        valid = torch.cat([attention_mask.cpu().bool(), response_mask.cpu().bool()], dim=1)
+        routes[~valid] = -1  # padding, and what was fed after a row finished
+        return responses, log_probs, response_mask, routes
+
+    @torch.no_grad()
+    def sample_tokens(self, input_ids, attention_mask, position_ids, sampling: SamplingParams, keys,
+                      before_call: Callable[[int], None] | None):
+        """:meth:`sample` without routes; ``before_call(tokens)`` runs before each model call."""
         from transformers import DynamicCache
 
         rows, length = input_ids.shape[0], sampling.max_new_tokens
@@ -173,6 +203,8 @@ class HFRollout(RolloutEngine):
         finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
         cache = DynamicCache()
         mask = attention_mask
+        if before_call is not None:
+            before_call(input_ids.numel())
         output = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True)
         positions = position_ids[:, -1:]
         for step in range(length):
@@ -189,6 +221,8 @@ class HFRollout(RolloutEngine):
                 break
             mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype, device=self.device)], dim=1)
             positions = positions + 1
+            if before_call is not None:
+                before_call(rows)
             output = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
         return responses, log_probs, response_mask
 
