@@ -113,20 +113,26 @@ class CpuRNGStatesTracker:
         self.add(random.get_expert_parallel_rng_tracker_name(), seed + EXPERT_PARALLEL_OFFSET + 100 * ep_rank + etp_rank)
 
 
+MISSING = object()
+
+
 class Patches:
-    """Attribute replacements undone in reverse order."""
+    """Attribute replacements (or additions) undone in reverse order."""
 
     def __init__(self) -> None:
         self.saved: list[tuple[Any, str, Any]] = []
 
     def set(self, owner: Any, name: str, value: Any) -> None:
-        self.saved.append((owner, name, getattr(owner, name)))
+        self.saved.append((owner, name, getattr(owner, name, MISSING)))
         setattr(owner, name, value)
 
     def undo(self) -> None:
         while self.saved:
             owner, name, value = self.saved.pop()
-            setattr(owner, name, value)
+            if value is MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
 
 
 def no_op(*args: Any, **kwargs: Any) -> None:
@@ -148,6 +154,12 @@ def cpu_substitutes(tracker: CpuRNGStatesTracker) -> Iterator[None]:
     patches.set(random, "_set_cuda_rng_state", lambda state, *args, **kwargs: torch.set_rng_state(state))
     patches.set(random, "_CUDA_RNG_STATE_TRACKER", tracker)
     patches.set(random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        # megatron-core 0.16.1 binds it only when Transformer Engine imports, and the router's gating GEMM reads
+        # it unguarded (moe_utils.py:1192): a MoE layer without TE raises NameError; None takes its torch path
+        patches.set(moe_utils, "te_general_gemm", None)
     try:
         with CudaDevicesToCpu():
             yield
