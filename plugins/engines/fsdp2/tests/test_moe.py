@@ -16,6 +16,8 @@ from rlplat.testing.tiny_models import tiny_causal_lm, tiny_moe_config
 from rlplat_engine_fsdp2.engine import FSDP2Engine
 from rlplat_rollout_hf.rollout import HFRollout
 
+pytestmark = pytest.mark.slow  # engines and rollouts of three architectures: left out of `make test-fast`
+
 
 def engine_for(config: dict, **node) -> FSDP2Engine:
     engine = FSDP2Engine({"model_config": config, "seed": 3, "micro_batch_size_per_gpu": 4, "lr": 1e-3, **node})
