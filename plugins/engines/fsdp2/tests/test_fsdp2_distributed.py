@@ -347,3 +347,30 @@ def test_replicate_refuses_mixed_precision():
         read_engine_config({**BASE, **REPLICATE, "dtype": "bfloat16"})
     with pytest.raises(ValueError, match="data_parallel must be one of"):
         read_engine_config({**BASE, "data_parallel": "ddp"})
+
+
+def test_a_moe_model_steps_on_two_sharded_ranks_as_on_one_with_replayed_routes_and_router_losses(two_ranks, one_rank, batch_of):
+    """FSDP2 shards the experts with their layers; the update replays the old forward's routes (r2) on each
+    rank's rows, adds the router losses weighted by each rank's share of the tokens, and reports the load
+    over both ranks' tokens: one step equals the one-rank step."""
+    from rlplat.kits.moe import ROUTES
+    from rlplat.testing.tiny_models import tiny_moe_config
+
+    overrides = {"model_config": tiny_moe_config("qwen3_moe"), "moe": {"router_replay": "r2", "aux_loss_coef": 0.1, "z_loss_coef": 0.01}}
+    batch = one_step_batch(batch_of)
+    for group in (two_ranks, one_rank):
+        group.build("moe", overrides)
+    found = one_rank.forward("moe", batch)
+    routes = (found[0] if isinstance(found, list) else found).batch[ROUTES]
+    batch = batch.union(DataProto.from_dict({ROUTES: routes}))
+    two_metrics, one_metrics = two_ranks.train("moe", batch)[0], one_rank.train("moe", batch)[0]
+    # the gradients (AdamW's first step turns a rounding difference in a near-zero element into up to lr)
+    two_gradients, one_gradients = two_ranks.gradients("moe")[0], one_rank.gradients("moe")[0]
+    difference = max_difference(two_gradients, one_gradients)
+    print(f"MoE, 2 sharded ranks vs 1: max |gradient difference| {difference:.3g}, "
+          f"largest gradient {max(float(g.abs().max()) for g in one_gradients.values()):.3g}")
+    assert difference <= 1e-6
+    for key in ("loss", "grad_norm", "actor/moe/aux_loss", "actor/moe/z_loss", "actor/moe/load_imbalance",
+                "actor/moe/load_imbalance/layer_1", "actor/moe/replayed_fraction", "actor/moe/replay_agreement"):
+        assert two_metrics[key] == pytest.approx(one_metrics[key], rel=1e-5, abs=1e-7), key
+    assert one_metrics["actor/moe/replayed_fraction"] == 1.0 and one_metrics["actor/moe/replay_agreement"] == 1.0
