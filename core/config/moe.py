@@ -4,7 +4,8 @@ Core reads and checks the node and hands it to the actor's engine as its build k
 setting differs from the default, so an engine that knows nothing of MoE never sees it) and, for
 ``router_replay=r3``, asks the rollout to record routes (its build key ``record_routes``). An engine takes
 the node when its registry entry's metadata says ``"moe": True``; a rollout records routes when its
-entry's metadata says ``"records_routes": True``. This module imports no torch.
+entry's metadata says ``"records_routes": True`` (``"records_routes_reason"``: why one does not, for the
+refusal). This module imports no torch.
 """
 
 from __future__ import annotations
@@ -64,10 +65,12 @@ def check_moe(config: Any) -> None:
     if moe.router_replay != "r3":
         return
     rollout = config.rollout.name
-    if not registry.entry("rollout", rollout).metadata.get("records_routes"):
+    metadata = registry.entry("rollout", rollout).metadata
+    if not metadata.get("records_routes"):
+        why = metadata.get("records_routes_reason") or "its registry metadata has no 'records_routes'"
         raise ConfigError(f"actor.moe.router_replay=r3 replays the routes the rollout sampled with, and rollout {rollout!r} "
-                          "does not record them (its registry metadata has no 'records_routes'); use the hf rollout, or "
-                          "router_replay=r2 (the engine's own old-log-prob routes).")
+                          f"does not record them ({why}); use the hf rollout, or router_replay=r2 (the engine's own "
+                          "old-log-prob routes).")
     from rlplat.config import rollout_driver
     from rlplat.trainer.pipeline import partial_mode
 
