@@ -215,14 +215,20 @@ def measure_two_workers(size: str, rows: int, response_length: int, args) -> dic
     return found
 
 
+def random_model(config: dict) -> torch.nn.Module:
+    """The Hugging Face model of ``config`` drawn under ``SEED``: the engine draws its weights under its seed the
+    same way, so every contender starts from equal models."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = dict(config)
+    torch.manual_seed(SEED)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(settings.pop("model_type"), **settings),
+                                            dtype=torch.float32, attn_implementation="sdpa")
+
+
 class PlainStep:
     def __init__(self, config: dict, batch):
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        settings = dict(config)
-        torch.manual_seed(SEED)  # the engine draws its weights under its seed the same way: equal models
-        self.model = AutoModelForCausalLM.from_config(AutoConfig.for_model(settings.pop("model_type"), **settings),
-                                                      dtype=torch.float32, attn_implementation="sdpa")
+        self.model = random_model(config)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
         self.batch = batch
@@ -240,14 +246,11 @@ class TRLStep:
     def __init__(self, config: dict, batch, output_dir: str):
         import datasets
         import trl
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         import rlplat_demo
 
-        settings = dict(config)
-        torch.manual_seed(SEED)  # the same weights as the other contenders
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(settings.pop("model_type"), **settings),
-                                                 dtype=torch.float32, attn_implementation="sdpa")
+        model = random_model(config)
         ids, mask, responses, response_mask, advantages = batch
         arguments = trl.GRPOConfig(
             output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, seed=SEED,

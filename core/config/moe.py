@@ -48,14 +48,19 @@ def read_moe(node: Any, where: str = "actor.moe") -> MoEConfig:
     return read_config_node(node, MoEConfig, where)
 
 
-def check_moe(config: Any) -> None:
-    """Load-time checks of ``actor.moe`` against the engine and the rollout (their registry metadata)."""
+def run_moe(config: Any) -> MoEConfig:
+    """The run config's ``actor.moe``, read and checked (defaults where it has none)."""
     from omegaconf import OmegaConf
 
+    node = OmegaConf.select(config, "actor.moe")
+    return read_moe(OmegaConf.to_container(node, resolve=True) if node is not None else None)
+
+
+def check_moe(config: Any) -> None:
+    """Load-time checks of ``actor.moe`` against the engine and the rollout (their registry metadata)."""
     from rlplat import registry
 
-    node = OmegaConf.select(config, "actor.moe")
-    moe = read_moe(OmegaConf.to_container(node, resolve=True) if node is not None else None)
+    moe = run_moe(config)
     if moe.default:
         return
     engine = config.actor.engine
@@ -83,10 +88,7 @@ def check_moe(config: Any) -> None:
 
 def moe_build_keys(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the actor engine's extra build keys, the rollout's): ``moe`` and ``record_routes``, only where set."""
-    from omegaconf import OmegaConf
-
-    node = OmegaConf.select(config, "actor.moe")
-    moe = read_moe(OmegaConf.to_container(node, resolve=True) if node is not None else None)
+    moe = run_moe(config)
     if moe.default:
         return {}, {}
     return {"moe": dataclasses.asdict(moe)}, ({"record_routes": True} if moe.router_replay == "r3" else {})

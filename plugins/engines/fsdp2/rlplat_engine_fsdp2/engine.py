@@ -50,7 +50,7 @@ from rlplat.kits.engine import WarmupSchedule, fixed_size_partition, token_budge
 from rlplat.lora import LoraConfig, read_lora
 from rlplat.protocol import DataProto
 from rlplat.config.moe import MoEConfig, read_moe
-from rlplat.kits.moe import ROUTES
+from rlplat.kits.moe import ROUTES, find_routers
 from rlplat_engine_fsdp2 import checkpoint, lora, modeling
 from rlplat_engine_fsdp2.moe import EngineRouting
 from rlplat_engine_fsdp2.config import REDUCE_BUCKET_BYTES, FSDP2EngineConfig, read_engine_config
@@ -156,10 +156,8 @@ class FSDP2Engine(TrainingEngine):
     def build_routing(self, model: torch.nn.Module) -> EngineRouting | None:
         """The MoE routing of ``model`` (None for a dense model; refused with ``moe`` set)."""
         moe = read_moe(self.config.moe, "moe") if self.config.moe is not None else MoEConfig()
-        routing = EngineRouting(model, moe)
-        if routing.routers:
-            return routing
-        routing.hooks.remove()
+        if find_routers(model):
+            return EngineRouting(model, moe)
         if not moe.default:
             raise ValueError(f"fsdp2 engine: actor.moe is set ({self.config.moe}), but {type(model).__name__} has no "
                              "mixture-of-experts routers (router replay and router losses are for MoE models)")
