@@ -88,7 +88,9 @@ class EngineRouting:
             if logits.shape[0] == 0:
                 return
             counts = torch.bincount(indices.flatten().long(), minlength=router.num_experts).to(logits.dtype)
-            self.counts[router.layer, : router.num_experts] += counts.detach().double().cpu()
+            if self.counts.device != counts.device:  # kept where the model runs: no copy to the host per layer
+                self.counts = self.counts.to(counts.device)
+            self.counts[router.layer, : router.num_experts] += counts.detach().double()
             with torch.set_grad_enabled(torch.is_grad_enabled() and self.moe.aux_loss_coef > 0):
                 probabilities = torch.softmax(logits.float(), dim=-1)
                 balance = router.num_experts * (counts.float() / logits.shape[0] * probabilities.mean(0)).sum()
@@ -141,7 +143,7 @@ class EngineRouting:
     def step_metrics(self, all_reduce_sum: Callable[[list[float]], list[float]]) -> dict[str, float]:
         """The step's load metrics over every rank's tokens (one all-reduce), then ready for the next step."""
         summed = all_reduce_sum([*self.counts.flatten().tolist(), float(self.replayed), float(self.agreeing), float(self.needed)])
-        counts = torch.tensor(summed[:-3], dtype=torch.float64).view_as(self.counts)
+        counts = torch.tensor(summed[:-3], dtype=torch.float64).view(self.counts.shape)
         replayed, agreeing, needed = summed[-3:]
         self.start_step()
         metrics: dict[str, float] = {}
