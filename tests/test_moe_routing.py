@@ -137,7 +137,6 @@ def test_actor_moe_reaches_the_engine_and_r3_asks_the_rollout_for_routes(tmp_pat
 @pytest.mark.parametrize("extra, match", [
     (["actor.moe.router_replay=r4"], "router_replay must be one of off, r2, r3"),
     (["actor.moe.aux_loss_coef=-1"], "aux_loss_coef must be >= 0"),
-    (["actor.moe.router_replay=r2", "actor.engine=megatron"], "engine 'megatron' does not train mixture-of-experts"),
     (["actor.moe.router_replay=r3", "trainer.mode=separate_async", "trainer.partial_rollout=keep", "cluster.backend=ray"],
      "trainer.partial_rollout=keep generates through generate_tokens"),
     (["actor.moe.router_replay=r3", "rollout.driver=agent_loops"], "rollout driver 'agent_loops' generates through generate_tokens"),
@@ -163,12 +162,28 @@ def test_r3_with_a_rollout_that_records_no_routes_is_refused_at_load(tmp_path, m
     demo_config(tmp_path, moe_model, "actor.moe.router_replay=r2", "rollout.name=routeless")  # r2 needs nothing of it
 
 
-def test_engines_without_moe_refuse_it_when_given_directly():
+def test_an_engine_without_moe_in_its_metadata_is_refused_at_load(tmp_path, moe_model, register_temporary_plugin):
+    from rlplat.hookspecs import hookimpl
+    from rlplat_engine_fsdp2.config import FSDP2EngineConfig
+    from rlplat_engine_fsdp2.engine import FSDP2Engine
+
+    class Plugin:
+        @hookimpl
+        def register_engines(self, register):  # the fsdp2 engine's class, without "moe" in its metadata
+            register("plain", FSDP2Engine, config_schema=FSDP2EngineConfig)
+
+    register_temporary_plugin(Plugin(), name="plain-engine")
+    with pytest.raises(ConfigError, match="engine 'plain' does not train mixture-of-experts routing"):
+        demo_config(tmp_path, moe_model, "actor.moe.router_replay=r2", "actor.engine=plain")
+
+
+def test_the_megatron_engine_checks_its_moe_node():
     pytest.importorskip("rlplat_engine_megatron")
     from rlplat_engine_megatron.config import read_engine_config
 
-    with pytest.raises((ValueError, ConfigError), match="moe .* is not supported by the megatron engine"):
-        read_engine_config({"model_config": tiny_moe_config("qwen2_moe"), "moe": {"router_replay": "r2"}})
+    read_engine_config({"model_config": tiny_moe_config("qwen2_moe"), "moe": {"router_replay": "r2"}})
+    with pytest.raises((ValueError, ConfigError), match="router_replay must be one of"):
+        read_engine_config({"model_config": tiny_moe_config("qwen2_moe"), "moe": {"router_replay": "r5"}})
 
 
 def test_the_fsdp2_engine_checks_its_moe_node():

@@ -66,7 +66,7 @@ def check_moe(config: Any) -> None:
     engine = config.actor.engine
     if not registry.entry("engine", engine).metadata.get("moe"):
         raise ConfigError(f"actor.moe: engine {engine!r} does not train mixture-of-experts routing (router replay, "
-                          "router losses; its registry metadata has no 'moe'); use the fsdp2 engine or leave actor.moe unset.")
+                          "router losses; its registry metadata has no 'moe'); use the fsdp2 or megatron engine or leave actor.moe unset.")
     if moe.router_replay != "r3":
         return
     rollout = config.rollout.name

@@ -11,7 +11,10 @@ and merging over tensor-parallel ranks). Adapted here (MEGATRON_NOTES.md):
   ``post_attention_layernorm``;
 * mbridge's Qwen2 bridge rewrites its *class* mapping for tied embeddings; each bridge here gets its own
   copy, right for its checkpoint;
-* transformers 5 keeps ``rope_theta`` in ``rope_parameters``; it is copied to where mbridge reads it;
+* transformers 5 keeps ``rope_theta`` in ``rope_parameters``; it is copied to where mbridge reads it (and
+  Mixtral's ``head_dim=None`` is made the number it stands for);
+* a mixture-of-experts model's experts are megatron's ``SequentialMLP`` (one local MLP per expert, no grouped
+  GEMM), whose names :func:`expert_name` maps to mbridge's grouped ones with the expert made global;
 * the config is made CPU-safe (CPU initialisation, fusions off, no sequence parallel, variable sequence
   lengths for pipeline p2p) and per-token loss accounting is switched on (the engine sums).
 
@@ -63,13 +66,15 @@ def hf_config_of(config: Any) -> Any:
             f"the megatron engine converts {sorted(SUPPORTED)} checkpoints; {config.model_path or 'model_config'} "
             f"is a {hf_config.model_type!r} model"
         )
+    if getattr(hf_config, "head_dim", None) is None:  # Mixtral's config holds head_dim=None; mbridge reads it as a number
+        hf_config.head_dim = hf_config.hidden_size // hf_config.num_attention_heads
     if getattr(hf_config, "rope_theta", None) is None:
         parameters = getattr(hf_config, "rope_parameters", None) or {}
         hf_config.rope_theta = float(parameters.get("rope_theta", 10000.0))
     return hf_config
 
 
-SUPPORTED = ("qwen2", "llama")
+SUPPORTED = ("qwen2", "llama", "qwen2_moe", "qwen3_moe", "mixtral")
 
 
 def materialise_model_config(config: Any, hf_config: Any, directory: str) -> str:
@@ -107,13 +112,38 @@ def make_bridge(hf_config: Any, dtype: torch.dtype, overrides: dict[str, Any]) -
 
 
 def layer_spec(config: Any, use_te: bool) -> Any:
+    """The decoder layer's spec; a MoE model's experts are megatron's ``SequentialMLP`` of local MLPs (one
+    module per expert, named ``mlp.experts.local_experts.<i>``) in both specs, as the engine sets
+    ``moe_grouped_gemm`` off (:func:`expert_name` maps their names to mbridge's grouped ones)."""
+    experts = config.num_moe_experts
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    return get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+
+
+LOCAL_EXPERTS = ".mlp.experts.local_experts."
+
+
+def expert_name(name: str, ep_rank: int, local_experts: int) -> str:
+    """A parameter name with its expert made global and in mbridge's grouped naming:
+    ``...mlp.experts.local_experts.<i>.linear_fc1.weight`` of expert-parallel rank ``ep_rank`` (holding
+    ``local_experts`` experts) -> ``...mlp.experts.linear_fc1.weight<ep_rank * local_experts + i>``; other
+    names unchanged."""
+    if LOCAL_EXPERTS not in name:
+        return name
+    prefix, rest = name.split(LOCAL_EXPERTS, 1)
+    index, tail = rest.split(".", 1)
+    module, kind = tail.rsplit(".", 1)
+    return f"{prefix}.mlp.experts.{module}.{kind}{ep_rank * local_experts + int(index)}"
+
+
+def is_expert(name: str) -> bool:
+    """Whether ``name`` (local or mbridge's) is a routed expert's parameter (split over expert-parallel ranks)."""
+    return LOCAL_EXPERTS in name or ".mlp.experts.linear_fc" in name
 
 
 def build_chunks(bridge: Any, hf_config: Any, *, value_model: bool, use_te: bool, vpp: int) -> list[torch.nn.Module]:
@@ -146,38 +176,50 @@ def build_chunks(bridge: Any, hf_config: Any, *, value_model: bool, use_te: bool
     return chunks
 
 
-def hf_names_of(bridge: Any, chunk: torch.nn.Module) -> dict[str, list[str]]:
-    """``{local megatron parameter name: [HF names it holds]}`` of one model chunk (value head excluded)."""
+def global_names(bridge: Any, chunk: torch.nn.Module, ep_rank: int = 0, ep_size: int = 1) -> dict[str, str]:
+    """``{local megatron parameter name: its name in the whole model}`` of one model chunk: global layer
+    numbers (pipeline and virtual stages) and global experts in mbridge's naming (:func:`expert_name`)."""
     local_to_global = bridge._weight_name_mapping_mcore_local_to_global(chunk, consider_ep=False)
+    experts = getattr(bridge.config, "num_moe_experts", None) or 0
+    local_experts = experts // ep_size if experts else 0
+    return {local: expert_name(name, ep_rank, local_experts) for local, name in local_to_global.items() if "_extra_state" not in local}
+
+
+def hf_names_of(bridge: Any, chunk: torch.nn.Module, ep_rank: int = 0, ep_size: int = 1) -> dict[str, tuple[str, list[str]]]:
+    """``{local megatron parameter name: (its global name, [HF names it holds])}`` of one model chunk
+    (value head excluded)."""
     value_head = isinstance(getattr(chunk, "output_layer", None), ValueHead)
     return {
-        local: bridge._weight_name_mapping_mcore_to_hf(name)
-        for local, name in local_to_global.items()
-        if "_extra_state" not in local and not (value_head and local in VALUE_HEAD_NAMES)
+        local: (name, bridge._weight_name_mapping_mcore_to_hf(name))
+        for local, name in global_names(bridge, chunk, ep_rank, ep_size).items()
+        if not (value_head and local in VALUE_HEAD_NAMES)
     }
 
 
-def load_hf_weights(bridge: Any, chunks: list[torch.nn.Module], path: str, *, tp_rank: int, tp_size: int, seed: int) -> None:
-    """Copy the HF checkpoint at ``path`` into ``chunks`` (each rank reads the tensors it holds and takes
-    its tensor-parallel slice). A value head is read from ``score.*`` when the checkpoint has one, else
-    drawn under ``seed`` (normal, std ``init_method_std``; bias 0)."""
+def load_hf_weights(bridge: Any, chunks: list[torch.nn.Module], path: str, *, tp_rank: int, tp_size: int, seed: int,
+                    ep_rank: int = 0, ep_size: int = 1, etp_rank: int = 0, etp_size: int = 1) -> None:
+    """Copy the HF checkpoint at ``path`` into ``chunks`` (each rank reads the tensors it holds, its experts
+    among them, and takes its tensor-parallel slice: the expert-tensor-parallel one for an expert). A value
+    head is read from ``score.*`` when the checkpoint has one, else drawn under ``seed`` (normal, std
+    ``init_method_std``; bias 0)."""
     from mbridge.core.safetensor_io import SafeTensorIO
 
     reader = SafeTensorIO(path)
     available = checkpoint_keys(path)
     for chunk in chunks:
-        mapping = hf_names_of(bridge, chunk)
-        wanted = sorted({name for names in mapping.values() for name in names})
+        mapping = hf_names_of(bridge, chunk, ep_rank, ep_size)
+        wanted = sorted({name for _, names in mapping.values() for name in names})
         missing = [name for name in wanted if name not in available]
         if missing:
             raise ValueError(f"the checkpoint at {path} lacks {missing[:5]} (the megatron model needs them)")
         tensors = reader.load_some_hf_weight(wanted)
         state = chunk.state_dict()
         with torch.no_grad():
-            for local, names in mapping.items():
-                merged = bridge._weight_to_mcore_format(local, [tensors[name] for name in names])
+            for local, (name, names) in mapping.items():
+                merged = bridge._weight_to_mcore_format(name, [tensors[hf_name] for hf_name in names])
                 param = state[local]
-                piece = bridge._weight_split_across_tp(local, merged, param, tp_size)[tp_rank]
+                rank, size = (etp_rank, etp_size) if is_expert(name) else (tp_rank, tp_size)
+                piece = bridge._weight_split_across_tp(name, merged, param, size)[rank]
                 if piece.shape != param.shape:
                     raise ValueError(f"{names} from {path} has shape {tuple(piece.shape)} for {local} on this rank, expected {tuple(param.shape)}")
                 param.copy_(piece.to(param.dtype))

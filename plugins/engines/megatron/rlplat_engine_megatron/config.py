@@ -42,6 +42,11 @@ class MegatronEngineConfig(EngineBuildConfig):
     tensor_parallel_size: int = 1
     """Tensor-parallel ranks per model replica (megatron's column/row-parallel linears and
     vocabulary-parallel embedding and output layer). Must divide the attention heads and query groups."""
+    expert_model_parallel_size: int = 1
+    """Ranks a mixture-of-experts model's routed experts are split over (expert parallelism; each rank holds
+    ``experts / EP`` of every MoE layer, tokens reach them through megatron's token dispatcher: all-gather on
+    CPU, all-to-all on GPU). Must divide the experts; the world size must be divisible by TP x EP x PP.
+    1 for a dense model."""
     pipeline_parallel_size: int = 1
     """Pipeline stages (decoder layers split evenly over them; 1F1B schedule). Must divide the layers."""
     virtual_pipeline_parallel_size: Optional[int] = None
@@ -77,8 +82,13 @@ class MegatronEngineConfig(EngineBuildConfig):
         if self.lora is not None:
             problems.append("lora is not supported by the megatron engine (use the fsdp2 engine for LoRA)")
         if self.moe is not None:
-            problems.append("moe (router replay, router losses) is not supported by the megatron engine yet "
-                            "(use the fsdp2 engine for mixture-of-experts policies)")
+            from rlplat.config.moe import read_moe
+
+            moe = read_moe(self.moe, "moe")
+            if self.recompute_granularity == "full" and (moe.router_replay != "off" or moe.aux_loss_coef or moe.z_loss_coef):
+                problems.append("recompute_granularity='full' with moe's router replay or router losses: megatron recomputes each "
+                                "layer's routing in backward, outside the micro-batch's forward where they apply; use "
+                                "recompute_granularity='selective' or None")
         if self.dtype not in DTYPES:
             problems.append(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
         if self.recompute_granularity not in RECOMPUTE:
@@ -92,7 +102,7 @@ class MegatronEngineConfig(EngineBuildConfig):
             )
         if len(self.betas) != 2:
             problems.append(f"betas needs two values, got {list(self.betas)}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "ppo_epochs", "micro_batch_size_per_gpu",
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_model_parallel_size", "ppo_epochs", "micro_batch_size_per_gpu",
                      "max_token_len_per_gpu", "logprob_chunk_size"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -123,7 +133,8 @@ def check_layout(config: MegatronEngineConfig, world_size: int, hf_config: Any) 
     from rlplat_engine_megatron.memory import layout_problems
 
     sizes = {"num_attention_heads": hf_config.num_attention_heads, "num_hidden_layers": hf_config.num_hidden_layers,
-             "vocab_size": hf_config.vocab_size, "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None)}
+             "vocab_size": hf_config.vocab_size, "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None),
+             "num_experts": getattr(hf_config, "num_experts", None), "num_local_experts": getattr(hf_config, "num_local_experts", None)}
     problems = layout_problems(config, world_size, sizes)
     if problems:
         raise ValueError("megatron engine layout: " + "; ".join(problems))

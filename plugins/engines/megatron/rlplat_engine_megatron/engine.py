@@ -40,12 +40,15 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from rlplat.config.moe import MoEConfig, read_moe
 from rlplat.contracts.engine import DataParallelInfo, LossFunction, TrainingEngine
 from rlplat.kits.engine import WarmupSchedule, fixed_size_partition, token_budget_partition, tokenizer_folder, weight_buckets
+from rlplat.kits.moe import ROUTES
 from rlplat.protocol import DataProto
 from rlplat_engine_megatron import bridge as hf_bridge
 from rlplat_engine_megatron import cpu, vocab_parallel
 from rlplat_engine_megatron.config import MegatronEngineConfig, check_layout, read_engine_config
+from rlplat_engine_megatron.moe import MegatronCall, MegatronRouting, aligned_routes, moe_shape, original_routes
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "responses")
 CHECKPOINT_MARKER = "rlplat_megatron_checkpoint.json"
@@ -70,6 +73,9 @@ class MegatronEngine(TrainingEngine):
         self.global_step = 0
         self.tracker = cpu.CpuRNGStatesTracker()
         self.on_cpu = not torch.cuda.is_available()
+        self.moe = read_moe(config.moe, "moe") if config.moe is not None else MoEConfig()
+        self.moe_shape: dict[str, Any] | None = None
+        self.routing: MegatronRouting | None = None
         self.schedule = WarmupSchedule(config.lr_scheduler_type, config.lr_warmup_steps, config.total_training_steps, config.min_lr_ratio)
 
     # -- building ----------------------------------------------------------------------------------
@@ -85,6 +91,15 @@ class MegatronEngine(TrainingEngine):
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.hf_config = hf_bridge.hf_config_of(config)
+        self.moe_shape = moe_shape(self.hf_config)
+        if self.moe_shape is None and not self.moe.default:
+            raise ValueError(f"megatron engine: moe is set ({config.moe}), but the {self.hf_config.model_type} model has no experts")
+        if self.moe_shape is not None and self.on_cpu and config.pipeline_parallel_size > 1:
+            raise ValueError(
+                "megatron engine: a mixture-of-experts model with pipeline_parallel_size > 1 needs a GPU: on CPU the experts' "
+                "tokens go through megatron-core's all-gather dispatcher (its all-to-all one creates CUDA streams), which "
+                "needs every micro-batch's shape fixed, and the pipeline's micro-batches vary; use tensor and expert parallelism"
+            )
         self.dp_size = check_layout(config, self.world_size, self.hf_config)
         with self.megatron():
             self.initialise_parallel_state()
@@ -95,20 +110,22 @@ class MegatronEngine(TrainingEngine):
 
         config = self.config
         vpp = config.virtual_pipeline_parallel_size if (config.virtual_pipeline_parallel_size or 1) > 1 else None
+        wanted = (config.tensor_parallel_size, config.pipeline_parallel_size, vpp, config.expert_model_parallel_size)
         if parallel_state.model_parallel_is_initialized():
             current = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
-                       parallel_state.get_virtual_pipeline_model_parallel_world_size())
-            if current != (config.tensor_parallel_size, config.pipeline_parallel_size, vpp):
+                       parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+                       parallel_state.get_expert_model_parallel_world_size())
+            if current != wanted:
                 raise ValueError(
-                    f"megatron's parallel state of this process is already set up as (tp, pp, vpp) = {current}; a second megatron "
-                    f"engine in the same process (e.g. the reference beside the actor) must use the same layout, not "
-                    f"{(config.tensor_parallel_size, config.pipeline_parallel_size, vpp)}"
+                    f"megatron's parallel state of this process is already set up as (tp, pp, vpp, ep) = {current}; a second "
+                    f"megatron engine in the same process (e.g. the reference beside the actor) must use the same layout, not {wanted}"
                 )
         else:
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=config.tensor_parallel_size,
                 pipeline_model_parallel_size=config.pipeline_parallel_size,
                 virtual_pipeline_model_parallel_size=vpp,
+                expert_model_parallel_size=config.expert_model_parallel_size,
             )
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -116,6 +133,10 @@ class MegatronEngine(TrainingEngine):
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_group = parallel_state.get_data_parallel_group()
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
+        self.ep_size = parallel_state.get_expert_model_parallel_world_size()
+        self.etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+        self.etp_size = parallel_state.get_expert_tensor_parallel_world_size()
         self.is_last_stage = self.pp_rank == self.pp_size - 1
 
     def compute_dtype(self) -> torch.dtype:
@@ -134,6 +155,18 @@ class MegatronEngine(TrainingEngine):
             hidden_dropout=0.0, attention_dropout=0.0, init_method_std=getattr(self.hf_config, "initializer_range", 0.02),
             deallocate_pipeline_outputs=False,
         )
+        if self.moe_shape is not None:
+            # megatron's own router losses and replay stay off: the engine's (rlplat_engine_megatron.moe) follow actor.moe
+            dispatcher = "allgather" if self.on_cpu else "alltoall"
+            overrides.update(
+                num_moe_experts=self.moe_shape["experts"], moe_router_topk=self.moe_shape["top_k"], moe_grouped_gemm=False,
+                moe_router_pre_softmax=not self.moe_shape["renormalize"], moe_router_score_function="softmax",
+                moe_shared_expert_gate=bool(self.moe_shape["shared"]), moe_shared_expert_overlap=False,
+                moe_token_dispatcher_type=dispatcher, variable_seq_lengths=dispatcher == "alltoall",
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
+                moe_enable_routing_replay=False, moe_permute_fusion=False, moe_router_fusion=False,
+                moe_expert_capacity_factor=None, expert_model_parallel_size=config.expert_model_parallel_size,
+            )
         if config.recompute_granularity == "full":
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         elif config.recompute_granularity == "selective":
@@ -145,7 +178,7 @@ class MegatronEngine(TrainingEngine):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         config = self.config
-        self.tracker.seed(config.seed, self.tp_rank)
+        self.tracker.seed(config.seed, self.tp_rank, self.ep_rank, self.etp_rank)
         if not self.on_cpu:
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -161,7 +194,8 @@ class MegatronEngine(TrainingEngine):
             path = config.model_path
             if path is None:
                 path = hf_bridge.materialise_model_config(config, self.hf_config, stack.enter_context(tempfile.TemporaryDirectory()))
-            hf_bridge.load_hf_weights(self.bridge, chunks, path, tp_rank=self.tp_rank, tp_size=self.tp_size, seed=config.seed)
+            hf_bridge.load_hf_weights(self.bridge, chunks, path, tp_rank=self.tp_rank, tp_size=self.tp_size, seed=config.seed,
+                                      ep_rank=self.ep_rank, ep_size=self.ep_size, etp_rank=self.etp_rank, etp_size=self.etp_size)
         transformer_config = self.bridge.config
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=config.use_distributed_optimizer,
@@ -185,6 +219,9 @@ class MegatronEngine(TrainingEngine):
         transformer_config.no_sync_func = [chunk.no_sync for chunk in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
         transformer_config.finalize_model_grads_func = functools.partial(summed_gradients, finalize_model_grads)
         self.set_lr(self.schedule(0) * config.lr)
+        if self.moe_shape is not None:
+            self.routing = MegatronRouting([chunk.module for chunk in self.chunks], self.moe, self.hf_config.num_hidden_layers,
+                                           counts_here=self.tp_rank == 0)
 
     def require_model(self, method: str) -> None:
         if not self.chunks:
@@ -250,13 +287,41 @@ class MegatronEngine(TrainingEngine):
         causal = torch.ones(width, width, dtype=torch.bool).triu(1)
         mask = causal.unsqueeze(0) | ~valid.unsqueeze(1)
         predictors = (torch.arange(width - response_length - 1, width - 1).unsqueeze(0) - left.unsqueeze(1)).clamp(0, width - 1)
-        return {
+        inputs = {
             "tokens": tokens.to(device),
             "position_ids": torch.arange(width).unsqueeze(0).expand(rows, -1).contiguous().to(device),
             "attention_mask": mask.unsqueeze(1).to(device),
             "predictors": predictors.to(device),
             "responses": data["responses"].to(device),
         }
+        if self.routing is not None:  # the routers' tokens are [sequence, batch] flattened (rlplat_engine_megatron.moe)
+            inputs["columns"] = columns
+            inputs["valid"] = valid.t().reshape(-1).to(device)
+            if ROUTES in data.keys():
+                inputs["routes"] = aligned_routes(data[ROUTES], valid, columns, self.hf_config.num_hidden_layers,
+                                                  self.moe_shape["top_k"]).to(device)
+        return inputs
+
+    def routing_calls(self, update: bool, share_of: Any = None) -> Any:
+        """``call_of(micro_batch, inputs)``: the :class:`MegatronCall` of a model call under ``actor.moe`` (None for a
+        dense model). ``update``: a call of an optimizer step (replays under r2 and r3; observed with
+        ``share_of(micro_batch)``, its weight in the router losses) or of ``forward`` (replays under r3, records
+        under r2)."""
+        if self.routing is None:
+            return None
+        mode = self.moe.router_replay
+
+        def call_of(micro_batch: DataProto, inputs: Mapping[str, torch.Tensor]) -> MegatronCall:
+            routes = inputs.get("routes")
+            if routes is None and mode == "r3":
+                raise KeyError(f"actor.moe.router_replay=r3: the batch has no {ROUTES!r} column, so the rollout recorded no routes "
+                               "(rollout.config.record_routes, set by the trainer for r3 runs of the hf rollout)")
+            replays = mode == "r3" or (mode == "r2" and update)
+            stand_in = bool(micro_batch.meta_info.get(STAND_IN))
+            share = share_of(micro_batch) if update and not stand_in else None
+            return MegatronCall(inputs["valid"], routes if replays else None, record=mode == "r2" and not update, share=share)
+
+        return call_of
 
     def outputs_of(self, output: torch.Tensor, inputs: Mapping[str, torch.Tensor], temperature: float, with_entropy: bool,
                    gather_ids: torch.Tensor | None = None, top_k: int = 0) -> dict[str, torch.Tensor]:
@@ -280,16 +345,29 @@ class MegatronEngine(TrainingEngine):
                                                                                  vocab * self.tp_size)
         return result
 
-    def run_schedule(self, micro_batches: list[DataProto], step: Any, forward_only: bool) -> None:
+    def run_schedule(self, micro_batches: list[DataProto], step: Any, forward_only: bool, call_of: Any = None) -> list[dict[int, torch.Tensor]]:
         """megatron's pipeline schedule over ``micro_batches``; ``step(micro_batch, inputs, output)`` runs
-        on the last stage and returns the micro-batch's loss."""
+        on the last stage and returns the micro-batch's loss. ``call_of(micro_batch, inputs)``: the routing
+        of each model call (:meth:`routing_calls`). Returns each micro-batch's recorded routes (this stage's
+        layers) and keeps their prepared inputs in ``self.prepared``."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         prepared = [(micro_batch, self.model_inputs(micro_batch)) for micro_batch in micro_batches]
+        recorded: list[dict[int, torch.Tensor]] = [{} for _ in micro_batches]
+        index_of = {id(inputs): index for index, (_, inputs) in enumerate(prepared)}
+        self.prepared = prepared
 
         def forward_step(data_iterator: Iterator[Any], model: torch.nn.Module):
             micro_batch, inputs = next(data_iterator)
-            output = model(input_ids=inputs["tokens"], position_ids=inputs["position_ids"], attention_mask=inputs["attention_mask"])
+            call = call_of(micro_batch, inputs) if call_of is not None else None
+            if call is not None:
+                self.routing.begin(call)
+            try:
+                output = model(input_ids=inputs["tokens"], position_ids=inputs["position_ids"], attention_mask=inputs["attention_mask"])
+            finally:
+                if call is not None:
+                    self.routing.end()
+                    recorded[index_of[id(inputs)]].update(call.recorded)
 
             def loss_func(output_tensor: torch.Tensor):
                 loss = step(micro_batch, inputs, output_tensor)
@@ -303,6 +381,7 @@ class MegatronEngine(TrainingEngine):
             forward_step_func=forward_step, data_iterator=iterators, model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
             num_microbatches=len(prepared), seq_length=width, micro_batch_size=len(micro_batches[0]), forward_only=forward_only,
         )
+        return recorded
 
     # -- forward -----------------------------------------------------------------------------------
 
@@ -327,11 +406,14 @@ class MegatronEngine(TrainingEngine):
 
         for chunk in self.chunks:
             chunk.eval()
+        micro_batches = self.micro_batches_of(batch, groups)
         with torch.no_grad(), self.megatron():
-            self.run_schedule(self.micro_batches_of(batch, groups), step, forward_only=True)
+            recorded = self.run_schedule(micro_batches, step, forward_only=True, call_of=self.routing_calls(update=False))
         rows, response_length = batch.batch["responses"].shape
         order = torch.tensor([row for rows_ in groups for row in rows_], dtype=torch.long)
         columns = {}
+        if self.routing is not None and self.moe.router_replay == "r2":
+            columns[ROUTES] = self.recorded_column(batch, groups, recorded)
         for key in keys:
             if pieces:  # the last stage computed them
                 values = torch.cat([piece[key] for piece in pieces])
@@ -340,6 +422,25 @@ class MegatronEngine(TrainingEngine):
                 shape = (rows, response_length, top_k) if key.startswith("top_k") else (rows, response_length)
                 columns[key] = torch.zeros(shape, dtype=torch.long if key == "top_k_ids" else torch.float32)
         return DataProto.from_dict(columns)
+
+    def recorded_column(self, batch: DataProto, groups: list[list[int]], recorded: list[dict[int, torch.Tensor]]) -> torch.Tensor:
+        """The routes ``forward`` took, as the ``routed_experts`` column of ``batch`` (every stage's layers:
+        the stages' columns are combined over the pipeline)."""
+        from megatron.core import parallel_state
+
+        rows, width = batch.batch["input_ids"].shape
+        column = torch.full((rows, width, self.hf_config.num_hidden_layers, self.moe_shape["top_k"]), -1, dtype=torch.int16)
+        for rows_, routes, (micro_batch, inputs) in zip(groups, recorded, self.prepared):
+            if rows_:
+                column[torch.tensor(rows_)] = original_routes(routes, inputs["columns"], micro_batch.batch["attention_mask"],
+                                                              self.hf_config.num_hidden_layers, self.moe_shape["top_k"])
+        if self.pp_size > 1:  # -1 where another stage's layer is: the largest value is the recorded one
+            combined = column.int()
+            if not self.on_cpu:
+                combined = combined.cuda()
+            dist.all_reduce(combined, op=dist.ReduceOp.MAX, group=parallel_state.get_pipeline_model_parallel_group())
+            column = combined.cpu().to(torch.int16)
+        return column
 
     # -- training ----------------------------------------------------------------------------------
 
@@ -396,8 +497,9 @@ class MegatronEngine(TrainingEngine):
                 raise KeyError(f"train_batch: the loss function counts the mask {name!r}, which the batch does not hold")
             counted[name] = mini_batch.batch[name].to(mask.dtype) * mask
         counts = self.dp_sum([float(mask.sum()), float((mask.sum(-1) > 0).sum()),
-                              *(value for own in counted.values() for value in (float(own.sum()), float((own.sum(-1) > 0).sum())))])
-        tokens, sequences = counts[:2]
+                              *(value for own in counted.values() for value in (float(own.sum()), float((own.sum(-1) > 0).sum()))),
+                              float(mini_batch.batch["attention_mask"].sum())])
+        tokens, sequences, input_tokens = counts[0], counts[1], counts[-1]
         meta_info = {**mini_batch.meta_info, "global_token_count": tokens, "global_sequence_count": int(sequences)}
         if counted:
             meta_info["global_counts"] = {name: {"tokens": counts[2 + 2 * index], "sequences": int(counts[3 + 2 * index])}
@@ -420,17 +522,33 @@ class MegatronEngine(TrainingEngine):
 
         lr = self.schedule(self.global_step) * self.config.lr
         self.set_lr(lr)
+        call_of = self.routing_calls(update=True, share_of=lambda micro_batch: float(micro_batch.batch["attention_mask"].sum()) / max(input_tokens, 1.0))
+        if self.routing is not None and self.routing.counts_here:  # the (token, layer) pairs whose routes matter, this stage's layers
+            for micro_batch in micro_batches:
+                if not micro_batch.meta_info.get(STAND_IN):
+                    valid = micro_batch.batch["attention_mask"].bool()
+                    self.routing.needed += (int(valid.sum()) - int(valid.any(-1).sum())) * len(self.routing.taps)
         with self.megatron():
             for chunk in self.chunks:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
-            self.run_schedule(micro_batches, step, forward_only=False)
+            self.run_schedule(micro_batches, step, forward_only=False, call_of=call_of)
             success, grad_norm, _ = self.optimizer.step()
         grad_norm = float(grad_norm) if grad_norm is not None else 0.0
         if success and math.isfinite(grad_norm):
             self.global_step += 1
         summed = self.gather_metrics(metrics + [{"loss": sum(losses)}])
+        if self.routing is not None:
+            summed.update(self.routing.step_metrics(self.world_sum))
         return {**summed, "grad_norm": grad_norm, "lr": float(lr), "skipped_step": float(not (success and math.isfinite(grad_norm)))}
+
+    def world_sum(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64)
+        if not self.on_cpu:
+            tensor = tensor.cuda()
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+        return tensor.cpu().tolist()
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -452,47 +570,64 @@ class MegatronEngine(TrainingEngine):
 
     # -- weights -----------------------------------------------------------------------------------
 
-    def parameter_table(self) -> list[tuple[int, int, str, tuple[int, ...], str, bool, int]]:
-        """Every (pipeline stage, chunk, local name, local shape, dtype, tensor-parallel, partition dim) of
-        the model, over all stages, in stage order (each stage's table is all-gathered over the pipeline)."""
+    def parameter_table(self) -> list[tuple[int, int, str, str, tuple[int, ...], str, bool, int, int]]:
+        """Every (pipeline stage, chunk, local name, global name, local shape, dtype, tensor-parallel, partition
+        dim, expert-parallel owner) of the model, over all stages and experts: a routed expert's row names the
+        expert-parallel rank holding it (-1 for every other parameter, which each expert-parallel rank of a
+        stage holds). Each stage's table is all-gathered over the expert-parallel ranks, then the pipeline."""
         from megatron.core import parallel_state
 
         local = []
         for index, chunk in enumerate(self.chunks):
             module = chunk.module
-            mapping = self.bridge._weight_name_mapping_mcore_local_to_global(module, consider_ep=False)
+            mapping = hf_bridge.global_names(self.bridge, module, self.ep_rank, self.ep_size)
             for name, parameter in module.named_parameters():
+                owner = self.ep_rank if hf_bridge.is_expert(name) else -1
                 local.append((self.pp_rank, index, name, mapping.get(name, name), tuple(parameter.shape), str(parameter.dtype).replace("torch.", ""),
-                              bool(getattr(parameter, "tensor_model_parallel", False)), int(getattr(parameter, "partition_dim", -1))))
+                              bool(getattr(parameter, "tensor_model_parallel", False)), int(getattr(parameter, "partition_dim", -1)), owner))
+        if self.ep_size > 1:
+            tables: list[Any] = [None] * self.ep_size
+            dist.all_gather_object(tables, [row for row in local if row[-1] >= 0], group=parallel_state.get_expert_model_parallel_group())
+            local = [row for row in local if row[-1] < 0] + [row for table in tables for row in table]
         if self.pp_size == 1:
             return local
-        tables: list[Any] = [None] * self.pp_size
-        dist.all_gather_object(tables, local, group=parallel_state.get_pipeline_model_parallel_group())
-        return [row for table in tables for row in table]
+        stages: list[Any] = [None] * self.pp_size
+        dist.all_gather_object(stages, local, group=parallel_state.get_pipeline_model_parallel_group())
+        return [row for table in stages for row in table]
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(HF name, full tensor)`` one parameter at a time: its tensor-parallel shards all-gathered
-        within its stage, merged, broadcast to the other stages and converted by the bridge. A collective."""
+        within its stage (an expert's over the expert-tensor-parallel ranks) and merged, an expert broadcast
+        from the expert-parallel rank holding it, the result broadcast to the other stages and converted by
+        the bridge. A collective."""
         from megatron.core import parallel_state
 
         pp_group = parallel_state.get_pipeline_model_parallel_group()
-        tp_group = parallel_state.get_tensor_model_parallel_group()
+        ep_group = parallel_state.get_expert_model_parallel_group() if self.ep_size > 1 else None
         seen: set[str] = set()
-        for stage, index, local_name, global_name, shape, dtype, parallel, partition_dim in self.parameter_table():
+        for stage, index, local_name, global_name, shape, dtype, parallel, partition_dim, owner in self.parameter_table():
             torch_dtype = getattr(torch, dtype)
+            expert = owner >= 0
+            tp_size = self.etp_size if expert else self.tp_size
+            tp_group = parallel_state.get_expert_tensor_parallel_group() if expert else parallel_state.get_tensor_model_parallel_group()
             full_shape = list(shape)
-            if parallel and self.tp_size > 1:
-                full_shape[partition_dim] *= self.tp_size
+            if parallel and tp_size > 1:
+                full_shape[partition_dim] *= tp_size
             with self.megatron():
                 if stage == self.pp_rank:
-                    owner = dict(self.chunks[index].module.named_parameters())[local_name]
-                    parameter = owner.detach()
-                    if parallel and self.tp_size > 1:
-                        shards = [torch.empty_like(parameter) for _ in range(self.tp_size)]
-                        dist.all_gather(shards, parameter.contiguous(), group=tp_group)
-                        merged = self.bridge._weight_merge_across_tp(global_name, shards, owner)
+                    if not expert or owner == self.ep_rank:
+                        held = dict(self.chunks[index].module.named_parameters())[local_name]
+                        parameter = held.detach()
+                        if parallel and tp_size > 1:
+                            shards = [torch.empty_like(parameter) for _ in range(tp_size)]
+                            dist.all_gather(shards, parameter.contiguous(), group=tp_group)
+                            merged = self.bridge._weight_merge_across_tp(global_name, shards, held)
+                        else:
+                            merged = parameter.clone()
                     else:
-                        merged = parameter.clone()
+                        merged = torch.empty(full_shape, dtype=torch_dtype, device="cpu" if self.on_cpu else "cuda")
+                    if expert and ep_group is not None:
+                        dist.broadcast(merged, src=dist.get_global_rank(ep_group, owner), group=ep_group)
                 else:
                     merged = torch.empty(full_shape, dtype=torch_dtype, device="cpu" if self.on_cpu else "cuda")
                 if self.pp_size > 1:
@@ -616,6 +751,7 @@ class MegatronEngine(TrainingEngine):
         if self.chunks:
             facts.update(
                 tensor_parallel_size=self.tp_size, pipeline_parallel_size=self.pp_size, data_parallel_size=self.dp_size,
+                expert_model_parallel_size=self.ep_size,
                 local_parameters=sum(p.numel() for chunk in self.chunks for p in chunk.module.parameters()),
                 value_model=self.config.value_model, lr=self.schedule(self.global_step) * self.config.lr,
             )

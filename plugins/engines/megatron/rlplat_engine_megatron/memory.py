@@ -56,9 +56,10 @@ def layout_problems(config: MegatronEngineConfig, world_size: int, model_config:
     """Every size of ``config`` that does not fit ``world_size`` ranks or the model ``model_config`` (a
     ``config.json`` dict) describes, named as ``<key>.tensor_parallel_size=...`` with the numbers."""
     prefix = f"{key}." if key else ""
-    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    tp, pp, ep = config.tensor_parallel_size, config.pipeline_parallel_size, config.expert_model_parallel_size
     vpp = config.virtual_pipeline_parallel_size or 1
     tp_key, pp_key = f"{prefix}tensor_parallel_size={tp}", f"{prefix}pipeline_parallel_size={pp}"
+    ep_key = f"{prefix}expert_model_parallel_size={ep}"
     model = dict(model_config.get("text_config") or model_config)
     problems = []
     if world_size % (tp * pp):
@@ -66,6 +67,14 @@ def layout_problems(config: MegatronEngineConfig, world_size: int, model_config:
             f"world size {world_size} is not divisible by {tp_key} x {pp_key} = {tp * pp} "
             f"(a run needs cluster.backend=ray and cluster.devices_per_node a multiple of {tp * pp})"
         )
+    experts = int(model.get("num_experts") or model.get("num_local_experts") or 0)
+    if ep > 1 and not experts:
+        problems.append(f"{ep_key} needs a mixture-of-experts model; this one has no experts")
+    elif ep > 1:
+        if experts % ep:
+            problems.append(f"the model's {experts} experts are not divisible by {ep_key}")
+        if world_size % (tp * ep * pp):
+            problems.append(f"world size {world_size} is not divisible by {tp_key} x {ep_key} x {pp_key} = {tp * ep * pp}")
     heads = int(model["num_attention_heads"])
     groups = int(model.get("num_key_value_heads") or heads)
     if heads % tp:
@@ -81,11 +90,19 @@ def layout_problems(config: MegatronEngineConfig, world_size: int, model_config:
     return problems
 
 
-def stage_parameters(shape: ModelShape, head: str, tp: int, pp: int) -> tuple[int, int]:
+def stage_parameters(shape: ModelShape, head: str, tp: int, pp: int, ep: int = 1) -> tuple[int, int]:
     """``(parameters of one rank of the largest pipeline stage, that stage's index)``: layers split by TP
-    except their norms, embedding and output layer vocabulary-parallel (a value head whole)."""
+    except their norms (and a MoE layer's router and shared-expert gate), a MoE layer's routed experts split by
+    TP x EP (expert tensor parallelism is TP), embedding and output layer vocabulary-parallel (a value head
+    whole)."""
     h = shape.hidden_size
-    layer = (shape.layer_parameters() - 2 * h) // tp + 2 * h
+    if shape.moe_layers:
+        experts = shape.num_experts * 3 * h * shape.expert_intermediate_size
+        router = shape.num_experts * h + (h if shape.shared_expert_intermediate_size else 0)
+        rest = shape.layer_parameters(True) - experts - router - 2 * h
+        layer = rest // tp + 2 * h + router + experts // (tp * ep)
+    else:
+        layer = (shape.layer_parameters() - 2 * h) // tp + 2 * h
     layers = shape.num_layers // pp * layer
     embedding = shape.embedding_parameters() // tp
     if head == "lm":
@@ -98,8 +115,11 @@ def stage_parameters(shape: ModelShape, head: str, tp: int, pp: int) -> tuple[in
     return (last, pp - 1) if last >= first else (first, 0)
 
 
-def layer_activation_elements(shape: ModelShape, tp: int, sequence: int, recompute: Any) -> int:
-    """Elements autograd keeps per token for one decoder layer of megatron's local spec (module docstring)."""
+def layer_activation_elements(shape: ModelShape, tp: int, sequence: int, recompute: Any, ep: int = 1) -> int:
+    """Elements autograd keeps per token for one decoder layer of megatron's local spec (module docstring); a
+    MoE layer's MLP is its k experts' and the shared expert's (``active_intermediate``) plus the dispatcher's:
+    the router's probabilities over the experts, the token's hidden state gathered from each of the EP ranks
+    (the all-gather dispatcher) and its k permuted copies in and out of the experts (``2 k h``)."""
     h, q, kv, i = shape.hidden_size, shape.q_size, shape.kv_size, shape.active_intermediate()
     probabilities = shape.num_heads // tp * sequence
     grouped = shape.num_kv_heads < shape.num_heads
@@ -108,6 +128,8 @@ def layer_activation_elements(shape: ModelShape, tp: int, sequence: int, recompu
     else:
         attention = (q + kv + (q + 2 * kv) + q) // tp  # query and key after RoPE, the fused QKV (value's view), the output
     kept = 4 * h + attention + 4 * i // tp
+    if shape.moe_layers:
+        kept += shape.num_experts + ep * h + 2 * max(shape.experts_per_token, 1) * h
     return kept + (0 if recompute == "selective" else probabilities)
 
 
@@ -138,7 +160,8 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
     vpp = engine.virtual_pipeline_parallel_size or 1
     dp = world // (tp * pp)
     head = "value" if engine.value_model else "lm"
-    local, stage = stage_parameters(shape, head, tp, pp)
+    ep = engine.expert_model_parallel_size
+    local, stage = stage_parameters(shape, head, tp, pp, ep)
     trains = context.role in ("actor", "critic")
     state = training_state_items(local * tp * pp, data_parallel=dp, tensor_parallel=tp, pipeline_parallel=pp, weight_dtype=compute,
                                  master_dtype=None if compute == "float32" else "float32", gradient_dtype="float32",
@@ -157,6 +180,11 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
         items.append(item)
     notes.append(f"TP {tp} x PP {pp} x DP {dp}: the figures are the largest pipeline stage's (stage {stage}, "
                  f"{local:,} parameters on a rank of the model's {total:,})")
+    if shape.moe_layers:
+        notes.append(f"{shape.expert_parameters():,} of the model's parameters are the experts and routers of {shape.moe_layers} MoE "
+                     f"layers ({shape.num_experts} experts, {shape.experts_per_token} per token); each rank holds "
+                     f"{shape.num_experts // ep} experts per layer (EP {ep}), split by TP {tp}; the distributed optimizer "
+                     "shards the experts' state over the expert data-parallel ranks, counted here as over DP")
     if not trains:
         notes.append("the gradient buffer (and master weights) exist from the build; AdamW's moments only after a step")
     if not gpu and engine.optimizer_offload:
@@ -198,7 +226,7 @@ def activation_item(shape: ModelShape, engine: MegatronEngineConfig, call: str, 
         return MemoryItem("forward activations", transient + logits, ("forward",),
                           f"{rows} rows x {sequence} tokens per micro-batch, largest layer transient and the logits (V/TP = "
                           f"{vocab // tp:,}) of the last stage, no gradients")
-    per_layer = layer_activation_elements(shape, tp, sequence, engine.recompute_granularity) * b
+    per_layer = layer_activation_elements(shape, tp, sequence, engine.recompute_granularity, engine.expert_model_parallel_size) * b
     layers = shape.num_layers // pp
     held, divisor = in_flight(pp, vpp, micro_batches)
     layers_per_hold = layers // divisor

@@ -11,7 +11,9 @@ def register_engines(register):
     register(
         "megatron",
         "rlplat_engine_megatron.engine:MegatronEngine",
-        description="megatron-core GPT model (tensor, pipeline, data parallel; distributed optimizer), HF Qwen2/Llama via mbridge; gloo on CPU, NCCL on GPU.",
+        description="megatron-core GPT model (tensor, pipeline, expert, data parallel; distributed optimizer), HF Qwen2/Llama "
+                    "and Qwen2-MoE/Qwen3-MoE/Mixtral via mbridge; gloo on CPU, NCCL on GPU.",
         config_schema="rlplat_engine_megatron.config:MegatronEngineConfig",
-        metadata={"estimate_memory": "rlplat_engine_megatron.memory:estimate"},  # the plan's estimate without importing the engine (torch)
+        # the plan's estimate without importing the engine (torch); moe: it takes actor.moe (router replay, router losses)
+        metadata={"estimate_memory": "rlplat_engine_megatron.memory:estimate", "moe": True},
     )

@@ -17,6 +17,7 @@ from rlplat.config_node import read_config_node
 from rlplat_rollout_hf.adapters import AdapterError, read_adapter
 from rlplat_rollout_hf.batching import TokenBatcher, TokenRequest
 from rlplat_rollout_hf.config import HFRolloutConfig
+from rlplat_rollout_hf.experts import checkpoint_aliases
 from rlplat_rollout_hf.sampling import choose, choose_per_row, stream_keys
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -99,6 +100,7 @@ class HFRollout(RolloutEngine):
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
         self.generator = torch.Generator(self.device).manual_seed(self.config.seed)
         self.targets = dict(self.model.state_dict(keep_vars=True))
+        self.aliases = checkpoint_aliases(self.model)  # per-expert checkpoint names of fused expert tensors
         self.asleep = False
         self.saved_buffers: dict[str, torch.Tensor] = {}
         self.missing_weights: set[int] = set()
@@ -354,11 +356,15 @@ class HFRollout(RolloutEngine):
             # more than the bytes at a small model's sizes)
             pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
             for name, tensor in named_tensors:
-                target = self.targets.get(name)
+                target, given = self.targets.get(name), name
+                if target is None and name in self.aliases:  # one expert's projection of a fused expert tensor
+                    alias = self.aliases[name]
+                    name, target = alias.target, alias.view(self.targets[alias.target])
+                    given = f"{given} (in {name})"
                 if target is None:
                     raise KeyError(f"hf rollout: the model has no weight named {name!r}")
                 if target.shape != tensor.shape:
-                    raise ValueError(f"hf rollout: weight {name!r} has shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
+                    raise ValueError(f"hf rollout: weight {given!r} has shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
                 pairs.append((name, target, tensor))
                 if len(pairs) == 256:
                     self.copy_weights(pairs)
@@ -372,7 +378,7 @@ class HFRollout(RolloutEngine):
         torch._foreach_copy_(targets, [tensor.to(device=target.device, dtype=target.dtype, non_blocking=True)
                                        for _, target, tensor in pairs])
         for name, target, _ in pairs:
-            self.missing_weights.discard(id(target))
+            self.missing_weights.discard(id(self.targets.get(name, target)))  # an expert's slice: its fused tensor
             base = self.adapter_base.get(name)
             if base is not None:
                 base.copy_(target.data)
