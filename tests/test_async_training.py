@@ -266,7 +266,7 @@ def test_partial_rollouts_are_refused_where_they_cannot_work(assets, tmp_path, e
 
 @pytest.mark.slow
 def test_loads_land_during_generations_and_no_token_is_trained_beyond_the_bound_over_200_steps(assets, tmp_path):
-    mode, steps = "keep", 200  # recompute: the kill-ten-times test below
+    mode, steps = "keep", 200  # recompute: the kill-six-times test below
     run = tmp_path / mode
     records = fit_run(load_config(overrides=overrides(
         assets, run, *SEPARATE, f"trainer.partial_rollout={mode}", "trainer.max_staleness=1",
@@ -285,9 +285,10 @@ def test_loads_land_during_generations_and_no_token_is_trained_beyond_the_bound_
 
 
 @pytest.mark.slow
-def test_a_run_with_partials_in_flight_killed_ten_times_trains_every_prompt_of_each_epoch_once(assets, tmp_path):
+def test_a_run_with_partials_in_flight_killed_six_times_trains_every_prompt_of_each_epoch_once(assets, tmp_path):
     """SIGKILL at random points, resume from the last checkpoint each time: the checkpoints store the generations
-    in flight cut short, with their tokens' versions, and the resumed run continues them."""
+    in flight cut short, with their tokens' versions, and the resumed run continues them. (Six kills, not the
+    colocated test's ten: each try here starts a rollout process on Ray, about 17 s a try on 2 cores.)"""
     settings = [*SEPARATE, "trainer.partial_rollout=recompute", "trainer.max_staleness=2", "trainer.save_freq=1",
                 "trainer.total_training_steps=24"]
     run = tmp_path / "killed"
@@ -301,8 +302,8 @@ def test_a_run_with_partials_in_flight_killed_ten_times_trains_every_prompt_of_e
         arguments = overrides(assets, run, *settings, f"cluster.address={ray.get_runtime_context().gcs_address}")
         preload = ["torch", "transformers", "ray", "rlplat.config", "rlplat.trainer.loop", "rlplat.testing.runs"]
         with ForkServer(preload, log=tmp_path / "tries.log") as server:
-            kills = kill_and_restart(server, arguments, run, random.Random(23))
-        assert kills >= 5, "the run finished too quickly to be killed often"
+            kills = kill_and_restart(server, arguments, run, random.Random(23), times=6)
+        assert kills >= 4, "the run finished too quickly to be killed often"
         fit_run(load_config(overrides=arguments, algo="grpo"))  # to the end, on the same cluster
     finally:
         ray.shutdown()
