@@ -39,7 +39,7 @@ CONSTRAINT_PINS: dict[str, dict[str, str]] = {
     "constraints.txt": {"torch": "2.13.0", "transformers": "5.20.2"},
     "constraints/common.txt": {
         "ray": "2.60.0", "tensordict": "0.15.3", "pluggy": "1.7.0", "typer": "0.29.2", "omegaconf": "2.4.0",
-        "pyarrow": "26.0.1", "pytest": "9.2.0", "hypothesis": "6.170.17", "import-linter": "2.17", "grimp": "3.20", "tensorboard": "2.21.0", "wandb": "0.31.0",
+        "pyarrow": "26.0.1", "pytest": "9.2.0", "pytest-xdist": "3.8.0", "execnet": "2.1.2", "hypothesis": "6.170.17", "import-linter": "2.17", "grimp": "3.20", "tensorboard": "2.21.0", "wandb": "0.31.0",
         "matplotlib": "3.11.2", "antlr4-python3-runtime": "4.13.2", "sympy": "1.14.0", "peft": "0.21.2",
         "accelerate": "1.15.0", "psutil": "7.2.2", "megatron-core": "0.16.1", "mbridge": "0.15.1", "einops": "0.8.2",
     },
