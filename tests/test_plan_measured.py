@@ -83,8 +83,10 @@ def single_process():
     specs = [spec("engine", "fsdp2", config, length) for config, length in ENGINE_CASES.values()]
     specs += [spec("rollout", "hf", {"dtype": dtype}, length) for dtype, length in ROLLOUT_CASES.values()]
     specs += [moe_spec(model, config) for model, config in MOE_CASES.values()]  # one process's imports for all
+    specs += [dict(kind="engine", name="fsdp2", config=dict(model_config=CHUNKED_MODEL, **config), rows=ROWS,
+                   prompt_length=CHUNKED_LENGTH, response_length=CHUNKED_LENGTH) for config in CHUNKED_CASES.values()]
     results = [peaks[0] for peaks in measure(specs)]
-    return dict(zip([*ENGINE_CASES, *ROLLOUT_CASES, *MOE_CASES], results))
+    return dict(zip([*ENGINE_CASES, *ROLLOUT_CASES, *MOE_CASES, *CHUNKED_CASES], results))
 
 
 def within(prediction: int, measured: int) -> bool:
@@ -177,3 +179,29 @@ def test_fsdp2_peaks_of_a_mixture_of_experts_model(single_process, case):
     for call in ("forward", "update"):
         measured, prediction = moe_measured[case][call], estimate.during(call)
         assert within(prediction, measured), f"{case}, {call}: predicted {prediction:,} B, measured {measured:,} B ({prediction / measured - 1:+.1%})"
+
+
+#: The chunked output layer: a vocabulary of 8192 and 8 rows of 128 response tokens, so the whole float32 logits
+#: (32 MiB) exceed what the engine keeps whole and the layer runs a chunk of tokens (and of the vocabulary) at a
+#: time. The plan's bound here is 5%.
+CHUNKED_MODEL = dict(MODEL, vocab_size=8192, max_position_embeddings=512, eos_token_id=8191)
+CHUNKED_LENGTH = 128
+CHUNKED_TOLERANCE = 0.05
+CHUNKED_CASES = {
+    "chunked head, 1024 tokens at a time": dict(dtype="float32", micro_batch_size_per_gpu=8),
+    "chunked head, 256 tokens": dict(dtype="float32", micro_batch_size_per_gpu=8, logprob_chunk_size=256),
+    "chunked head, 256 tokens x 2048 entries": dict(dtype="float32", micro_batch_size_per_gpu=8, logprob_chunk_size=256,
+                                                    logprob_vocab_chunk_size=2048),
+    "chunked head, bfloat16, 256 tokens": dict(dtype="bfloat16", micro_batch_size_per_gpu=8, logprob_chunk_size=256),
+}
+
+
+@pytest.mark.parametrize("case", list(CHUNKED_CASES))
+def test_the_plan_predicts_the_chunked_output_layers_peaks_within_5_percent(single_process, case):
+    estimate = predicted("engine", CHUNKED_CASES[case], CHUNKED_LENGTH, model=CHUNKED_MODEL)
+    update = next(item for item in estimate.items if item.name == "activations")
+    assert "the output layer" in update.detail and "at a time" in update.detail
+    for call in ("forward", "update"):
+        measured, prediction = single_process[case][call], estimate.during(call)
+        assert abs(prediction - measured) <= CHUNKED_TOLERANCE * measured, \
+            f"{case}, {call}: predicted {prediction:,} B, measured {measured:,} B ({prediction / measured - 1:+.1%})"

@@ -98,8 +98,16 @@ class FSDP2EngineConfig(EngineBuildConfig):
     long-tail batch (bench/packing.py); on the demo's batch (256 rows of 7 + 4 tokens) as fast within
     noise with no padding, 5% faster with 4% padding, 15-20% faster with 17%."""
     logprob_chunk_size: int = 4096
-    """Tokens (rows x positions) whose float32 log-softmax is computed at once; bounds the memory of
-    log-probs and entropy instead of a whole ``[batch, response, vocab]`` float32 tensor."""
+    """Tokens (rows x positions) whose logits and float32 log-softmax are computed at once. Where a
+    micro-batch's whole float32 logits would exceed 16 MiB, the model's output layer itself runs on the hidden
+    states of that many tokens at a time (inside the model's forward), so the ``[batch, response, vocab]``
+    logits never exist; with gradients each chunk is recomputed in backward (``rlplat_engine_fsdp2.modeling``)."""
+    logprob_vocab_chunk_size: Optional[int] = None
+    """Rows of the output layer's weight (vocabulary entries) taken at a time within a chunk of tokens, with
+    a running log-sum-exp and the chunk's gradient formed in place: a step then holds about
+    ``2 x logprob_chunk_size x logprob_vocab_chunk_size x 4`` bytes of logits (None: the whole vocabulary,
+    ``2 x chunk x vocab x 4``). For an output layer that is a plain ``nn.Linear`` (not LoRA-wrapped) and
+    calls without ``top_k``."""
     enable_gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (activation checkpointing)."""
     param_offload: bool = False
@@ -152,6 +160,8 @@ class FSDP2EngineConfig(EngineBuildConfig):
             )
         if len(self.betas) != 2:
             problems.append(f"betas needs two values, got {list(self.betas)}")
+        if self.logprob_vocab_chunk_size is not None and self.logprob_vocab_chunk_size < 1:
+            problems.append(f"logprob_vocab_chunk_size must be >= 1 or None, got {self.logprob_vocab_chunk_size}")
         for name in ("ppo_epochs", "micro_batch_size_per_gpu", "max_token_len_per_gpu", "logprob_chunk_size"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")

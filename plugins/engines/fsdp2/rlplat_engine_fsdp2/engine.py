@@ -196,7 +196,7 @@ class FSDP2Engine(TrainingEngine):
             for rows in groups:
                 micro_batch = self.micro_batch(batch, rows)
                 call = None if self.routing is None else self.routing.begin(micro_batch.batch, self.remove_padding, update=False)
-                outputs = self.run(micro_batch, temperature, calculate_entropy)
+                outputs = self.run(micro_batch, temperature, calculate_entropy, top_k=top_k)
                 if rows:
                     pieces.append({key: outputs[key].detach() for key in self.output_keys(calculate_entropy)})
                     if top_k:
@@ -253,7 +253,7 @@ class FSDP2Engine(TrainingEngine):
             raise ValueError(f"FSDP2Engine.{method}(): the batch has no rows")
 
     def run(self, micro_batch: DataProto, temperature: float, calculate_entropy: bool,
-            gather_ids: str | None = None) -> modeling.ModelOutputs:
+            gather_ids: str | None = None, top_k: int = 0) -> modeling.ModelOutputs:
         batch = micro_batch.batch
         inputs = {key: batch[key].to(self.device) for key in self.model_inputs()}
         position_ids = batch["position_ids"] if "position_ids" in batch.keys() else modeling.position_ids_from(batch["attention_mask"])
@@ -268,6 +268,8 @@ class FSDP2Engine(TrainingEngine):
             calculate_entropy=calculate_entropy,
             remove_padding=self.remove_padding,
             gather_ids=None if gather_ids is None else batch[gather_ids].to(self.device),
+            top_k=top_k,
+            vocabulary_chunk=self.config.logprob_vocab_chunk_size,
         )
 
     @staticmethod
@@ -316,7 +318,8 @@ class FSDP2Engine(TrainingEngine):
         mini_batch_rows = self.local_mini_batch_rows(batch)
         epochs = int(meta.get("ppo_epochs", self.config.ppo_epochs))
         temperature = float(meta.get("temperature", 1.0))
-        calculate_entropy = bool(meta.get("calculate_entropy", False))
+        # the loss's own needs_entropy (the contract's way to ask), or the worker's meta_info
+        calculate_entropy = bool(meta.get("calculate_entropy", False) or getattr(loss_fn, "needs_entropy", False))
         self.onload_parameters()
         model.train()
         steps = []

@@ -170,11 +170,14 @@ def micro_batches_per_step(engine: Any, world: int, per_process: int, rows: int,
 def activation_item(shape: ModelShape, engine: Any, call: str, b: int, tokens: int, response_tokens: int, head: str,
                     compute: str) -> MemoryItem:
     h, layers, vocab = shape.hidden_size, shape.num_layers, shape.vocab_size
-    if head == "lm":
-        keep = response_tokens * vocab * 4 <= KEEP_FLOAT32_BYTES
-        chunk = response_tokens if keep else min(engine.logprob_chunk_size, response_tokens)
+    if chunked_head(response_tokens, vocab, head):
+        # the chunked output layer (modeling.ChunkedHead, FusedHeadScores): a chunk's float32 logits and, beside
+        # them, their exponentials (forward) or their gradient being formed (backward); never the whole logits
+        chunk = min(engine.logprob_chunk_size, response_tokens)
+        logits = 2 * chunk * min(engine.logprob_vocab_chunk_size or vocab, vocab) * 4
+    elif head == "lm":
         logits_per_token = (2 * b + 8) if call == "update" else (b + 4)
-        logits = response_tokens * vocab * b + chunk * vocab * (logits_per_token - b)
+        logits = response_tokens * vocab * b + response_tokens * vocab * (logits_per_token - b)
     else:
         logits = tokens * 4
     if call == "forward":
@@ -183,8 +186,11 @@ def activation_item(shape: ModelShape, engine: Any, call: str, b: int, tokens: i
             sparse_mlp = 3 * shape.active_intermediate() + 2 * max(shape.experts_per_token, 1) * h
             mlp = sparse_mlp if shape.moe_layers == layers else max(sparse_mlp, mlp)
         layer = tokens * b * (2 * h + mlp)
-        return MemoryItem("forward activations", layer + logits, ("forward",),
-                          f"{tokens:,} tokens per micro-batch, largest layer transient + logits of {response_tokens:,} response tokens, no gradients")
+        # the chunked output layer runs after the last layer's transients are gone: the larger of the two
+        held = max(layer, logits) if chunked_head(response_tokens, vocab, head) else layer + logits
+        return MemoryItem("forward activations", held, ("forward",),
+                          f"{tokens:,} tokens per micro-batch, largest layer transient + logits of {response_tokens:,} response tokens "
+                          f"({logits_how(engine, response_tokens, vocab)}), no gradients")
     sparse, dense = shape.moe_layers, layers - shape.moe_layers
     per_layer = layer_activation_bytes(shape, b, sparse=sparse > 0)  # the largest layer (recomputation holds one)
     all_layers = sparse * per_layer + dense * layer_activation_bytes(shape, b) if sparse else layers * per_layer
@@ -197,4 +203,17 @@ def activation_item(shape: ModelShape, engine: Any, call: str, b: int, tokens: i
         how = (f"{sparse} MoE layers x {per_layer:,} B/token + {dense} dense x {layer_activation_bytes(shape, b):,}" if sparse
                else f"{layers} layers x {per_layer:,} B/token")
     return MemoryItem("activations", kept + tokens * final_norm + logits, ("update",),
-                      f"{tokens:,} tokens per micro-batch in {compute}, {how}; logits of {response_tokens:,} response tokens")
+                      f"{tokens:,} tokens per micro-batch in {compute}, {how}; logits of {response_tokens:,} response tokens "
+                      f"({logits_how(engine, response_tokens, vocab)})")
+
+
+def chunked_head(response_tokens: int, vocab: int, head: str) -> bool:
+    """Whether the engine applies the output layer a chunk of tokens at a time (``modeling.chunks_the_head``)."""
+    return head == "lm" and response_tokens * vocab * 4 > KEEP_FLOAT32_BYTES
+
+
+def logits_how(engine: Any, response_tokens: int, vocab: int) -> str:
+    if response_tokens * vocab * 4 <= KEEP_FLOAT32_BYTES:
+        return "whole, kept"
+    vocabulary = min(engine.logprob_vocab_chunk_size or vocab, vocab)
+    return f"the output layer {min(engine.logprob_chunk_size, response_tokens):,} tokens x {vocabulary:,} vocabulary entries at a time"

@@ -2,11 +2,15 @@
 log-probs, entropy and values of the response tokens.
 
 Log-probs and entropy are computed a chunk of tokens at a time from ``logits / temperature`` in
-float32, so a float32 ``[batch, response, vocab]`` tensor never exists at once. With gradients each
-chunk is recomputed in backward (``torch.utils.checkpoint``), so autograd does not keep every
-chunk's float32 copy either, unless the whole float32 tensor is small (:data:`KEEP_FLOAT32_BYTES`:
-a tiny vocabulary), where recomputing would save nothing worth its time. The temperature is applied exactly as Hugging Face ``generate`` and
-vLLM sample: the logits are cast to float32, then divided.
+float32, so a float32 ``[batch, response, vocab]`` tensor never exists at once. Where that tensor would
+be larger than :data:`KEEP_FLOAT32_BYTES`, the logits themselves are never materialised either: the
+model's output layer is applied a chunk of tokens at a time to the hidden states of the response positions
+(:class:`ChunkedHead`, inside the model's forward), each chunk's log-probs (entropy, gathered log-probs,
+top-k) computed from its logits and the logits dropped; with gradients each chunk's output layer and
+log-softmax are recomputed in backward (``torch.utils.checkpoint``), so a step holds one chunk's logits
+at a time. A small tensor (a tiny vocabulary) is computed in one piece and kept, where recomputing would
+save nothing worth its time. The temperature is applied exactly as Hugging Face ``generate`` and vLLM
+sample: the logits are cast to float32, then divided.
 
 With ``remove_padding`` the rows run as one pack of their valid tokens (:mod:`rlplat_engine_fsdp2.packing`)
 and the same ``[B, R]`` outputs come back.
@@ -213,6 +217,201 @@ def over_chunks(function: Callable[..., torch.Tensor], logits: torch.Tensor, tok
 GATHERED = "gathered_log_probs"
 
 
+def token_scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool,
+                 ids: torch.Tensor | None) -> torch.Tensor:
+    """``[b, w, V]`` logits of a chunk -> ``[b, w, C]`` float32: the log-prob of ``targets``, then the entropy
+    (``entropy``), then the log-probs at ``ids`` [b, w, k] (when given), all of ``softmax(logits / temperature)``."""
+    scaled = logits.float() / temperature
+    normaliser = scaled.logsumexp(-1, keepdim=True)
+    columns = [scaled.gather(-1, targets.unsqueeze(-1)) - normaliser]
+    if entropy:
+        columns.append(normaliser - (scaled.softmax(-1) * scaled).sum(-1, keepdim=True))
+    if ids is not None:
+        columns.append(scaled.gather(-1, ids) - normaliser)
+    return torch.cat(columns, dim=-1)
+
+
+class FusedHeadScores(torch.autograd.Function):
+    """:func:`token_scores` of ``linear(hidden, weight, bias)`` for one chunk of tokens, the vocabulary taken
+    ``vocabulary_chunk`` rows of ``weight`` at a time (None: all at once), with its own backward: the forward
+    keeps only the log-sum-exp and the entropy per token (running over the vocabulary chunks), and the backward
+    recomputes each vocabulary chunk's logits to form their gradient in place, so neither pass holds more than
+    a few ``[tokens, vocabulary_chunk]`` float32 buffers. Gradients reach ``hidden``, ``weight`` and ``bias``
+    through autograd as the output layer's own would.
+
+    With ``z = logits / temperature``, ``p = softmax(z)`` and ``lse = logsumexp(z)``: ``d(z_t - lse)/dz = onehot_t - p``
+    and ``d(entropy)/dz = -p (z - lse + entropy)``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, ids, temperature: float, entropy: bool, vocabulary_chunk: int | None):
+        rows = hidden.shape[0]
+        vocabulary = weight.shape[0]
+        step = vocabulary_chunk or vocabulary
+        high = torch.full((rows,), float("-inf"), device=hidden.device)
+        total = torch.zeros(rows, device=hidden.device)
+        weighted = torch.zeros(rows, device=hidden.device)  # sum of exp(z - high) * z
+        picked = torch.zeros(rows, device=hidden.device)
+        gathered = torch.zeros(ids.shape, device=hidden.device) if ids is not None else None
+        for start in range(0, vocabulary, step):
+            z = torch.nn.functional.linear(hidden, weight[start : start + step], None if bias is None else bias[start : start + step])
+            z = z.float().div_(temperature)  # in place: a fresh float32 tensor either way
+            width = z.shape[1]
+            inside = (targets >= start) & (targets < start + width)
+            picked = torch.where(inside, z.gather(-1, (targets - start).clamp(0, width - 1)[:, None])[:, 0], picked)
+            if ids is not None:
+                within = (ids >= start) & (ids < start + width)
+                gathered = torch.where(within, z.gather(-1, (ids - start).clamp(0, width - 1)), gathered)
+            chunk_high = torch.maximum(high, z.max(-1).values)
+            scale = torch.exp(high - chunk_high)
+            shifted = (z - chunk_high[:, None]).exp_()  # the second [tokens, chunk] buffer
+            total = total * scale + shifted.sum(-1)
+            if entropy:
+                weighted = weighted * scale + shifted.mul_(z).sum(-1)
+            del shifted, z
+            high = chunk_high
+        lse = high + total.log()
+        columns = [(picked - lse)[:, None]]
+        value_entropy = lse - weighted / total
+        if entropy:
+            columns.append(value_entropy[:, None])
+        if ids is not None:
+            columns.append(gathered - lse[:, None])
+        ctx.save_for_backward(hidden, weight, bias, targets, ids, lse, value_entropy)
+        ctx.settings = (temperature, entropy, step, bias is not None, ids is not None)
+        return torch.cat(columns, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad_scores):
+        hidden, weight, bias, targets, ids, lse, value_entropy = ctx.saved_tensors
+        temperature, entropy, step, has_bias, has_ids = ctx.settings
+        grad_scores = grad_scores.float()
+        grad_picked = grad_scores[:, 0]
+        grad_entropy = grad_scores[:, 1] if entropy else None
+        grad_gathered = grad_scores[:, 1 + int(entropy):] if has_ids else None
+        every = grad_picked + (grad_gathered.sum(-1) if has_ids else 0.0)  # each log-prob's -p term
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if has_bias and ctx.needs_input_grad[2] else None
+        for start in range(0, weight.shape[0], step):
+            piece = weight[start : start + step]
+            z = torch.nn.functional.linear(hidden, piece, bias[start : start + step] if has_bias else None).float().div_(temperature)
+            width = z.shape[1]
+            probability = (z - lse[:, None]).exp_()
+            if entropy:  # -p (z - lse + H) * g_H - p * every
+                gradient = z.sub_(lse[:, None]).add_(value_entropy[:, None]).mul_(grad_entropy[:, None]).add_(every[:, None])
+            else:
+                gradient = z.copy_(every[:, None].expand_as(z))
+            gradient.mul_(probability).neg_()
+            del probability
+            inside = (targets >= start) & (targets < start + width)
+            gradient.scatter_add_(-1, (targets - start).clamp(0, width - 1)[:, None], (grad_picked * inside)[:, None])
+            if has_ids:
+                within = (ids >= start) & (ids < start + width)
+                gradient.scatter_add_(-1, (ids - start).clamp(0, width - 1), grad_gathered * within)
+            gradient.div_(temperature)
+            grad_hidden += gradient @ piece.float()
+            if grad_weight is not None:
+                grad_weight[start : start + width] = gradient.t() @ hidden.float()
+            if grad_bias is not None:
+                grad_bias[start : start + width] = gradient.sum(0)
+            del gradient, z  # before the next chunk's logits exist
+        return (grad_hidden.to(hidden.dtype), None if grad_weight is None else grad_weight.to(weight.dtype),
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None, None)
+
+
+def fused_head_layer(layer: torch.nn.Module) -> torch.nn.Module | None:
+    """The output layer when it is a plain ``nn.Linear`` (None otherwise: a LoRA-wrapped one runs through its
+    own forward, a chunk of tokens at a time). Its ``weight`` is read during the model's forward, when FSDP2
+    has put the full (unsharded) tensor there."""
+    return layer if isinstance(layer, torch.nn.Linear) and type(layer).forward is torch.nn.Linear.forward else None
+
+
+class ChunkedHead:
+    """Stands in for the model's output layer's ``forward`` during one model call: from the hidden states of
+    the kept positions (``[b, P, h]``; ``drop_last``: the last position predicts nothing) it returns
+    :func:`token_scores` ``[b, P', C]`` a chunk of ``chunk_tokens`` tokens at a time, never the whole logits.
+    Inside the model's forward, so FSDP2 holds the layer's full weight and its pre-backward hook sees the
+    result. ``top_k`` values and ids (no gradient) are kept in :attr:`top_k`."""
+
+    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor] | None, targets: torch.Tensor, *, temperature: float,
+                 chunk_tokens: int, entropy: bool, ids: torch.Tensor | None, top_k: int, drop_last: bool,
+                 vocabulary_chunk: int | None = None):
+        self.forward = forward
+        self.linear: torch.nn.Module | None = None  # a plain nn.Linear output layer: the fused path
+        self.vocabulary_chunk = vocabulary_chunk
+        self.targets, self.ids = targets, ids
+        self.temperature, self.chunk_tokens, self.entropy, self.k, self.drop_last = temperature, chunk_tokens, entropy, top_k, drop_last
+        self.top_k: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def chunk(self, hidden: torch.Tensor, targets: torch.Tensor, *ids: torch.Tensor) -> torch.Tensor:
+        return token_scores(self.forward(hidden), targets, self.temperature, self.entropy, ids[0] if ids else None)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.drop_last:
+            hidden = hidden[:, :-1]
+        rows, positions = hidden.shape[:2]
+        width = max(1, self.chunk_tokens // max(rows, 1))
+        pieces, values, indices = [], [], []
+        recompute = torch.is_grad_enabled() and hidden.requires_grad
+        for start in range(0, positions, width):
+            arguments = [hidden[:, start : start + width], self.targets[:, start : start + width]]
+            if self.ids is not None:
+                arguments.append(self.ids[:, start : start + width])
+            if self.linear is not None and not self.k:  # fused: the vocabulary a chunk at a time too, its own backward
+                weight, bias = self.linear.weight, self.linear.bias
+                flat = [argument.flatten(0, 1) for argument in arguments]
+                scores = FusedHeadScores.apply(flat[0], weight, bias, flat[1], flat[2] if len(flat) > 2 else None, self.temperature,
+                                               self.entropy, self.vocabulary_chunk)
+                pieces.append(scores.view(*arguments[0].shape[:2], -1))
+                continue
+            if recompute:
+                pieces.append(checkpoint(self.chunk, *arguments, use_reentrant=False))
+                continue
+            logits = self.forward(arguments[0])
+            pieces.append(token_scores(logits, arguments[1], self.temperature, self.entropy, arguments[2] if len(arguments) > 2 else None))
+            if self.k:
+                scaled = logits.float() / self.temperature
+                top = (scaled - scaled.logsumexp(-1, keepdim=True)).topk(self.k, dim=-1)
+                values.append(top.values)
+                indices.append(top.indices)
+        if self.k:
+            self.top_k = ((torch.cat(values, dim=1), torch.cat(indices, dim=1)) if values else
+                          (hidden.new_zeros((rows, 0, self.k), dtype=torch.float32), torch.zeros((rows, 0, self.k), dtype=torch.long)))
+        if not pieces:  # no position: still part of the graph, so its backward reaches every parameter (FSDP2)
+            columns = 1 + int(self.entropy) + (self.ids.shape[-1] if self.ids is not None else 0)
+            return hidden[:, :0, :1].float().expand(rows, 0, columns)
+        return torch.cat(pieces, dim=1)
+
+
+@contextlib.contextmanager
+def chunked_head(model: torch.nn.Module, head: ChunkedHead) -> Iterator[None]:
+    """The model's output layer computes ``head`` during the block (its ``forward`` replaced on the instance)."""
+    layer = model.get_output_embeddings()
+    head.forward = layer.forward
+    head.linear = fused_head_layer(layer)
+    layer.forward = head
+    try:
+        yield
+    finally:
+        del layer.forward  # the class's forward again
+
+
+def head_is_chunkable(model: torch.nn.Module) -> bool:
+    """Whether the model's logits are its output layer's output as they are (no soft-capping or scaling after
+    it, which the chunked head would skip): true of the Qwen, Llama and Mistral families and their MoE kin."""
+    config = getattr(model, "config", None)
+    if model.get_output_embeddings() is None or config is None:
+        return False
+    return not any(getattr(config, name, None) for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+
+
+def chunks_the_head(model: torch.nn.Module, rows: int, positions: int, chunk_tokens: int) -> bool:
+    """Whether :func:`run_model` applies the output layer a chunk at a time: the whole float32 logits of the
+    response positions would exceed :data:`KEEP_FLOAT32_BYTES` (and the model allows it)."""
+    vocabulary = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 0
+    return rows * positions * vocabulary * 4 > KEEP_FLOAT32_BYTES and head_is_chunkable(model)
+
+
 class ModelOutputs(Mapping):
     """What the loss function receives: ``log_probs`` (or ``values``) ``[B, R]``, with ``entropy``
     computed only if the loss function reads it. Values keep their gradients.
@@ -235,10 +434,14 @@ class ModelOutputs(Mapping):
         self._chunk_tokens = chunk_tokens
         self._place = place
         self._gather_ids = gather_ids
+        self._top_k: tuple[torch.Tensor, torch.Tensor] | str | None = None  # the chunked head's, or "absent"
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key == "entropy" and key not in self._values and self._logits is not None:
             self.compute_entropy()
+        if key == "entropy" and key not in self._values and self._top_k is not None:
+            raise KeyError("entropy was not computed: the output layer ran a chunk of tokens at a time (the logits are never "
+                           "kept), so a loss reading entropy must say so up front (needs_entropy = True)")
         if key == GATHERED and key not in self._values and self._logits is not None and self._gather_ids is not None:
             gathered = response_gathered_log_probs(self._logits, self._gather_ids, self._temperature, self._chunk_tokens)
             self._values[key] = gathered if self._place is None else self._place(gathered[0])
@@ -246,7 +449,12 @@ class ModelOutputs(Mapping):
 
     def top_k(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` largest log-probs at each response position and their ids, ``[B, R, k]`` each (0 at padding)."""
-        values, ids = response_top_k(self._logits, self._temperature, k, self._chunk_tokens)
+        if self._logits is None:
+            if not isinstance(self._top_k, tuple) or self._top_k[0].shape[-1] != k:
+                raise KeyError(f"top_k({k}) was not computed with the chunked output layer's call")
+            values, ids = self._top_k
+        else:
+            values, ids = response_top_k(self._logits, self._temperature, k, self._chunk_tokens)
         if self._place is None:
             return values, ids
         return self._place(values[0]), self._place(ids[0])
@@ -278,9 +486,13 @@ def run_model(
     remove_padding: bool = False,
     reward_model: bool = False,
     gather_ids: torch.Tensor | None = None,
+    top_k: int = 0,
+    vocabulary_chunk: int | None = None,
 ) -> ModelOutputs:
     """One forward of ``model`` on ``input_ids``, ``attention_mask``, ``position_ids`` and
-    ``responses`` (``[B, R]``, the last ``R`` tokens of ``input_ids``).
+    ``responses`` (``[B, R]``, the last ``R`` tokens of ``input_ids``). ``top_k``: also the ``k`` largest
+    log-probs (:meth:`ModelOutputs.top_k`) where the output layer runs a chunk at a time; ``vocabulary_chunk``:
+    rows of the output layer's weight taken at a time there (None: all).
 
     ``remove_padding``: run the rows as one pack of their valid tokens (:mod:`rlplat_engine_fsdp2.packing`;
     the model must have passed :func:`enable_packing`). Outputs are
@@ -290,13 +502,20 @@ def run_model(
         return run_reward_model(model, inputs, remove_padding=remove_padding)
     if remove_padding:
         return run_packed_model(model, inputs, value_model=value_model, temperature=temperature, chunk_tokens=chunk_tokens,
-                                calculate_entropy=calculate_entropy, gather_ids=gather_ids)
+                                calculate_entropy=calculate_entropy, gather_ids=gather_ids, top_k=top_k, vocabulary_chunk=vocabulary_chunk)
     response_length = inputs["responses"].shape[1]
     arguments = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"], use_cache=False)
     if value_model:
         with quiet_value_head_view():
             values = model(**arguments).logits[:, -response_length - 1 : -1, 0].float()
         return ModelOutputs({"values": values}, None, temperature, chunk_tokens)
+    rows = inputs["responses"].shape[0]
+    if chunks_the_head(model, rows, response_length, chunk_tokens):
+        head = ChunkedHead(None, inputs["responses"], temperature=temperature, chunk_tokens=chunk_tokens, entropy=calculate_entropy,
+                           ids=gather_ids, top_k=top_k, drop_last=True, vocabulary_chunk=vocabulary_chunk)
+        with chunked_head(model, head):
+            scores = model(**arguments, logits_to_keep=response_length + 1).logits
+        return scored_outputs(scores, head, temperature, chunk_tokens)
     # Only the logits that predict response tokens: positions T-R-1 .. T-2.
     logits = model(**arguments, logits_to_keep=response_length + 1).logits[:, :-1]
     outputs = ModelOutputs(
@@ -317,6 +536,8 @@ def run_packed_model(
     chunk_tokens: int,
     calculate_entropy: bool,
     gather_ids: torch.Tensor | None = None,
+    top_k: int = 0,
+    vocabulary_chunk: int | None = None,
 ) -> ModelOutputs:
     """:func:`run_model` on the rows packed into one row of their valid tokens."""
     grouped = model.config._attn_implementation.startswith(packing.PACKED_ATTENTION_PREFIX)
@@ -326,14 +547,37 @@ def run_packed_model(
         with quiet_value_head_view(), packing.packed_forward():
             values = model(**arguments).logits[0, packed.predictors, 0].float()
         return ModelOutputs({"values": packed.unpack(values)}, None, temperature, chunk_tokens)
+    packed_ids = None if gather_ids is None else packed.select(gather_ids).unsqueeze(0)
+    if chunks_the_head(model, 1, int(packed.predictors.numel()), chunk_tokens):
+        head = ChunkedHead(None, packed.targets.unsqueeze(0), temperature=temperature, chunk_tokens=chunk_tokens,
+                           entropy=calculate_entropy, ids=packed_ids, top_k=top_k, drop_last=False, vocabulary_chunk=vocabulary_chunk)
+        with packing.packed_forward(), chunked_head(model, head):
+            scores = model(**arguments, logits_to_keep=packed.predictors).logits
+        return scored_outputs(scores, head, temperature, chunk_tokens, place=lambda values: packed.unpack(values[0]))
     with packing.packed_forward():
         logits = model(**arguments, logits_to_keep=packed.predictors).logits
     log_probs = response_log_probs(logits, packed.targets.unsqueeze(0), temperature, chunk_tokens)[0]
-    packed_ids = None if gather_ids is None else packed.select(gather_ids).unsqueeze(0)
     outputs = ModelOutputs({"log_probs": packed.unpack(log_probs)}, logits, temperature, chunk_tokens, place=packed.unpack,
                            gather_ids=packed_ids)
     if calculate_entropy:
         outputs.compute_entropy()
+    return outputs
+
+
+def scored_outputs(scores: torch.Tensor, head: ChunkedHead, temperature: float, chunk_tokens: int,
+                   place: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ModelOutputs:
+    """The :class:`ModelOutputs` of a chunked head's ``[b, P, C]`` scores (``place``: a pack's ``[1, K, ...]`` ->
+    ``[B, R, ...]``)."""
+    place = place or (lambda values: values)
+    values = {"log_probs": place(scores[..., 0])}
+    column = 1
+    if head.entropy:
+        values["entropy"] = place(scores[..., column])
+        column += 1
+    if head.ids is not None:
+        values[GATHERED] = place(scores[..., column:])
+    outputs = ModelOutputs(values, None, temperature, chunk_tokens)
+    outputs._top_k = tuple(place(part) for part in head.top_k) if head.top_k is not None else "absent"
     return outputs
 
 

@@ -90,6 +90,14 @@ class EngineHost(Worker):
         return {key: full_tensor(parameter.grad) for key, parameter in self.engines[name].module.named_parameters()}
 
     @register(Dispatch.ONE_TO_ALL)
+    def keep_float32_bytes(self, limit: int) -> int:
+        """Set the size up to which logits are kept whole (the chunked output layer above it); the old size."""
+        from rlplat_engine_fsdp2 import modeling
+
+        old, modeling.KEEP_FLOAT32_BYTES = modeling.KEEP_FLOAT32_BYTES, limit
+        return old
+
+    @register(Dispatch.ONE_TO_ALL)
     def save(self, name: str, path: str) -> None:
         self.engines[name].save(path)
 
@@ -374,3 +382,26 @@ def test_a_moe_model_steps_on_two_sharded_ranks_as_on_one_with_replayed_routes_a
                 "actor/moe/load_imbalance/layer_1", "actor/moe/replayed_fraction", "actor/moe/replay_agreement"):
         assert two_metrics[key] == pytest.approx(one_metrics[key], rel=1e-5, abs=1e-7), key
     assert one_metrics["actor/moe/replayed_fraction"] == 1.0 and one_metrics["actor/moe/replay_agreement"] == 1.0
+
+
+def test_the_chunked_output_layer_steps_on_two_sharded_ranks_as_on_one_and_as_the_whole_logits(two_ranks, one_rank, batch_of):
+    """The output layer a chunk at a time (4 tokens x 8 vocabulary entries, its own backward) inside FSDP2's
+    forward, where the layer's weight is the gathered one and its gradient is reduce-scattered: the gradients
+    of 2 sharded ranks equal 1 rank's, and 1 rank's equal the whole-logits path's."""
+    batch = one_step_batch(batch_of)
+    one_rank.build("whole", {})
+    one_rank.train("whole", batch)
+    whole = one_rank.gradients("whole")[0]
+    previous = [group.keep_float32_bytes(0)[0] for group in (two_ranks, one_rank)]
+    try:
+        for group in (two_ranks, one_rank):
+            group.build("chunked", {"logprob_chunk_size": 4, "logprob_vocab_chunk_size": 8})
+        two_metrics, one_metrics = two_ranks.train("chunked", batch)[0], one_rank.train("chunked", batch)[0]
+        two_gradients, one_gradients = two_ranks.gradients("chunked")[0], one_rank.gradients("chunked")[0]
+    finally:
+        for group, limit in zip((two_ranks, one_rank), previous):
+            group.keep_float32_bytes(limit)
+    largest = max(float(gradient.abs().max()) for gradient in whole.values())
+    assert max_difference(two_gradients, one_gradients) <= 1e-6 * max(1.0, largest)
+    assert max_difference(one_gradients, whole) <= 1e-6 * max(1.0, largest)
+    assert two_metrics["loss"] == pytest.approx(one_metrics["loss"], rel=1e-5, abs=1e-7)
