@@ -66,7 +66,10 @@ class MegatronEngineConfig(EngineBuildConfig):
     forward_micro_batch_size_per_gpu: Optional[int] = None
     """Rows per micro-batch in ``forward`` (None: ``micro_batch_size_per_gpu``)."""
     logprob_chunk_size: int = 4096
-    """Tokens (rows x positions) whose float32 vocabulary-parallel log-softmax is computed at once."""
+    """Tokens (rows x positions) whose logits and float32 vocabulary-parallel log-softmax are computed at once
+    where a micro-batch's float32 logits of the response positions (``[rows, response, V/TP]``) would exceed 16
+    MiB: the last stage's output layer then runs on the final hidden states that many tokens at a time, each
+    chunk recomputed in backward, so the whole logits never exist (smaller logits are computed whole)."""
     optimizer_offload: bool = False
     """GPU only: keep the optimizer state in CPU memory between updates (megatron's hybrid CPU/GPU
     optimizer; needs ``use_distributed_optimizer``)."""

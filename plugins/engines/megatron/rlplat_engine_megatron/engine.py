@@ -76,6 +76,7 @@ class MegatronEngine(TrainingEngine):
         self.moe = read_moe(config.moe, "moe") if config.moe is not None else MoEConfig()
         self.moe_shape: dict[str, Any] | None = None
         self.routing: MegatronRouting | None = None
+        self.chunked_output: vocab_parallel.ChunkedOutput | None = None  # during a schedule whose logits are large
         self.schedule = WarmupSchedule(config.lr_scheduler_type, config.lr_warmup_steps, config.total_training_steps, config.min_lr_ratio)
 
     # -- building ----------------------------------------------------------------------------------
@@ -331,6 +332,12 @@ class MegatronEngine(TrainingEngine):
         index = inputs["predictors"]
         if self.config.value_model:
             return {"values": output[..., 0].float().gather(1, index)}
+        if self.chunked_output is not None:  # output: the final hidden states [b, T, h]
+            hidden = output.gather(1, index.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
+            weight = self.chunked_output.weight if self.chunked_output.weight is not None else self.chunked_output.layer.weight
+            vocab = weight.shape[0]  # this rank's slice of the vocabulary
+            return self.chunked_output.outputs(hidden, inputs["responses"], temperature, with_entropy, self.tp_rank * vocab,
+                                               vocab * self.tp_size, None if gather_ids is None else gather_ids.to(hidden.device), top_k)
         vocab = output.shape[-1]
         logits = output.gather(1, index.unsqueeze(-1).expand(-1, -1, vocab))
         log_probs, entropy = vocab_parallel.log_probs_and_entropy(logits, inputs["responses"], temperature, with_entropy, self.tp_rank * vocab)
@@ -377,10 +384,21 @@ class MegatronEngine(TrainingEngine):
 
         iterators: Any = [iter(prepared) for _ in self.chunks] if len(self.chunks) > 1 else iter(prepared)
         width = micro_batches[0].batch["input_ids"].shape[1]
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iterators, model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
-            num_microbatches=len(prepared), seq_length=width, micro_batch_size=len(micro_batches[0]), forward_only=forward_only,
-        )
+        layer = self.chunks[-1].module.output_layer if self.is_last_stage else None
+        rows = max(len(micro_batch) for micro_batch in micro_batches)
+        logits_bytes = rows * micro_batches[0].batch["responses"].shape[1] * (self.hf_config.vocab_size // self.tp_size) * 4
+        if layer is not None and not self.config.value_model and logits_bytes > vocab_parallel.KEEP_FLOAT32_BYTES:
+            self.chunked_output = vocab_parallel.ChunkedOutput(layer, self.config.logprob_chunk_size)
+            layer.forward = self.chunked_output
+        try:
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iterators, model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+                num_microbatches=len(prepared), seq_length=width, micro_batch_size=len(micro_batches[0]), forward_only=forward_only,
+            )
+        finally:
+            if self.chunked_output is not None:
+                del layer.forward  # the class's forward again
+                self.chunked_output = None
         return recorded
 
     # -- forward -----------------------------------------------------------------------------------

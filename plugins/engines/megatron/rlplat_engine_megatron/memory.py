@@ -26,7 +26,9 @@ What one rank holds, as :mod:`rlplat_engine_megatron.engine` allocates it (DP = 
   micro-batches of ``layers / (PP x VPP)`` layers), never more than the mini-batch has. The last stage
   adds the final norm and the logits of the micro-batch: the whole sequence's ``V / TP`` logits in the
   compute dtype (megatron's model returns them for every position) and, for the response positions, the
-  gathered logits and their float32 scaled, shifted and exponentiated copies. The plan takes the larger
+  gathered logits and their float32 scaled, shifted and exponentiated copies; where those float32 response
+  logits would exceed 16 MiB, the output layer runs ``logprob_chunk_size`` tokens at a time instead (the
+  final hidden states, and one chunk's logits and copies; modelled, not measured yet). The plan takes the larger
   of the first and the last stage. megatron's global buffer for the attention scores (rows x heads/TP x
   sequence x sequence) stays allocated after the first call.
 * **forward** (log-probs, values; no gradients): the largest transient of a layer (the MLP's ``i / TP``
@@ -47,6 +49,9 @@ from typing import Any, Mapping
 
 from rlplat.plan.estimate import MemoryContext, MemoryEstimate, MemoryItem, ModelShape, dtype_bytes, human_bytes, training_state_items
 from rlplat_engine_megatron.config import MegatronEngineConfig, read_engine_config
+
+#: vocab_parallel.KEEP_FLOAT32_BYTES (this module imports no torch): larger response logits are chunked.
+KEEP_FLOAT32_BYTES = 16 << 20
 
 #: role of the plan -> the node of the run config its engine_config lives in.
 ROLE_KEYS = {"actor": "actor", "reference": "actor", "critic": "critic", "reward_model": "reward.model"}
@@ -215,7 +220,12 @@ def activation_item(shape: ModelShape, engine: MegatronEngineConfig, call: str, 
     vpp = engine.virtual_pipeline_parallel_size or 1
     tokens, response_tokens = rows * sequence, rows * response
     scores = rows * (shape.num_heads // tp) * sequence * sequence * b  # megatron's global buffer, then the scores themselves
-    if head == "lm":
+    if head == "lm" and response_tokens * (vocab // tp) * 4 > KEEP_FLOAT32_BYTES:
+        # the chunked output layer (vocab_parallel.ChunkedOutput): the final hidden states, and one chunk's
+        # logits with their float32 scaled, shifted and exponentiated copies, never the whole sequence's
+        chunk = min(engine.logprob_chunk_size, response_tokens)
+        logits = tokens * h * b + chunk * (vocab // tp) * (b + 12)
+    elif head == "lm":
         full = tokens * (vocab // tp) * b
         picked = response_tokens * (vocab // tp) * (b + 12)
         logits = full + max(full, picked)

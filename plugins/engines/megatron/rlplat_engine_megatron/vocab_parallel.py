@@ -86,3 +86,71 @@ def top_k(logits: torch.Tensor, temperature: float, k: int, vocab_start: int, vo
             values, ids = torch.cat(all_values, dim=-1), torch.cat(all_ids, dim=-1)
         best = values.topk(k, dim=-1)
         return best.values, ids.gather(-1, best.indices)
+
+
+#: The last stage's float32 logits of a micro-batch's response positions up to this size are computed whole;
+#: above it the output layer runs a chunk of tokens at a time (:class:`ChunkedOutput`).
+KEEP_FLOAT32_BYTES = 16 << 20
+
+
+class ChunkedOutput:
+    """Stands in for the last stage's output layer's ``forward`` during a schedule: the model returns its final
+    hidden states ``[b, T, h]`` instead of logits (the tied embedding's weight, when GPTModel passes it, is kept),
+    and :meth:`outputs` applies the real layer to ``chunk_tokens`` response tokens at a time, their
+    vocabulary-parallel log-probs (entropy, gathered log-probs, top-k) computed and the logits dropped; with
+    gradients each chunk is recomputed in backward (``torch.utils.checkpoint``; its tensor-parallel collectives
+    run again in the same order on every rank). So the ``[b, T, V/tp]`` logits never exist."""
+
+    def __init__(self, layer: torch.nn.Module, chunk_tokens: int):
+        self.layer = layer
+        self.chunk_tokens = chunk_tokens
+        self.weight: torch.Tensor | None = None
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None, **_):
+        self.weight = weight
+        return hidden, None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[b, w, h]`` -> this rank's ``[b, w, V/tp]`` logits, through the layer's own forward."""
+        output, _ = type(self.layer).forward(self.layer, hidden.transpose(0, 1), weight=self.weight)
+        return output.transpose(0, 1)
+
+    def outputs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, vocab_start: int,
+                vocab_size: int, gather_ids: torch.Tensor | None = None, top_k_count: int = 0) -> dict[str, torch.Tensor]:
+        """What ``outputs_of`` returns, from the hidden states ``[b, R, h]`` of the response positions."""
+        from torch.utils.checkpoint import checkpoint
+
+        rows, positions = hidden.shape[:2]
+        width = max(1, self.chunk_tokens // max(rows, 1))
+        recompute = torch.is_grad_enabled() and hidden.requires_grad
+
+        def scores(piece: torch.Tensor, piece_targets: torch.Tensor, *ids: torch.Tensor) -> torch.Tensor:
+            logits = self.logits(piece)
+            log_probs, entropy = log_probs_and_entropy(logits, piece_targets, temperature, with_entropy, vocab_start)
+            columns = [log_probs.unsqueeze(-1)] + ([entropy.unsqueeze(-1)] if entropy is not None else [])
+            if ids:
+                columns.append(gathered_log_probs(logits, ids[0], temperature, vocab_start))
+            return torch.cat(columns, dim=-1)
+
+        pieces, values, indices = [], [], []
+        for start in range(0, positions, width):
+            arguments = [hidden[:, start : start + width], targets[:, start : start + width]]
+            if gather_ids is not None:
+                arguments.append(gather_ids[:, start : start + width])
+            pieces.append(checkpoint(scores, *arguments, use_reentrant=False) if recompute else scores(*arguments))
+            if top_k_count:
+                with torch.no_grad():
+                    best = top_k(self.logits(arguments[0]), temperature, top_k_count, vocab_start, vocab_size)
+                values.append(best[0])
+                indices.append(best[1])
+        merged = torch.cat(pieces, dim=1) if pieces else hidden[:, :0, :1].float()
+        result = {"log_probs": merged[..., 0]}
+        column = 1
+        if with_entropy:
+            result["entropy"] = merged[..., column]
+            column += 1
+        if gather_ids is not None:
+            result["gathered_log_probs"] = merged[..., column:]
+        if top_k_count:
+            result["top_k_log_probs"], result["top_k_ids"] = torch.cat(values, dim=1), torch.cat(indices, dim=1)
+        return result

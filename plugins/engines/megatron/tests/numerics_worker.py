@@ -75,6 +75,9 @@ def main() -> None:
         # smooth function of the gradient, so the comparison measures the gradients.
         config = dict(base, eps=1e-4, tensor_parallel_size=layout.get("tp", 1), pipeline_parallel_size=layout.get("pp", 1),
                       **layout.get("extra", {}))
+        from rlplat_engine_megatron import vocab_parallel
+
+        vocab_parallel.KEEP_FLOAT32_BYTES = layout.get("keep_float32_bytes", 16 << 20)
         engine = MegatronEngine(config)
         engine.init_model()
         results[f"{name}/info"] = [collected_info for collected_info in gather_infos(engine)]

@@ -160,3 +160,34 @@ def test_top_k_and_gathered_log_probs_equal_the_fsdp2_engines(tmp_path, batch_of
     assert {tuple(sorted(c.items())) for c in our_loss.counts + their_loss.counts} == {
         (("sequences", int((own.sum(-1) > 0).sum())), ("tokens", float(own.sum())))}
     assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+
+
+def test_the_chunked_output_layer_equals_the_whole_logits_in_forward_and_in_a_step(tmp_path, batch_of, monkeypatch):
+    """Forced on (the tiny model's logits are far below the size that turns it on), 4 tokens a chunk: the
+    forward's log-probs, entropy and top-k and a step's loss, gathered log-probs and gradient norm equal the
+    whole-logits path's (two ranks at TP=2: test_megatron_numerics)."""
+    from rlplat import DataProto
+    from rlplat_engine_megatron import vocab_parallel
+    from two_process_launch import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "qwen2", dict(TINY_QWEN2), seed=11)
+    batch = batch_of(6)
+    rows, width = batch.batch["responses"].shape
+    gather = torch.randint(0, TINY_QWEN2["vocab_size"], (rows, width, 3), generator=torch.Generator().manual_seed(2))
+    data = batch.union(DataProto.from_dict({"gather": gather, "half": torch.ones(rows, width)})).with_meta_info({"ppo_mini_batch_size": rows})
+    valid = batch.batch["response_mask"].bool()
+    found = {}
+    for name, keep in (("whole", 1 << 40), ("chunked", 0)):
+        monkeypatch.setattr(vocab_parallel, "KEEP_FLOAT32_BYTES", keep)
+        engine = MegatronEngine(dict(model_path=path, micro_batch_size_per_gpu=4, logprob_chunk_size=4))
+        engine.init_model()
+        found[name] = (engine.forward(batch, calculate_entropy=True).batch, engine.forward(batch, top_k=3).batch,
+                       engine.train_batch(data, GatheredLoss()))
+    (whole, whole_top, whole_step), (chunked, chunked_top, chunked_step) = found["whole"], found["chunked"]
+    for key in ("log_probs", "entropy"):
+        assert float((whole[key] - chunked[key])[valid].abs().max()) <= 1e-6, key
+    assert float((whole_top["top_k_log_probs"] - chunked_top["top_k_log_probs"])[valid].abs().max()) <= 1e-6
+    assert torch.equal(whole_top["top_k_ids"][valid], chunked_top["top_k_ids"][valid])
+    for key in ("loss", "test/gathered"):
+        assert chunked_step[key] == pytest.approx(whole_step[key], abs=1e-6), key
+    assert chunked_step["grad_norm"] == pytest.approx(whole_step["grad_norm"], rel=1e-5)

@@ -70,6 +70,14 @@ def test_tp2_pp2_and_tp1_agree_with_each_other_and_with_fsdp2_and_export_and_res
         assert results[f"{name}/metrics"]["test/gathered"] == pytest.approx(results["tp1/metrics"]["test/gathered"], abs=1e-5), name
     assert results["tp2/export_names_equal"] and results["tp2/export_max_diff"] == 0.0
     assert float(results["pp2/resume_max_diff"]) == 0.0
+    # the chunked output layer (6 tokens at a time, recomputed in backward) gives TP=2's numbers
+    assert_log_probs_close(results["tp2-chunked/log_probs"], results["tp2/log_probs"], "TP=2 chunked vs whole")
+    assert_log_probs_close(results["tp2-chunked/entropy"], results["tp2/entropy"], "entropy TP=2 chunked vs whole")
+    assert_weights_close(results["tp2-chunked/weights"], results["tp2/weights"], "TP=2 chunked vs whole, after a step")
+    values, ids = results["tp2-chunked/top_k"]
+    assert float((values - results["tp2/top_k"][0])[valid].abs().max()) <= 1e-6 and torch.equal(ids[valid], results["tp2/top_k"][1][valid])
+    assert results["tp2-chunked/metrics"]["test/gathered"] == pytest.approx(results["tp2/metrics"]["test/gathered"], abs=1e-6)
+    assert results["tp2-chunked/metrics"]["grad_norm"] == pytest.approx(results["tp2/metrics"]["grad_norm"], rel=1e-5)
 
 
 @pytest.mark.slow

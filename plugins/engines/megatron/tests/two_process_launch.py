@@ -39,6 +39,8 @@ NUMERICS_LAYOUTS = [
     {"name": "dp2-distributed-recompute", "extra": {"use_distributed_optimizer": True, "recompute_granularity": "full"}},
     {"name": "pp2-selective-budget", "pp": 2, "extra": {"recompute_granularity": "selective", "use_dynamic_bsz": True,
                                                          "max_token_len_per_gpu": 24}},
+    # the chunked output layer (forced: the tiny model's logits are far below the size that turns it on), 6 tokens a chunk
+    {"name": "tp2-chunked", "tp": 2, "keep_float32_bytes": 0, "extra": {"logprob_chunk_size": 6}},
 ]
 
 
