@@ -48,7 +48,11 @@ def spec(kind: str, name: str, config: dict, length: int) -> dict:
 
 def measure(specs: list[dict], world_size: int = 1) -> list[list[dict]]:
     """Peaks per spec from each of ``world_size`` processes."""
-    environment = {**os.environ, "RLPLAT_MEASURE_THREADS": "1"}
+    # an in-process worker group earlier in this process leaves RANK and WORLD_SIZE set, which the measuring
+    # process would read as a distributed launch: it gets them only for one
+    environment = {key: value for key, value in os.environ.items()
+                   if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    environment["RLPLAT_MEASURE_THREADS"] = "1"
     if world_size > 1:
         with socket.socket() as free:
             free.bind(("127.0.0.1", 0))
