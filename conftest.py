@@ -27,16 +27,6 @@ def pytest_configure(config) -> None:
         torch.set_num_threads(int(threads))
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    # On pytest-xdist workers (make test: a test file per worker at a time, taken in collection order) the files
-    # holding tests marked slow (training runs, clusters, subprocess suites) go first, so that the last files
-    # a worker takes are short ones and the two workers finish together. Each file's tests keep their order.
-    if not getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
-
-
 def subprocess_environment(pythonpath: Path | None, env: dict[str, str] | None) -> dict[str, str]:
     environment = dict(os.environ)
     environment.pop("RLPLAT_PLUGINS", None)
