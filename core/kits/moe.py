@@ -60,6 +60,33 @@ def find_routers(model: torch.nn.Module) -> list[Router]:
     return routers
 
 
+def routing_metrics(counts: torch.Tensor, experts: dict[int, int], router_replay: str, replayed: float, agreeing: float,
+                    needed: float) -> dict[str, float]:
+    """The ``actor/moe/*`` load and replay metrics of a step: ``counts`` [layers, E] (tokens routed to each
+    expert, every rank's), ``experts`` ``{MoE layer: its expert count}``; with router replay, the (token, layer)
+    pairs routed by a recorded route (``replayed``) of those whose route matters (``needed``), and how many of
+    them the live routing would have routed alike (``agreeing``)."""
+    metrics: dict[str, float] = {}
+    imbalances = []
+    for layer, count in experts.items():
+        load = counts[layer, :count]
+        if load.sum() <= 0:
+            continue
+        share = load / load.sum()
+        imbalance = float(share.max() * count)  # busiest expert over a balanced expert's share
+        imbalances.append(imbalance)
+        metrics[f"actor/moe/load_imbalance/layer_{layer}"] = imbalance
+        metrics[f"actor/moe/load_max/layer_{layer}"] = float(share.max())
+        metrics[f"actor/moe/load_min/layer_{layer}"] = float(share.min())
+    if imbalances:
+        metrics["actor/moe/load_imbalance"] = sum(imbalances) / len(imbalances)
+        metrics["actor/moe/load_imbalance_max"] = max(imbalances)
+    if router_replay != "off":
+        metrics["actor/moe/replayed_fraction"] = replayed / needed if needed else 0.0
+        metrics["actor/moe/replay_agreement"] = agreeing / replayed if replayed else 1.0
+    return metrics
+
+
 def replayed_weights(router: Router, logits: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The routing weights of ``indices`` [N, k]: ``softmax(logits)`` [N, E] in float32 gathered there,
     renormalised over the k when the router does, in ``dtype`` (the router's own weights' dtype)."""

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from rlplat.config.moe import MoEConfig
-from rlplat.kits.moe import ROUTES, RouteHooks, RoutingCall
+from rlplat.kits.moe import ROUTES, RouteHooks, RoutingCall, routing_metrics
 
 
 class EngineCall(RoutingCall):
@@ -146,24 +146,5 @@ class EngineRouting:
         counts = torch.tensor(summed[:-3], dtype=torch.float64).view(self.counts.shape)
         replayed, agreeing, needed = summed[-3:]
         self.start_step()
-        metrics: dict[str, float] = {}
-        imbalances = []
-        for router in self.routers:
-            load = counts[router.layer, : router.num_experts]
-            if load.sum() <= 0:
-                continue
-            share = load / load.sum()
-            imbalance = float(share.max() * router.num_experts)  # busiest expert over a balanced expert's share
-            imbalances.append(imbalance)
-            metrics[f"actor/moe/load_imbalance/layer_{router.layer}"] = imbalance
-            metrics[f"actor/moe/load_max/layer_{router.layer}"] = float(share.max())
-            metrics[f"actor/moe/load_min/layer_{router.layer}"] = float(share.min())
-        if imbalances:
-            metrics["actor/moe/load_imbalance"] = sum(imbalances) / len(imbalances)
-            metrics["actor/moe/load_imbalance_max"] = max(imbalances)
-        if self.moe.router_replay != "off":
-            # (token, layer) pairs routed by a recorded route, of those whose route matters; and the share of
-            # them where the live routing would have chosen the same experts
-            metrics["actor/moe/replayed_fraction"] = replayed / needed if needed else 0.0
-            metrics["actor/moe/replay_agreement"] = agreeing / replayed if replayed else 1.0
-        return metrics
+        return routing_metrics(counts, {router.layer: router.num_experts for router in self.routers}, self.moe.router_replay,
+                               replayed, agreeing, needed)

@@ -352,17 +352,17 @@ class MegatronEngine(TrainingEngine):
                                                                                  vocab * self.tp_size)
         return result
 
-    def run_schedule(self, micro_batches: list[DataProto], step: Any, forward_only: bool, call_of: Any = None) -> list[dict[int, torch.Tensor]]:
+    def run_schedule(self, micro_batches: list[DataProto], step: Any, forward_only: bool,
+                     call_of: Any = None) -> list[tuple[dict[int, torch.Tensor], torch.Tensor | None]]:
         """megatron's pipeline schedule over ``micro_batches``; ``step(micro_batch, inputs, output)`` runs
         on the last stage and returns the micro-batch's loss. ``call_of(micro_batch, inputs)``: the routing
         of each model call (:meth:`routing_calls`). Returns each micro-batch's recorded routes (this stage's
-        layers) and keeps their prepared inputs in ``self.prepared``."""
+        layers) with the columns that left-aligned its rows (None for a dense model)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         prepared = [(micro_batch, self.model_inputs(micro_batch)) for micro_batch in micro_batches]
         recorded: list[dict[int, torch.Tensor]] = [{} for _ in micro_batches]
         index_of = {id(inputs): index for index, (_, inputs) in enumerate(prepared)}
-        self.prepared = prepared
 
         def forward_step(data_iterator: Iterator[Any], model: torch.nn.Module):
             micro_batch, inputs = next(data_iterator)
@@ -399,7 +399,7 @@ class MegatronEngine(TrainingEngine):
             if self.chunked_output is not None:
                 del layer.forward  # the class's forward again
                 self.chunked_output = None
-        return recorded
+        return [(routes, inputs.get("columns")) for routes, (_, inputs) in zip(recorded, prepared)]
 
     # -- forward -----------------------------------------------------------------------------------
 
@@ -431,7 +431,7 @@ class MegatronEngine(TrainingEngine):
         order = torch.tensor([row for rows_ in groups for row in rows_], dtype=torch.long)
         columns = {}
         if self.routing is not None and self.moe.router_replay == "r2":
-            columns[ROUTES] = self.recorded_column(batch, groups, recorded)
+            columns[ROUTES] = self.recorded_column(batch, groups, micro_batches, recorded)
         for key in keys:
             if pieces:  # the last stage computed them
                 values = torch.cat([piece[key] for piece in pieces])
@@ -441,16 +441,17 @@ class MegatronEngine(TrainingEngine):
                 columns[key] = torch.zeros(shape, dtype=torch.long if key == "top_k_ids" else torch.float32)
         return DataProto.from_dict(columns)
 
-    def recorded_column(self, batch: DataProto, groups: list[list[int]], recorded: list[dict[int, torch.Tensor]]) -> torch.Tensor:
+    def recorded_column(self, batch: DataProto, groups: list[list[int]], micro_batches: list[DataProto],
+                        recorded: list[tuple[dict[int, torch.Tensor], torch.Tensor | None]]) -> torch.Tensor:
         """The routes ``forward`` took, as the ``routed_experts`` column of ``batch`` (every stage's layers:
         the stages' columns are combined over the pipeline)."""
         from megatron.core import parallel_state
 
         rows, width = batch.batch["input_ids"].shape
         column = torch.full((rows, width, self.hf_config.num_hidden_layers, self.moe_shape["top_k"]), -1, dtype=torch.int16)
-        for rows_, routes, (micro_batch, inputs) in zip(groups, recorded, self.prepared):
+        for rows_, (routes, aligned_columns), micro_batch in zip(groups, recorded, micro_batches):
             if rows_:
-                column[torch.tensor(rows_)] = original_routes(routes, inputs["columns"], micro_batch.batch["attention_mask"],
+                column[torch.tensor(rows_)] = original_routes(routes, aligned_columns, micro_batch.batch["attention_mask"],
                                                               self.hf_config.num_hidden_layers, self.moe_shape["top_k"])
         if self.pp_size > 1:  # -1 where another stage's layer is: the largest value is the recorded one
             combined = column.int()

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from rlplat.config.moe import MoEConfig
-from rlplat.kits.moe import ROUTES
+from rlplat.kits.moe import ROUTES, routing_metrics
 
 #: the MoE shapes of the Hugging Face configs the engine converts: model_type -> (experts key, renormalises
 #: over the k by default).
@@ -108,11 +108,11 @@ class RouterTap:
                 if int(used.max()) >= self.experts:
                     raise ValueError(f"recorded routes name expert {int(used.max())}; MoE layer {self.layer} has {self.experts} "
                                      "experts: the routes are not this model's")
-                if call.share is not None and self.routing.counts_here:
+                if call.share is not None and self.routing.counts_here:  # kept on the device: one host copy per step
                     counted = replay_row & call.valid.to(replay_row.device)
                     same = (used.sort(-1).values == indices.sort(-1).values).all(-1)
-                    self.routing.replayed += int(counted.sum())
-                    self.routing.agreeing += int((same & counted).sum())
+                    self.routing.replayed = self.routing.replayed + counted.sum()
+                    self.routing.agreeing = self.routing.agreeing + (same & counted).sum()
                 indices = used
                 values = scores.gather(1, indices)
         if call.record:
@@ -155,15 +155,17 @@ class MegatronRouting:
         if logits.shape[0] == 0:
             return probs
         counts = routed.sum(0).to(torch.float64)
-        if self.counts_here:
-            self.counts[tap.layer, : tap.experts] += counts.detach().cpu()
+        if self.counts_here:  # the step's figures stay on the model's device: one host copy per step, not per layer
+            if self.counts.device != counts.device:
+                self.counts = self.counts.to(counts.device)
+            self.counts[tap.layer, : tap.experts] += counts.detach()
         probabilities = torch.softmax(logits.float(), dim=-1)
         balance = tap.experts * (counts.float() / logits.shape[0] * probabilities.mean(0)).sum()
         z = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
         weight = call.share / self.moe_layers
         if self.counts_here:
-            self.aux_loss += float(balance.detach()) * weight
-            self.z_loss += float(z.detach()) * weight
+            self.aux_loss = self.aux_loss + balance.detach().double() * weight
+            self.z_loss = self.z_loss + z.detach().double() * weight
         term = 0.0
         if self.moe.aux_loss_coef > 0:
             term = term + self.moe.aux_loss_coef * weight * balance
@@ -183,29 +185,13 @@ class MegatronRouting:
     def step_metrics(self, all_reduce_sum: Callable[[list[float]], list[float]]) -> dict[str, float]:
         """The step's figures over every rank (one all-reduce on every rank), then ready for the next step."""
         summed = all_reduce_sum([*self.counts.flatten().tolist(), float(self.replayed), float(self.agreeing),
-                                 float(self.needed), self.aux_loss, self.z_loss])
+                                 float(self.needed), float(self.aux_loss), float(self.z_loss)])
         counts = torch.tensor(summed[:-5], dtype=torch.float64).view(self.counts.shape)
         replayed, agreeing, needed, aux_loss, z_loss = summed[-5:]
         self.start_step()
-        metrics: dict[str, float] = {"actor/moe/aux_loss": aux_loss, "actor/moe/z_loss": z_loss}
-        imbalances = []
-        for layer in range(self.moe_layers):
-            load = counts[layer]
-            if load.sum() <= 0:
-                continue
-            share = load / load.sum()
-            imbalance = float(share.max() * self.experts)
-            imbalances.append(imbalance)
-            metrics[f"actor/moe/load_imbalance/layer_{layer}"] = imbalance
-            metrics[f"actor/moe/load_max/layer_{layer}"] = float(share.max())
-            metrics[f"actor/moe/load_min/layer_{layer}"] = float(share.min())
-        if imbalances:
-            metrics["actor/moe/load_imbalance"] = sum(imbalances) / len(imbalances)
-            metrics["actor/moe/load_imbalance_max"] = max(imbalances)
-        if self.moe.router_replay != "off":
-            metrics["actor/moe/replayed_fraction"] = replayed / needed if needed else 0.0
-            metrics["actor/moe/replay_agreement"] = agreeing / replayed if replayed else 1.0
-        return metrics
+        return {"actor/moe/aux_loss": aux_loss, "actor/moe/z_loss": z_loss,
+                **routing_metrics(counts, dict.fromkeys(range(self.moe_layers), self.experts), self.moe.router_replay,
+                                  replayed, agreeing, needed)}
 
 
 def aligned_routes(routes: torch.Tensor, valid: torch.Tensor, columns: torch.Tensor, layers: int, top_k: int) -> torch.Tensor:

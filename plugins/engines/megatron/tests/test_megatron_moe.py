@@ -7,10 +7,7 @@ streams)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -52,27 +49,11 @@ def test_a_moe_checkpoint_gives_the_fsdp2_engines_log_probs_and_exports_unchange
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """Rank 0's results of moe_engine_worker.py on two gloo processes."""
-    import socket
+    from two_process_launch import launch
 
     directory = tmp_path_factory.mktemp("megatron-moe")
     model = save_tiny_moe_model(directory / "hf", "qwen2_moe", seed=4)
-    spec = {"model": model, "out": str(directory / "results.pt"), "scratch": str(directory)}
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    processes = [subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}) for rank in range(2)]
-    try:
-        outputs = [process.communicate(timeout=600)[0] for process in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    for rank, (process, output) in enumerate(zip(processes, outputs)):
-        assert process.returncode == 0, f"rank {rank} failed:\n{output[-6000:]}"
-    return torch.load(spec["out"], weights_only=True)
+    return launch(2, {"model": model}, directory, worker=WORKER)
 
 
 def max_difference(first: dict, second: dict) -> float:

@@ -73,15 +73,15 @@ def free_port() -> int:
         return handle.getsockname()[1]
 
 
-def launch(world_size: int, spec: dict, directory) -> dict:
-    """Run ``numerics_worker.py`` on ``world_size`` processes (gloo) with ``spec``; rank 0's results."""
+def launch(world_size: int, spec: dict, directory, worker: str = WORKER) -> dict:
+    """Run ``worker`` (``numerics_worker.py``) on ``world_size`` processes (gloo) with ``spec``; rank 0's results."""
     spec = {**spec, "out": str(directory / "results.pt"), "scratch": str(directory)}
     port = free_port()
     processes = []
     for rank in range(world_size):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        processes.append(subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], env=env, stdout=subprocess.PIPE,
+        processes.append(subprocess.Popen([sys.executable, worker, json.dumps(spec)], env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
     outputs = []
     try:
