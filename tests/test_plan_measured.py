@@ -113,13 +113,24 @@ def test_hf_generation_peak(single_process, case):
     assert within(prediction, measured), f"{case}: predicted {prediction:,} B, measured {measured:,} B ({prediction / measured - 1:+.1%})"
 
 
+#: Ulysses sequence parallelism on the two processes: one data-parallel group, both holding the same 8 rows (the
+#: measuring processes draw the same synthetic batch), each running half of every pack's tokens.
+SEQUENCE_PARALLEL = dict(dtype="float32", micro_batch_size_per_gpu=4, ulysses_sequence_parallel_size=2)
+
+
 def test_fsdp2_on_two_processes_holds_half_the_training_state_per_process():
+    """Two data-parallel processes, and the same two as one Ulysses group (SP=2): activations per process halve."""
     config, length = ENGINE_CASES["float32, micro-batch 4"]
-    (ranks,) = measure([spec("engine", "fsdp2", config, length)], world_size=2)
-    estimate = predicted("engine", config, length, processes=2)
-    for call in ("forward", "update"):
-        measured, prediction = max(rank[call] for rank in ranks), estimate.during(call)
-        assert within(prediction, measured), f"2 processes, {call}: predicted {prediction:,} B, measured {measured:,} B ({prediction / measured - 1:+.1%})"
+    ranks, sequence_ranks = measure([spec("engine", "fsdp2", config, length), spec("engine", "fsdp2", SEQUENCE_PARALLEL, length)],
+                                    world_size=2)
+    cases = ((ranks, predicted("engine", config, length, processes=2), "2 processes"),
+             # the group's 8 rows are 4 sequences per process
+             (sequence_ranks, predicted("engine", SEQUENCE_PARALLEL, length, processes=2, rows=ROWS // 2), "2 processes, SP=2"))
+    for measured_ranks, estimate, name in cases:
+        for call in ("forward", "update"):
+            measured, prediction = max(rank[call] for rank in measured_ranks), estimate.during(call)
+            print(f"{name}, {call}: predicted {prediction:,} B, measured {measured:,} B ({prediction / measured - 1:+.1%})")
+            assert within(prediction, measured), f"{name}, {call}: predicted {prediction:,} B, measured {measured:,} B ({prediction / measured - 1:+.1%})"
 
 
 #: On a GPU: a model large enough that cuBLAS's workspace and CUDA's 512-byte rounding are noise (170M parameters).

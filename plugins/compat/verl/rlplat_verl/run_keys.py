@@ -277,8 +277,9 @@ equal_only("reward_model.model.fsdp_config.fsdp_size", -1, "rlplat shards over e
            "as -1 asks", "rlplat has no hybrid sharding (HSDP)")
 for _key in ("forward_prefetch", "wrap_policy.min_num_params"):
     ignore(f"reward_model.model.fsdp_config.{_key}", SPEED_ONLY)
-equal_only("reward_model.ulysses_sequence_parallel_size", 1, "no sequence parallelism, as in rlplat",
-           "rlplat has no sequence parallelism")
+equal_only("reward_model.ulysses_sequence_parallel_size", 1, "no sequence parallelism, as in rlplat's reward-model role",
+           "rlplat's reward-model role runs without sequence parallelism (its actor and critic have it: "
+           "engine_config.ulysses_sequence_parallel_size)")
 
 OVERLONG = "overlong_buffer_cfg"
 

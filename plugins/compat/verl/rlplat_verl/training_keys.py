@@ -294,6 +294,25 @@ def warmup(item: Item, context: Context, role: str, training_steps: int) -> Outc
 
 # -- fsdp_config (actor, critic, reference) ------------------------------------------------------------
 
+
+def ulysses(key: str, role: str) -> None:
+    """verl's Ulysses sequence-parallel size: 1 (its default) accepted and ignored, above 1 the fsdp2 engine's key."""
+    target = f"{role}.engine_config.ulysses_sequence_parallel_size"
+
+    @special(key, [target], f"1 (verl's default): accepted and ignored; above 1 -> `{target}` (the fsdp2 engine's Ulysses "
+             "sequence parallelism)")
+    def _ulysses(item: Item, context: Context) -> Outcome:
+        if item.value in (None, 1):
+            return ignored(item, "no sequence parallelism, the engine's default")
+        return mapped(item, target)
+
+
+def actor_sequence_parallel(context: Context) -> Any:
+    """The actor's Ulysses size as the verl config gives it (its fsdp_config's key, else the actor's own, else 1)."""
+    given = context.value("actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size", default=None)
+    return given if given is not None else context.value("actor_rollout_ref.actor.ulysses_sequence_parallel_size", default=1)
+
+
 FSDP_DEFAULTS: dict[str, Any] = {
     "param_offload": False, "optimizer_offload": False, "offload_policy": False, "reshard_after_forward": True,
     "fsdp_size": -1, "model_dtype": "fp32", "full_determinism": False, "ulysses_sequence_parallel_size": 1,
@@ -323,7 +342,7 @@ for _role, _nodes in (("actor", ("actor_rollout_ref.actor.fsdp_config",)), ("cri
         only(f"{_node}.model_dtype", lambda value: DTYPES.get(str(value)) == "float32", "fp32",
              "rlplat keeps float32 master weights", "rlplat keeps float32 master weights")
         off_only(f"{_node}.full_determinism", "off", "rlplat has no deterministic-kernel switch")
-        equal_only(f"{_node}.ulysses_sequence_parallel_size", 1, "no sequence parallelism, as in rlplat", "rlplat has no sequence parallelism")
+        ulysses(f"{_node}.ulysses_sequence_parallel_size", _role)
         ignore(f"{_node}.strategy", "the engine follows the role's strategy")
         ignore(f"{_node}.forward_only", VERL_INTERNAL + " for the reference model")
         for _key in FSDP_SPEED_ONLY:
@@ -339,6 +358,8 @@ def _reference_fsdp(item: Item, context: Context) -> Outcome:
     if name in FSDP_SPEED_ONLY or name.startswith(("turbo_config.", "qat.")) or name in ("optimizer_offload", "seed", "forward_only"):
         return ignored(item, f"{REFERENCE_FOLLOWS_ACTOR}; this one does not change what the reference computes or holds")
     actor = context.value(f"actor_rollout_ref.actor.fsdp_config.{name}", default=FSDP_DEFAULTS.get(name))
+    if name == "ulysses_sequence_parallel_size":
+        actor = actor_sequence_parallel(context)
     if item.value == actor or (name == "dtype" and DTYPES.get(str(item.value)) == DTYPES.get(str(actor))):
         return ignored(item, f"{REFERENCE_FOLLOWS_ACTOR}, and the actor's {name} is {format_value(actor)}")
     return refused(item, f"{REFERENCE_FOLLOWS_ACTOR} (actor_rollout_ref.actor.fsdp_config.{name}={format_value(actor)}); "
@@ -353,7 +374,16 @@ def _reference_strategy(item: Item, context: Context) -> Outcome:
     return refused(item, f"{REFERENCE_FOLLOWS_ACTOR} (strategy {actor})")
 
 
-equal_only("actor_rollout_ref.ref.ulysses_sequence_parallel_size", 1, "no sequence parallelism, as in rlplat", "rlplat has no sequence parallelism")
+@special("actor_rollout_ref.ref.ulysses_sequence_parallel_size", [], f"accepted and ignored when equal to the actor's: "
+         f"{REFERENCE_FOLLOWS_ACTOR}; otherwise refused")
+def _reference_ulysses(item: Item, context: Context) -> Outcome:
+    actor = actor_sequence_parallel(context)
+    if item.value == actor:
+        return ignored(item, f"{REFERENCE_FOLLOWS_ACTOR}, and the actor's Ulysses size is {format_value(actor)}")
+    return refused(item, f"{REFERENCE_FOLLOWS_ACTOR} (its Ulysses size is {format_value(actor)}); set the actor's to this value "
+                         "or drop this one")
+
+
 for _key in ("use_torch_compile", "entropy_from_logits_with_chunking", "entropy_from_logits_chunk_size", "entropy_checkpointing",
              "pad_to_length"):
     ignore(f"actor_rollout_ref.ref.{_key}", SPEED_ONLY)
@@ -361,7 +391,7 @@ ignore("actor_rollout_ref.ref.rollout_n", VERL_INTERNAL + " from rollout.n")
 for _key in ("entropy_from_logits_with_chunking", "entropy_from_logits_chunk_size", "entropy_checkpointing", "pad_to_length"):
     ignore(f"actor_rollout_ref.actor.{_key}", SPEED_ONLY)
 for _node in ("actor_rollout_ref.actor", "critic"):
-    equal_only(f"{_node}.ulysses_sequence_parallel_size", 1, "no sequence parallelism, as in rlplat", "rlplat has no sequence parallelism")
+    ulysses(f"{_node}.ulysses_sequence_parallel_size", "actor" if _node.startswith("actor_rollout_ref") else "critic")
     equal_only(f"{_node}.shuffle", False, "rlplat takes mini-batches in rollout order, as false asks", "rlplat does not shuffle mini-batches")
     ignore(f"{_node}.data_loader_seed", "verl reads it only to shuffle mini-batches, which rlplat does not do")
     only(f"{_node}.checkpoint.save_contents", lambda value: set(value or []) <= {"model", "optimizer", "extra"}, "model, optimizer, extra",

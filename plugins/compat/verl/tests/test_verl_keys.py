@@ -325,6 +325,19 @@ def test_the_reference_model_takes_the_actors_engine_settings_so_a_different_one
         translate_overrides(["actor_rollout_ref.ref.fsdp_config.param_offload=True"])
 
 
+def test_ulysses_sizes_map_to_the_fsdp2_engines_key_and_the_reference_follows_the_actor():
+    assert translate_overrides(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                                "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2"])[0] == [
+        "actor.engine_config.ulysses_sequence_parallel_size=2"]
+    assert translate_overrides(["actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=4",
+                                "critic.ulysses_sequence_parallel_size=2"])[0] == [
+        "actor.engine_config.ulysses_sequence_parallel_size=4", "critic.engine_config.ulysses_sequence_parallel_size=2"]
+    assert translate_overrides(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=1"])[0] == []
+    with pytest.raises(ConfigError, match=r"ref\.ulysses_sequence_parallel_size=2: rlplat's reference model runs with the "
+                                          r"actor's engine settings \(its Ulysses size is 1\)"):
+        translate_overrides(["actor_rollout_ref.ref.ulysses_sequence_parallel_size=2"])
+
+
 def test_a_value_of_the_wrong_kind_is_refused_not_raised():
     with pytest.raises(ConfigError, match="tensor_model_parallel_size=two: not a value this key takes"):
         translate_overrides(["actor_rollout_ref.rollout.tensor_model_parallel_size=two"])

@@ -108,6 +108,13 @@ class FSDP2EngineConfig(EngineBuildConfig):
     ``2 x logprob_chunk_size x logprob_vocab_chunk_size x 4`` bytes of logits (None: the whole vocabulary,
     ``2 x chunk x vocab x 4``). For an output layer that is a plain ``nn.Linear`` (not LoRA-wrapped) and
     calls without ``top_k``."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ulysses sequence parallelism (verl's key): groups of this many consecutive ranks share each micro-batch,
+    each running a contiguous ``1/size`` of its pack's tokens, with an all-to-all over attention heads around
+    every attention (:mod:`rlplat_engine_fsdp2.ulysses`); activations per rank shrink by the size. The batch
+    splits over ``world / size`` data-parallel groups (the ranks of a group get the same rows, one answers).
+    Needs ``use_remove_padding`` and a model packing supports; the size must divide the world size and the
+    attention heads (key/value heads divide it or are divided by it). Parameters stay sharded over every rank."""
     enable_gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (activation checkpointing)."""
     param_offload: bool = False
@@ -162,7 +169,10 @@ class FSDP2EngineConfig(EngineBuildConfig):
             problems.append(f"betas needs two values, got {list(self.betas)}")
         if self.logprob_vocab_chunk_size is not None and self.logprob_vocab_chunk_size < 1:
             problems.append(f"logprob_vocab_chunk_size must be >= 1 or None, got {self.logprob_vocab_chunk_size}")
-        for name in ("ppo_epochs", "micro_batch_size_per_gpu", "max_token_len_per_gpu", "logprob_chunk_size"):
+        if self.ulysses_sequence_parallel_size > 1 and not self.use_remove_padding:
+            problems.append(f"ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size} splits packed micro-batches: "
+                            "it needs use_remove_padding=True")
+        for name in ("ppo_epochs", "micro_batch_size_per_gpu", "max_token_len_per_gpu", "logprob_chunk_size", "ulysses_sequence_parallel_size"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("ppo_mini_batch_size", "forward_micro_batch_size_per_gpu"):

@@ -16,6 +16,10 @@ collective). The result is the gradient of the unsplit mini-batch, however it wa
 
 Micro-batches run as padded rows, or with ``use_remove_padding`` as one pack of their valid tokens
 (:mod:`rlplat_engine_fsdp2.packing`); the loss function gets the same ``[B, R]`` outputs either way.
+With ``ulysses_sequence_parallel_size`` ``sp`` > 1, groups of ``sp`` consecutive ranks share each pack
+(:mod:`rlplat_engine_fsdp2.ulysses`): the batch is dispatched over ``world / sp`` data-parallel groups
+(:meth:`data_parallel_info`), every rank of a group computes the same loss on the gathered outputs, and the
+global counts and metrics count each group once; FSDP2 still shards over every rank.
 
 LoRA (``lora``, :mod:`rlplat_engine_fsdp2.lora`): ``peft`` puts adapters into the Hugging Face model
 before it is sharded; the base weights are frozen and the optimizer holds only the adapter. The engine
@@ -45,13 +49,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from rlplat.contracts.engine import LossFunction, TrainingEngine
+from rlplat.contracts.engine import DataParallelInfo, LossFunction, TrainingEngine
 from rlplat.kits.engine import WarmupSchedule, fixed_size_partition, token_budget_partition, tokenizer_folder, weight_buckets
 from rlplat.lora import LoraConfig, read_lora
 from rlplat.protocol import DataProto
 from rlplat.config.moe import MoEConfig, read_moe
 from rlplat.kits.moe import ROUTES, find_routers
-from rlplat_engine_fsdp2 import checkpoint, lora, modeling
+from rlplat_engine_fsdp2 import checkpoint, lora, modeling, ulysses
 from rlplat_engine_fsdp2.moe import EngineRouting
 from rlplat_engine_fsdp2.config import REDUCE_BUCKET_BYTES, FSDP2EngineConfig, read_engine_config
 
@@ -88,6 +92,8 @@ class FSDP2Engine(TrainingEngine):
         self.adapter_off = False
         self.trainable_params = 0
         self.routing: EngineRouting | None = None
+        self.sequence_parallel: ulysses.SequenceParallel | None = None
+        self.sp_size = config.ulysses_sequence_parallel_size
 
     # -- building ----------------------------------------------------------------------------------
 
@@ -100,8 +106,15 @@ class FSDP2Engine(TrainingEngine):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.hf_config = modeling.hf_config(config)
+        if self.sp_size > 1:
+            ulysses.check_heads(self.hf_config, self.sp_size)
+            self.sequence_parallel = ulysses.new_groups(self.sp_size)
         model = modeling.build_model(config)
-        self.remove_padding = config.use_remove_padding and modeling.enable_packing(model, config.attn_implementation)
+        self.remove_padding = config.use_remove_padding and modeling.enable_packing(model, config.attn_implementation, self.sp_size > 1)
+        if self.sp_size > 1 and not self.remove_padding:
+            raise ValueError(f"fsdp2 engine: ulysses_sequence_parallel_size={self.sp_size} splits packed micro-batches, but "
+                             f"{type(model).__name__} does not route attention through Hugging Face's attention interface, "
+                             "so its rows cannot be packed")
         if config.use_remove_padding and not self.remove_padding:
             warnings.warn(
                 f"use_remove_padding: {type(model).__name__} does not route attention through Hugging Face's "
@@ -114,6 +127,10 @@ class FSDP2Engine(TrainingEngine):
             # peft changes the Hugging Face module in place; the PeftModel around it is kept for its switches.
             self.peft_model = lora.attach_adapter(model, self.lora, config.seed, config.model_path)
         self.routing = self.build_routing(model)
+        if self.routing is not None and self.sp_size > 1:
+            raise ValueError(f"fsdp2 engine: ulysses_sequence_parallel_size={self.sp_size} with a mixture-of-experts model "
+                             f"({type(model).__name__}) is not supported: its routers' load metrics and replay read the whole "
+                             "pack on every rank; use sequence parallelism with dense models")
         reduce_dtype = modeling.TORCH_DTYPES[config.reduce_dtype]
         full_precision = (self.compute_dtype(), reduce_dtype) == (torch.float32, torch.float32)
         replicate = config.data_parallel == "replicate"
@@ -169,6 +186,12 @@ class FSDP2Engine(TrainingEngine):
             raise RuntimeError(f"FSDP2Engine.{method}(): this engine trains full weights (its config has no lora); "
                                "LoRA adapters exist only with actor.lora.rank > 0")
         return self.peft_model
+
+    def data_parallel_info(self) -> DataParallelInfo:
+        """``(dp_rank, dp_size, collect)``: with Ulysses the ``sp`` consecutive ranks of a group share the rows, the
+        first answers."""
+        self.require_model("data_parallel_info")
+        return DataParallelInfo(self.rank // self.sp_size, self.world_size // self.sp_size, self.rank % self.sp_size == 0)
 
     def compute_dtype(self) -> torch.dtype:
         if self.config.dtype == "auto":
@@ -270,6 +293,7 @@ class FSDP2Engine(TrainingEngine):
             gather_ids=None if gather_ids is None else batch[gather_ids].to(self.device),
             top_k=top_k,
             vocabulary_chunk=self.config.logprob_vocab_chunk_size,
+            sequence_parallel=self.sequence_parallel,
         )
 
     @staticmethod
@@ -283,7 +307,7 @@ class FSDP2Engine(TrainingEngine):
         """Row groups of ``batch``, as many on every rank (padded with empty groups where fewer)."""
         if self.config.use_dynamic_bsz:
             tokens = batch.batch["attention_mask"].sum(-1).tolist()
-            budget = self.config.max_token_len_per_gpu
+            budget = self.config.max_token_len_per_gpu * self.sp_size  # each rank of a group holds 1/sp of a pack
             groups = token_budget_partition(tokens, budget)
             agreed = self.all_reduce_max(len(groups))
             if agreed > len(groups):
@@ -301,7 +325,11 @@ class FSDP2Engine(TrainingEngine):
         return int(tensor.item())
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """``values`` summed over the data-parallel groups (a sequence-parallel group's ranks hold the same rows:
+        its first rank's values count)."""
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.rank % self.sp_size:
+            tensor.zero_()
         if self.world_size > 1:
             dist.all_reduce(tensor)
         return tensor.tolist()
@@ -357,11 +385,12 @@ class FSDP2Engine(TrainingEngine):
         global_rows = batch.meta_info.get("ppo_mini_batch_size", self.config.ppo_mini_batch_size)
         if global_rows is None:
             return rows
-        per_rank, remainder = divmod(int(global_rows), self.world_size)
+        groups = self.world_size // self.sp_size
+        per_rank, remainder = divmod(int(global_rows), groups)
         if remainder or per_rank == 0:
             raise ValueError(
                 f"train_batch: ppo_mini_batch_size={global_rows} rows of the global batch do not split over "
-                f"{self.world_size} data-parallel rank(s); make it a multiple of {self.world_size} "
+                f"{groups} data-parallel rank(s); make it a multiple of {groups} "
                 "(<role>.ppo_mini_batch_size x rollout.n in a run config; the engine config's "
                 "ppo_mini_batch_size or the batch's meta_info['ppo_mini_batch_size'] from Python)"
             )
@@ -479,7 +508,8 @@ class FSDP2Engine(TrainingEngine):
         gathered: list[Any] = [metrics]
         if self.world_size > 1:
             gathered = [None] * self.world_size
-            dist.all_gather_object(gathered, metrics)
+            # a sequence-parallel group's ranks computed the same loss: its first rank's metrics count
+            dist.all_gather_object(gathered, [] if self.rank % self.sp_size else metrics)
         values: dict[str, list[float]] = {}
         for rank_metrics in gathered:
             for entry in rank_metrics:
@@ -672,6 +702,7 @@ class FSDP2Engine(TrainingEngine):
             "value_model": self.config.value_model,
             "reward_model": self.config.reward_model,
             "remove_padding": self.remove_padding,
+            "ulysses_sequence_parallel_size": self.sp_size,
             "sharded": self.sharded,
             "trainable_parameters": self.trainable_params,
             "lora_rank": self.lora.rank if self.lora is not None else 0,

@@ -31,6 +31,12 @@ What one process holds, as :mod:`rlplat_engine_fsdp2.engine` allocates it:
 * **forward** (log-probs, values, scores; no gradients): the largest transient of a layer (the MLP's
   three ``i``-wide tensors and the residual) and the logits of the micro-batch.
 * **export** (the weight sync): ``named_weights`` gathers full float32 tensors one bucket at a time.
+* **Ulysses sequence parallelism** (``ulysses_sequence_parallel_size`` ``sp``): a data-parallel group of ``sp``
+  processes shares its rows (``sp`` times a process's share of the sequences), each process holding ``1/sp`` of
+  a micro-batch's tokens; the all-to-alls give attention the whole sequence for ``1/sp`` of the heads, the same
+  bytes per token (key and value heads counted as repeated where they do not divide by ``sp``). A process's
+  response positions, whose logits it computes, are at most its tokens. Parameters stay sharded over every
+  process. A layout that does not divide (the processes or the heads by ``sp``) is refused.
 
 On CPU ``param_offload`` and ``optimizer_offload`` move nothing (the engine's rule); on a GPU they take
 the parameters off the device between calls and the optimizer states off it outside the step.
@@ -42,6 +48,8 @@ from __future__ import annotations
 
 import math
 from typing import Any, Mapping
+
+import dataclasses
 
 from rlplat.plan.estimate import MemoryContext, MemoryEstimate, MemoryItem, ModelShape, dtype_bytes, human_bytes
 from rlplat_engine_fsdp2.config import REDUCE_BUCKET_BYTES, read_engine_config
@@ -80,12 +88,18 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
     """The items of one process of an fsdp2 engine in ``context.role`` (see the module docstring)."""
     engine = read_engine_config(config)
     shape = ModelShape.from_config(model_config, f"{context.role}: config.json")
+    sp = engine.ulysses_sequence_parallel_size
+    world = max(context.processes, 1)
+    problems = sequence_parallel_problems(sp, world, shape)
+    if problems:
+        key = {"actor": "actor", "reference": "actor", "critic": "critic"}.get(context.role, context.role)
+        raise ValueError(f"fsdp2 engine: {key}.engine_config.ulysses_sequence_parallel_size={sp} on the role's {world} "
+                         "process(es): " + "; ".join(problems))
     gpu = context.device == "cuda"
     compute = engine.dtype if engine.dtype != "auto" else ("bfloat16" if gpu else "float32")
     b = dtype_bytes(compute)
     head = "score" if engine.reward_model else ("value" if engine.value_model else "lm")
     parameters = shape.parameters(head)
-    world = max(context.processes, 1)
     sharded = engine.data_parallel == "shard" and (
         world > 1 or engine.shard_one_rank or (compute, engine.reduce_dtype) != ("float32", "float32"))
     shards = world if sharded else 1
@@ -125,21 +139,27 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
                                     f"the output layer's ({output:,}) in {compute}, made first in backward, while every "
                                     "activation is still held"))
     sequence, response = context.sequence_length, context.response_length
-    per_process = max(context.sequences_per_process, 1)
+    groups = world // sp  # data-parallel groups: each sp processes share their rows
+    per_process = max(context.sequences_per_process, 1) * sp
+    attention_shape = dataclasses.replace(shape, num_kv_heads=shape.num_kv_heads * (sp // math.gcd(shape.num_kv_heads, sp)))
     for call, rows_key in (("update", "micro_batch_size_per_gpu"), ("forward", "forward_micro_batch_size_per_gpu")):
         if call == "update" and not trains:
             continue
         rows = getattr(engine, rows_key) or engine.micro_batch_size_per_gpu
         if call == "update" and engine.ppo_mini_batch_size:
-            rows = min(rows, max(engine.ppo_mini_batch_size // world, 1))
+            rows = min(rows, max(engine.ppo_mini_batch_size // groups, 1))
         rows = min(rows, per_process)
         tokens = rows * sequence
         if engine.use_dynamic_bsz:
-            tokens = min(max(engine.max_token_len_per_gpu, sequence), per_process * sequence)
+            tokens = min(max(engine.max_token_len_per_gpu * sp, sequence), per_process * sequence)
             rows = max(tokens // sequence, 1)
         response_tokens = rows * response
-        item = activation_item(shape, engine, call, b, tokens, response_tokens, head, compute)
-        if call == "update" and micro_batches_per_step(engine, world, per_process, rows, sequence) == 1:
+        if sp > 1:  # this process's slice of the pack, and at most that many response positions
+            tokens = -(-tokens // sp)
+            response_tokens = min(response_tokens, tokens)
+        item = activation_item(attention_shape if sp > 1 else shape, engine, call, b, tokens, response_tokens, head, compute,
+                               sp)
+        if call == "update" and micro_batches_per_step(engine, groups, per_process, rows, sequence, sp) == 1:
             # the step's zero_grad frees the gradients before its one forward, and backward makes them as the
             # activations go: the update holds the larger of the two, not their sum
             gradients = math.ceil(trainable * 4 / shards)
@@ -158,17 +178,31 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
     return MemoryEstimate(tuple(items), tuple(notes))
 
 
-def micro_batches_per_step(engine: Any, world: int, per_process: int, rows: int, sequence: int) -> int:
-    """Micro-batches of one optimizer step on one process: its rows of a mini-batch over the rows (or, with
-    ``use_dynamic_bsz``, the tokens) of a micro-batch."""
-    step_rows = min(max(engine.ppo_mini_batch_size // world, 1), per_process) if engine.ppo_mini_batch_size else per_process
+def sequence_parallel_problems(sp: int, world: int, shape: ModelShape) -> list[str]:
+    """What keeps ``sp`` processes per Ulysses group from fitting ``world`` processes and the model's heads
+    (``ulysses.check_heads``' and ``ulysses.new_groups``' rules)."""
+    problems = []
+    if sp > 1:
+        if world % sp:
+            problems.append(f"it does not divide the {world} processes")
+        if shape.num_heads % sp:
+            problems.append(f"it does not divide the model's {shape.num_heads} attention heads")
+        if shape.num_kv_heads % sp and sp % shape.num_kv_heads:
+            problems.append(f"the model's {shape.num_kv_heads} key/value heads neither divide by it nor divide it")
+    return problems
+
+
+def micro_batches_per_step(engine: Any, groups: int, per_process: int, rows: int, sequence: int, sp: int = 1) -> int:
+    """Micro-batches of one optimizer step on one process: its rows of a mini-batch (over ``groups``
+    data-parallel groups) over the rows (or, with ``use_dynamic_bsz``, the tokens) of a micro-batch."""
+    step_rows = min(max(engine.ppo_mini_batch_size // groups, 1), per_process) if engine.ppo_mini_batch_size else per_process
     if engine.use_dynamic_bsz:
-        return max(math.ceil(step_rows * sequence / max(engine.max_token_len_per_gpu, sequence)), 1)
+        return max(math.ceil(step_rows * sequence / max(engine.max_token_len_per_gpu * sp, sequence)), 1)
     return max(math.ceil(step_rows / max(rows, 1)), 1)
 
 
 def activation_item(shape: ModelShape, engine: Any, call: str, b: int, tokens: int, response_tokens: int, head: str,
-                    compute: str) -> MemoryItem:
+                    compute: str, sp: int = 1) -> MemoryItem:
     h, layers, vocab = shape.hidden_size, shape.num_layers, shape.vocab_size
     if chunked_head(response_tokens, vocab, head):
         # the chunked output layer (modeling.ChunkedHead, FusedHeadScores): a chunk's float32 logits and, beside
@@ -188,8 +222,9 @@ def activation_item(shape: ModelShape, engine: Any, call: str, b: int, tokens: i
         layer = tokens * b * (2 * h + mlp)
         # the chunked output layer runs after the last layer's transients are gone: the larger of the two
         held = max(layer, logits) if chunked_head(response_tokens, vocab, head) else layer + logits
+        where = f" (1/{sp} of a micro-batch's pack: Ulysses)" if sp > 1 else " per micro-batch"
         return MemoryItem("forward activations", held, ("forward",),
-                          f"{tokens:,} tokens per micro-batch, largest layer transient + logits of {response_tokens:,} response tokens "
+                          f"{tokens:,} tokens{where}, largest layer transient + logits of {response_tokens:,} response tokens "
                           f"({logits_how(engine, response_tokens, vocab)}), no gradients")
     sparse, dense = shape.moe_layers, layers - shape.moe_layers
     per_layer = layer_activation_bytes(shape, b, sparse=sparse > 0)  # the largest layer (recomputation holds one)
@@ -202,8 +237,9 @@ def activation_item(shape: ModelShape, engine: Any, call: str, b: int, tokens: i
         kept = tokens * all_layers
         how = (f"{sparse} MoE layers x {per_layer:,} B/token + {dense} dense x {layer_activation_bytes(shape, b):,}" if sparse
                else f"{layers} layers x {per_layer:,} B/token")
+    where = f" (1/{sp} of a micro-batch's pack: Ulysses)" if sp > 1 else " per micro-batch"
     return MemoryItem("activations", kept + tokens * final_norm + logits, ("update",),
-                      f"{tokens:,} tokens per micro-batch in {compute}, {how}; logits of {response_tokens:,} response tokens "
+                      f"{tokens:,} tokens{where} in {compute}, {how}; logits of {response_tokens:,} response tokens "
                       f"({logits_how(engine, response_tokens, vocab)})")
 
 

@@ -114,14 +114,15 @@ def build_model(config: FSDP2EngineConfig) -> torch.nn.Module:
     return loader.from_config(model_config, **options)
 
 
-def enable_packing(model: torch.nn.Module, attn_implementation: str) -> bool:
+def enable_packing(model: torch.nn.Module, attn_implementation: str, sequence_parallel: bool = False) -> bool:
     """Make ``model`` able to run packed calls (:func:`run_packed_model`): its attention becomes
     :func:`packing.attention_implementation` of ``attn_implementation``, the same kernel for unpacked
-    calls. False, and ``model`` unchanged, when the model does not route attention through Hugging
-    Face's attention interface (``_supports_attention_backend``), so a pack would attend across sequences."""
+    calls (``sequence_parallel``: one that also runs Ulysses' all-to-alls). False, and ``model`` unchanged,
+    when the model does not route attention through Hugging Face's attention interface
+    (``_supports_attention_backend``), so a pack would attend across sequences."""
     if not getattr(model, "_supports_attention_backend", False):
         return False
-    name = packing.attention_implementation(attn_implementation)
+    name = packing.attention_implementation(attn_implementation, sequence_parallel)
     if name != attn_implementation:
         model.set_attn_implementation(name)
     return True
@@ -488,6 +489,7 @@ def run_model(
     gather_ids: torch.Tensor | None = None,
     top_k: int = 0,
     vocabulary_chunk: int | None = None,
+    sequence_parallel: Any = None,
 ) -> ModelOutputs:
     """One forward of ``model`` on ``input_ids``, ``attention_mask``, ``position_ids`` and
     ``responses`` (``[B, R]``, the last ``R`` tokens of ``input_ids``). ``top_k``: also the ``k`` largest
@@ -497,12 +499,16 @@ def run_model(
     ``remove_padding``: run the rows as one pack of their valid tokens (:mod:`rlplat_engine_fsdp2.packing`;
     the model must have passed :func:`enable_packing`). Outputs are
     the same ``[B, R]`` tensors, 0 at response positions that are padding. A ``reward_model`` returns
-    ``rm_scores`` [B] instead (:func:`run_reward_model`)."""
+    ``rm_scores`` [B] instead (:func:`run_reward_model`). ``sequence_parallel`` (packed only): this rank's
+    Ulysses group (:mod:`rlplat_engine_fsdp2.ulysses`); every rank of it gets the same outputs."""
+    if sequence_parallel is not None and not remove_padding:
+        raise ValueError("Ulysses sequence parallelism runs packed micro-batches: it needs remove_padding")
     if reward_model:
-        return run_reward_model(model, inputs, remove_padding=remove_padding)
+        return run_reward_model(model, inputs, remove_padding=remove_padding, sequence_parallel=sequence_parallel)
     if remove_padding:
         return run_packed_model(model, inputs, value_model=value_model, temperature=temperature, chunk_tokens=chunk_tokens,
-                                calculate_entropy=calculate_entropy, gather_ids=gather_ids, top_k=top_k, vocabulary_chunk=vocabulary_chunk)
+                                calculate_entropy=calculate_entropy, gather_ids=gather_ids, top_k=top_k, vocabulary_chunk=vocabulary_chunk,
+                                sequence_parallel=sequence_parallel)
     response_length = inputs["responses"].shape[1]
     arguments = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"], use_cache=False)
     if value_model:
@@ -538,27 +544,40 @@ def run_packed_model(
     gather_ids: torch.Tensor | None = None,
     top_k: int = 0,
     vocabulary_chunk: int | None = None,
+    sequence_parallel: Any = None,
 ) -> ModelOutputs:
-    """:func:`run_model` on the rows packed into one row of their valid tokens."""
-    grouped = model.config._attn_implementation.startswith(packing.PACKED_ATTENTION_PREFIX)
+    """:func:`run_model` on the rows packed into one row of their valid tokens; with ``sequence_parallel``
+    (:class:`rlplat_engine_fsdp2.ulysses.SequenceParallel`) this rank runs its slice of the pack and the outputs
+    are gathered from the group's ranks."""
+    grouped = packing.plans_groups(model)
     packed = packing.pack(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"], inputs["responses"], grouped_attention=grouped)
-    arguments = packed.model_kwargs()
+    packed_ids = None if gather_ids is None else packed.select(gather_ids)
+    arguments, predictors, targets = packed.model_kwargs(), packed.predictors, packed.targets
+    place: Callable[[torch.Tensor], torch.Tensor] = packed.unpack
+    widest = int(predictors.numel())
+    if sequence_parallel is not None:
+        from rlplat_engine_fsdp2 import ulysses
+
+        shard = ulysses.shard(packed, sequence_parallel, grouped_attention=grouped)
+        mine, predictors, counts = shard.local(packed.predictors)
+        arguments, targets, widest = shard.kwargs, packed.targets[mine], max(counts)
+        packed_ids = None if packed_ids is None else packed_ids[mine]
+        place = lambda values: packed.unpack(shard.gather(values, counts))  # noqa: E731
+    packed_ids = None if packed_ids is None else packed_ids.unsqueeze(0)
     if value_model:
         with quiet_value_head_view(), packing.packed_forward():
-            values = model(**arguments).logits[0, packed.predictors, 0].float()
-        return ModelOutputs({"values": packed.unpack(values)}, None, temperature, chunk_tokens)
-    packed_ids = None if gather_ids is None else packed.select(gather_ids).unsqueeze(0)
-    if chunks_the_head(model, 1, int(packed.predictors.numel()), chunk_tokens):
-        head = ChunkedHead(None, packed.targets.unsqueeze(0), temperature=temperature, chunk_tokens=chunk_tokens,
+            values = model(**arguments).logits[0, predictors, 0].float()
+        return ModelOutputs({"values": place(values)}, None, temperature, chunk_tokens)
+    if chunks_the_head(model, 1, widest, chunk_tokens):
+        head = ChunkedHead(None, targets.unsqueeze(0), temperature=temperature, chunk_tokens=chunk_tokens,
                            entropy=calculate_entropy, ids=packed_ids, top_k=top_k, drop_last=False, vocabulary_chunk=vocabulary_chunk)
         with packing.packed_forward(), chunked_head(model, head):
-            scores = model(**arguments, logits_to_keep=packed.predictors).logits
-        return scored_outputs(scores, head, temperature, chunk_tokens, place=lambda values: packed.unpack(values[0]))
+            scores = model(**arguments, logits_to_keep=predictors).logits
+        return scored_outputs(scores, head, temperature, chunk_tokens, place=lambda values: place(values[0]))
     with packing.packed_forward():
-        logits = model(**arguments, logits_to_keep=packed.predictors).logits
-    log_probs = response_log_probs(logits, packed.targets.unsqueeze(0), temperature, chunk_tokens)[0]
-    outputs = ModelOutputs({"log_probs": packed.unpack(log_probs)}, logits, temperature, chunk_tokens, place=packed.unpack,
-                           gather_ids=packed_ids)
+        logits = model(**arguments, logits_to_keep=predictors).logits
+    log_probs = response_log_probs(logits, targets.unsqueeze(0), temperature, chunk_tokens)[0]
+    outputs = ModelOutputs({"log_probs": place(log_probs)}, logits, temperature, chunk_tokens, place=place, gather_ids=packed_ids)
     if calculate_entropy:
         outputs.compute_entropy()
     return outputs
@@ -581,23 +600,33 @@ def scored_outputs(scores: torch.Tensor, head: ChunkedHead, temperature: float, 
     return outputs
 
 
-def run_reward_model(model: torch.nn.Module, inputs: Mapping[str, torch.Tensor], *, remove_padding: bool) -> ModelOutputs:
+def run_reward_model(model: torch.nn.Module, inputs: Mapping[str, torch.Tensor], *, remove_padding: bool,
+                     sequence_parallel: Any = None) -> ModelOutputs:
     """``rm_scores`` [B] float32: the score head's output at each row's last token with ``attention_mask``
-    1 (0 for a row without one). Packed, the rows run as one row of their valid tokens."""
+    1 (0 for a row without one). Packed, the rows run as one row of their valid tokens (with
+    ``sequence_parallel``, this rank's slice of it; the scores gathered from the group)."""
     mask = inputs["attention_mask"].bool()
     rows, width = mask.shape
     has_tokens = mask.any(-1)
     with quiet_value_head_view(), per_token_scores(model) as captured:
         if remove_padding:
-            grouped = model.config._attn_implementation.startswith(packing.PACKED_ATTENTION_PREFIX)
+            grouped = packing.plans_groups(model)
             no_responses = inputs["input_ids"][:, :0]  # the pack's inputs only: nothing here predicts tokens
             packed = packing.pack(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"], no_responses,
                                   grouped_attention=grouped)
-            with packing.packed_forward():
-                model(**packed.model_kwargs())
-            cu_seq_lens = packed.cu_seq_lens
-            last = (cu_seq_lens[1:] - 1).long()
-            picked = captured[-1][0, last, 0].float()
+            last = (packed.cu_seq_lens[1:] - 1).long()
+            if sequence_parallel is None:
+                with packing.packed_forward():
+                    model(**packed.model_kwargs())
+                picked = captured[-1][0, last, 0].float()
+            else:
+                from rlplat_engine_fsdp2 import ulysses
+
+                shard = ulysses.shard(packed, sequence_parallel, grouped_attention=grouped)
+                with packing.packed_forward():
+                    model(**shard.kwargs)
+                _, local, counts = shard.local(last)
+                picked = shard.gather(captured[-1][0, local, 0].float(), counts)
         else:
             model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"], use_cache=False)
             last = width - 1 - mask.flip(-1).int().argmax(-1)

@@ -241,11 +241,14 @@ def grouped_causal_attention(
     return output.unsqueeze(0)
 
 
-def attention_implementation(base: str) -> str:
+def attention_implementation(base: str, sequence_parallel: bool = False) -> str:
     """The attention implementation a model packed calls can run on, given its configured ``base``:
     flash-attention as it is (its varlen path reads ``cu_seq_lens_*``), otherwise
-    ``rlplat_packed_<base>``, registered with Hugging Face's attention and mask interfaces on first use."""
-    if base.startswith("flash_attention"):
+    ``rlplat_packed_<base>``, registered with Hugging Face's attention and mask interfaces on first use.
+    ``sequence_parallel``: calls may carry a ``sequence_parallel`` kwarg (:mod:`rlplat_engine_fsdp2.ulysses`),
+    whose all-to-alls surround the attention; flash-attention then gets the wrapper too."""
+    flash = base.startswith("flash_attention")
+    if flash and not sequence_parallel:
         return base
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -262,6 +265,18 @@ def attention_implementation(base: str) -> str:
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         if kwargs.get("cu_seq_lens_q") is None:
             return unpacked_attention(module, base)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        sp = kwargs.pop("sequence_parallel", None)
+        if sp is not None:
+            from rlplat_engine_fsdp2 import ulysses
+
+            query, key, value = ulysses.split_heads(query, key, value, sp)
+            output, weights = packed_attention(module, query, key, value, scaling, dropout, kwargs)
+            return ulysses.sequence_to_heads(output, sp), weights
+        return packed_attention(module, query, key, value, scaling, dropout, kwargs)
+
+    def packed_attention(module, query, key, value, scaling, dropout, kwargs):
+        if flash:
+            return unpacked_attention(module, base)(module, query, key, value, None, scaling=scaling, dropout=dropout, **kwargs)
         unsupported = [key for key in UNSUPPORTED_ATTENTION_TERMS if kwargs.get(key) is not None]
         if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
             unsupported.append("is_causal=False")
@@ -285,6 +300,13 @@ def attention_implementation(base: str) -> str:
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, mask)
     return name
+
+
+def plans_groups(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s packed calls run :func:`grouped_causal_attention` (and so want their groups planned
+    once per call, not once per layer): its attention is ``rlplat_packed_<base>`` of a base other than flash."""
+    name = model.config._attn_implementation
+    return name.startswith(PACKED_ATTENTION_PREFIX) and not name[len(PACKED_ATTENTION_PREFIX):].startswith("flash_attention")
 
 
 def unpacked_attention(module: torch.nn.Module, base: str) -> Any:

@@ -82,6 +82,24 @@ class EngineHost(Worker):
         return self.engines[name].train_batch(without_padding_weight(batch, self.padding_rows), loss_fn)
 
     @register(Dispatch.ONE_TO_ALL)
+    def build_mesh(self, name: str, overrides: dict, model: dict | None = None) -> None:
+        """An engine whose data-parallel place (Ulysses groups) the mesh methods dispatch by."""
+        engine = FSDP2Engine({**BASE, **({"model_config": model} if model else {})}, **overrides)
+        engine.init_model()
+        self.engines[name] = engine
+        self.set_dispatch_info(*engine.data_parallel_info())
+
+    @register(Dispatch.DP_MESH)
+    def forward_mesh(self, name: str, batch: DataProto, calculate_entropy: bool = False) -> DataProto:
+        return self.engines[name].forward(batch, calculate_entropy=calculate_entropy)
+
+    @register(Dispatch.DP_MESH)
+    def train_mesh(self, name: str, batch: DataProto, loss: str = "policy") -> DataProto:
+        loss_fn = ValueRegressionLoss() if loss == "value" else PolicyGradientLoss()
+        metrics = self.engines[name].train_batch(without_padding_weight(batch, self.padding_rows), loss_fn)
+        return DataProto(meta_info={"metrics": metrics})
+
+    @register(Dispatch.ONE_TO_ALL)
     def parameters(self, name: str) -> dict:
         return {key: tensor.clone() for bucket in self.engines[name].named_weights() for key, tensor in bucket}
 
@@ -405,3 +423,108 @@ def test_the_chunked_output_layer_steps_on_two_sharded_ranks_as_on_one_and_as_th
     assert max_difference(two_gradients, one_gradients) <= 1e-6 * max(1.0, largest)
     assert max_difference(one_gradients, whole) <= 1e-6 * max(1.0, largest)
     assert two_metrics["loss"] == pytest.approx(one_metrics["loss"], rel=1e-5, abs=1e-7)
+
+
+# -- Ulysses sequence parallelism ------------------------------------------------------------------------
+
+def long_batch(rows: int = 6, seed: int = 3) -> DataProto:
+    """Rows of 7 to 27 valid tokens (prompts of 4 to 12 left-padded to 12, responses of 3 to 15 right-padded to
+    15): the packs have odd lengths, so the two ranks' slices need padding, and response tokens fall in both."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt, response = 12, 15
+    input_ids = torch.randint(1, 16, (rows, prompt + response), generator=generator)
+    attention_mask = torch.zeros(rows, prompt + response, dtype=torch.long)
+    for row in range(rows):
+        prompt_tokens, response_tokens = 4 + (3 * row) % 9, 3 + (5 * row) % 13
+        attention_mask[row, prompt - prompt_tokens : prompt + response_tokens] = 1
+    input_ids = input_ids * attention_mask
+    return DataProto.from_dict({
+        "input_ids": input_ids, "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0), "responses": input_ids[:, prompt:],
+        "response_mask": attention_mask[:, prompt:].float(),
+        "advantages": torch.randn(rows, response, generator=generator), "returns": torch.randn(rows, response, generator=generator),
+    }, meta_info={"ppo_mini_batch_size": rows})
+
+
+GQA_ONE_KV_HEAD = dict(BASE["model_config"], num_key_value_heads=1)
+
+
+@pytest.mark.parametrize("model, overrides, budget", [
+    (None, {}, None),
+    (GQA_ONE_KV_HEAD, {"micro_batch_size_per_gpu": 4}, None),  # one key/value head, repeated over the 2 ranks
+    (None, {"use_dynamic_bsz": True}, 16),  # 16 tokens a process: packs of up to 32 tokens on SP=2, as on 1 rank
+], ids=["mha", "gqa-1-kv-head", "token-budget"])
+def test_ulysses_sp2_equals_one_rank_log_probs_entropy_and_one_step_parameters(two_ranks, one_rank, model, overrides, budget):
+    """SP=2 on 2 gloo processes (one data-parallel group: both ranks get every row, rank 0 answers) against the
+    packed engine on one rank: log-probs and entropy within 1e-5, the step's gradients within 1e-6 of their
+    largest entry, and the parameters after the step within 1e-5. lr 1e-4: AdamW's first step moves every
+    weight by about lr whatever its gradient, so a gradient entry near 0 (where float32 summation order alone
+    flips its sign) moves by up to 2 lr either way; at 1e-4 that stays a tenth of the tolerance while every
+    weight still moves 10x beyond it."""
+    batch = long_batch()
+    overrides = {"lr": 1e-4, "grad_clip": None, **overrides}
+    two_ranks.build_mesh("sp", {"ulysses_sequence_parallel_size": 2, **overrides, **({"max_token_len_per_gpu": budget} if budget else {})}, model)
+    one_rank.build_mesh("sp", {**overrides, **({"max_token_len_per_gpu": 2 * budget} if budget else {})}, model)
+    initial = one_rank.parameters("sp")[0]
+    sp_out, one_out = two_ranks.forward_mesh("sp", batch, True), one_rank.forward_mesh("sp", batch, True)
+    difference = max(float((sp_out.batch[key] - one_out.batch[key]).abs().max()) for key in ("log_probs", "entropy"))
+    sp_metrics = two_ranks.train_mesh("sp", batch).meta_info["metrics"]
+    one_metrics = one_rank.train_mesh("sp", batch).meta_info["metrics"]
+    one_gradients = one_rank.gradients("sp")[0]
+    gradients = max_difference(two_ranks.gradients("sp")[0], one_gradients)
+    largest = max(float(gradient.abs().max()) for gradient in one_gradients.values())
+    after = one_rank.parameters("sp")[0]
+    step = max_difference(two_ranks.parameters("sp")[0], after)
+    print(f"Ulysses SP=2 vs 1 rank: log-probs/entropy {difference:.3g}, gradients {gradients:.3g} (largest {largest:.3g}), "
+          f"parameters after a step {step:.3g}")
+    assert difference <= 1e-5 and step <= 1e-5 and gradients <= 1e-6 * max(1.0, largest)
+    assert max_difference(after, initial) >= 5e-5  # the step moved the weights far beyond the tolerance
+    assert sp_metrics["loss"] == pytest.approx(one_metrics["loss"], rel=1e-5, abs=1e-7)
+    assert sp_metrics["grad_norm"] == pytest.approx(one_metrics["grad_norm"], rel=1e-5)
+    assert sp_metrics["test/pg_loss"] == pytest.approx(one_metrics["test/pg_loss"], rel=1e-5, abs=1e-7)
+
+
+def test_ulysses_chunked_output_layer_value_and_reward_models_equal_one_rank(two_ranks, one_rank):
+    """With the output layer run a chunk at a time (forced) on each rank's slice, and for a value model, SP=2's
+    step equals one rank's (lr 1e-4: see the test above); a reward model's scores (each sequence's last token,
+    on whichever rank holds it) equal one rank's."""
+    batch = long_batch(seed=5)
+    previous = [group.keep_float32_bytes(0)[0] for group in (two_ranks, one_rank)]
+    try:
+        for group, sp in ((two_ranks, 2), (one_rank, 1)):
+            group.build_mesh("sp-chunked", {"ulysses_sequence_parallel_size": sp, "logprob_chunk_size": 4, "logprob_vocab_chunk_size": 8,
+                                            "lr": 1e-4})
+            group.build_mesh("sp-value", {"ulysses_sequence_parallel_size": sp, "value_model": True, "lr": 1e-4})
+        log_probs = [group.forward_mesh("sp-chunked", batch, True).batch for group in (two_ranks, one_rank)]
+        losses = [group.train_mesh("sp-chunked", batch).meta_info["metrics"]["loss"] for group in (two_ranks, one_rank)]
+        chunked = max_difference(two_ranks.parameters("sp-chunked")[0], one_rank.parameters("sp-chunked")[0])
+    finally:
+        for group, limit in zip((two_ranks, one_rank), previous):
+            group.keep_float32_bytes(limit)
+    for group, sp in ((two_ranks, 2), (one_rank, 1)):
+        group.build_mesh("sp-reward", {"ulysses_sequence_parallel_size": sp, "reward_model": True})
+    scores = [group.forward_mesh("sp-reward", batch).batch["rm_scores"] for group in (two_ranks, one_rank)]
+    assert float((scores[0] - scores[1]).abs().max()) <= 1e-5 and float(scores[1].abs().min()) > 0
+    values = [group.forward_mesh("sp-value", batch).batch["values"] for group in (two_ranks, one_rank)]
+    for group in (two_ranks, one_rank):
+        group.train_mesh("sp-value", batch, "value")
+    value_step = max_difference(two_ranks.parameters("sp-value")[0], one_rank.parameters("sp-value")[0])
+    for key in ("log_probs", "entropy"):
+        assert float((log_probs[0][key] - log_probs[1][key]).abs().max()) <= 1e-5
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-7)
+    assert chunked <= 1e-5 and value_step <= 1e-5
+    assert float((values[0] - values[1]).abs().max()) <= 1e-5
+
+
+def test_ulysses_refuses_a_size_that_does_not_divide_the_heads_or_the_ranks(two_ranks):
+    with pytest.raises(WorkerError, match=r"ulysses_sequence_parallel_size=2 does not divide the model's 3 attention heads"):
+        two_ranks.build_mesh("sp-bad", {"ulysses_sequence_parallel_size": 2},
+                             dict(BASE["model_config"], num_attention_heads=3, num_key_value_heads=3, hidden_size=96))
+    with pytest.raises(WorkerError, match=r"ulysses_sequence_parallel_size=4 does not divide the 2 ranks"):
+        two_ranks.build_mesh("sp-bad", {"ulysses_sequence_parallel_size": 4})
+    from rlplat.testing.tiny_models import tiny_moe_config
+
+    with pytest.raises(WorkerError, match=r"ulysses_sequence_parallel_size=2 with a mixture-of-experts model .* is not supported"):
+        two_ranks.build_mesh("sp-bad", {"ulysses_sequence_parallel_size": 2}, tiny_moe_config())
+    with pytest.raises(WorkerError, match=r"ulysses_sequence_parallel_size=2 splits packed micro-batches: it needs use_remove_padding"):
+        two_ranks.build_mesh("sp-bad", {"ulysses_sequence_parallel_size": 2, "use_remove_padding": False})
