@@ -147,9 +147,8 @@ def fresh_venv(wheels, tmp_path_factory) -> Iterator[tuple[Path, Path, list[str]
     distributions = with_rlplat_requirements(INSTALLED, wheels)
     try:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-        # This venv's pip installs into the new one (--python): no pip of its own to install first. --no-compile: no
-        # .pyc written for every file installed (the Makefile's FAST_INSTALL), only for what the probes import.
-        pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet", "--no-compile"]
+        # This venv's pip installs into the new one (--python): no pip of its own to install first.
+        pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet"]
         environment = venv_environment(venv)
         from_wheels = subprocess.run([*pip, "--no-index", "--no-deps", *(str(wheels[name]) for name in distributions)],
                                      capture_output=True, text=True, timeout=300, env=environment, cwd=work)
