@@ -453,7 +453,8 @@ GQA_ONE_KV_HEAD = dict(BASE["model_config"], num_key_value_heads=1)
     (None, {}, None),
     (GQA_ONE_KV_HEAD, {"micro_batch_size_per_gpu": 4}, None),  # one key/value head, repeated over the 2 ranks
     (None, {"use_dynamic_bsz": True}, 16),  # 16 tokens a process: packs of up to 32 tokens on SP=2, as on 1 rank
-], ids=["mha", "gqa-1-kv-head", "token-budget"])
+    (None, {"enable_gradient_checkpointing": True}, None),  # backward recomputes each layer: its all-to-alls again
+], ids=["mha", "gqa-1-kv-head", "token-budget", "recompute"])
 def test_ulysses_sp2_equals_one_rank_log_probs_entropy_and_one_step_parameters(two_ranks, one_rank, model, overrides, budget):
     """SP=2 on 2 gloo processes (one data-parallel group: both ranks get every row, rank 0 answers) against the
     packed engine on one rank: log-probs and entropy within 1e-5, the step's gradients within 1e-6 of their
