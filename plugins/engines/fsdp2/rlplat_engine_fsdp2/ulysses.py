@@ -169,7 +169,10 @@ class PackShard:
 
     def gather(self, values: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
         """``[counts[rank], ...]`` values of this slice -> ``[sum(counts), ...]`` of the whole pack, on every rank
-        of the group (differentiable: see :class:`_Gather`)."""
+        of the group (differentiable: see :class:`_Gather`). No position anywhere (every rank reads the same
+        counts): the empty values as they are, no collective."""
+        if not any(counts):
+            return values
         return _Gather.apply(values, self.sp, counts)
 
 

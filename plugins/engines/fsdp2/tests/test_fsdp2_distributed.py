@@ -449,13 +449,14 @@ def long_batch(rows: int = 6, seed: int = 3) -> DataProto:
 GQA_ONE_KV_HEAD = dict(BASE["model_config"], num_key_value_heads=1)
 
 
-@pytest.mark.parametrize("model, overrides, budget", [
-    (None, {}, None),
-    (GQA_ONE_KV_HEAD, {"micro_batch_size_per_gpu": 4}, None),  # one key/value head, repeated over the 2 ranks
-    (None, {"use_dynamic_bsz": True}, 16),  # 16 tokens a process: packs of up to 32 tokens on SP=2, as on 1 rank
-    (None, {"enable_gradient_checkpointing": True}, None),  # backward recomputes each layer: its all-to-alls again
-], ids=["mha", "gqa-1-kv-head", "token-budget", "recompute"])
-def test_ulysses_sp2_equals_one_rank_log_probs_entropy_and_one_step_parameters(two_ranks, one_rank, model, overrides, budget):
+@pytest.mark.parametrize("model, overrides, budget, empty", [
+    (None, {}, None, False),
+    (GQA_ONE_KV_HEAD, {"micro_batch_size_per_gpu": 4}, None, False),  # one key/value head, repeated over the 2 ranks
+    (None, {"use_dynamic_bsz": True}, 16, False),  # 16 tokens a process: packs of up to 32 tokens on SP=2, as on 1 rank
+    (None, {"enable_gradient_checkpointing": True}, None, False),  # backward recomputes each layer: its all-to-alls again
+    (None, {}, None, True),  # rows 0 and 1 without a response token: a micro-batch with no position to score
+], ids=["mha", "gqa-1-kv-head", "token-budget", "recompute", "no-response-micro-batch"])
+def test_ulysses_sp2_equals_one_rank_log_probs_entropy_and_one_step_parameters(two_ranks, one_rank, model, overrides, budget, empty):
     """SP=2 on 2 gloo processes (one data-parallel group: both ranks get every row, rank 0 answers) against the
     packed engine on one rank: log-probs and entropy within 1e-5, the step's gradients within 1e-6 of their
     largest entry, and the parameters after the step within 1e-5. lr 1e-4: AdamW's first step moves every
@@ -463,6 +464,9 @@ def test_ulysses_sp2_equals_one_rank_log_probs_entropy_and_one_step_parameters(t
     flips its sign) moves by up to 2 lr either way; at 1e-4 that stays a tenth of the tolerance while every
     weight still moves 10x beyond it."""
     batch = long_batch()
+    if empty:
+        batch.batch["attention_mask"][:2, 12:] = 0
+        batch.batch["response_mask"][:2] = 0
     overrides = {"lr": 1e-4, "grad_clip": None, **overrides}
     two_ranks.build_mesh("sp", {"ulysses_sequence_parallel_size": 2, **overrides, **({"max_token_len_per_gpu": budget} if budget else {})}, model)
     one_rank.build_mesh("sp", {**overrides, **({"max_token_len_per_gpu": 2 * budget} if budget else {})}, model)
