@@ -109,6 +109,34 @@ def test_vllm_with_a_fraction_smaller_than_its_weights_is_a_problem_that_names_t
     assert result.problems and "raise rollout.config.gpu_memory_utilization" in result.problems[0]
 
 
+def test_ulysses_divides_the_tokens_per_process_and_a_size_that_does_not_divide_is_refused_naming_the_key():
+    from rlplat.testing.tiny_models import tiny_moe_config
+    from rlplat_engine_fsdp2.memory import estimate
+
+    model = dict(model_type="qwen2", vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2)
+
+    def actor(sp: int, processes: int, model: dict = model):
+        context = MemoryContext(role="actor", processes=processes, device="cpu", prompt_length=64, response_length=64,
+                                sequences_per_process=8 // processes)
+        return estimate(dict(model_config=model, micro_batch_size_per_gpu=8, dtype="float32",
+                             ulysses_sequence_parallel_size=sp), model, context)
+
+    plain, parallel = actor(1, 1), actor(2, 2)
+    activations = {name: next(item for item in estimate_.items if item.name == "activations") for name, estimate_ in
+                   (("plain", plain), ("parallel", parallel))}
+    assert "1,024 tokens per micro-batch" in activations["plain"].detail
+    assert "512 tokens (1/2 of a micro-batch's pack: Ulysses)" in activations["parallel"].detail
+    with pytest.raises(ValueError, match=r"actor\.engine_config\.ulysses_sequence_parallel_size=4 on the role's 2 process\(es\): "
+                                         r"it does not divide the 2 processes"):
+        actor(4, 2)
+    with pytest.raises(ValueError, match=r"does not divide the model's 3 attention heads"):
+        actor(2, 2, dict(model, num_attention_heads=3, num_key_value_heads=3, hidden_size=96))
+    moe = tiny_moe_config()
+    with pytest.raises(ValueError, match=r"mixture of experts, which the engine does not run sequence-parallel yet"):
+        actor(2, 2, moe)
+
+
 def test_recomputation_keeps_one_layer_and_the_layer_inputs():
     from rlplat_engine_fsdp2.memory import estimate, layer_activation_bytes
 
