@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from rlplat_engine_fsdp2 import packing
+from rlplat_engine_fsdp2 import packing, ulysses
 from rlplat_engine_fsdp2.config import FSDP2EngineConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -550,14 +550,14 @@ def run_packed_model(
     (:class:`rlplat_engine_fsdp2.ulysses.SequenceParallel`) this rank runs its slice of the pack and the outputs
     are gathered from the group's ranks."""
     grouped = packing.plans_groups(model)
-    packed = packing.pack(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"], inputs["responses"], grouped_attention=grouped)
+    # with sequence parallelism the groups are those of the padded pack, planned by ulysses.shard
+    packed = packing.pack(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"], inputs["responses"],
+                          grouped_attention=grouped and sequence_parallel is None)
     packed_ids = None if gather_ids is None else packed.select(gather_ids)
     arguments, predictors, targets = packed.model_kwargs(), packed.predictors, packed.targets
     place: Callable[[torch.Tensor], torch.Tensor] = packed.unpack
     widest = int(predictors.numel())
     if sequence_parallel is not None:
-        from rlplat_engine_fsdp2 import ulysses
-
         shard = ulysses.shard(packed, sequence_parallel, grouped_attention=grouped)
         mine, predictors, counts = shard.local(packed.predictors)
         arguments, targets, widest = shard.kwargs, packed.targets[mine], max(counts)
@@ -613,15 +613,13 @@ def run_reward_model(model: torch.nn.Module, inputs: Mapping[str, torch.Tensor],
             grouped = packing.plans_groups(model)
             no_responses = inputs["input_ids"][:, :0]  # the pack's inputs only: nothing here predicts tokens
             packed = packing.pack(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"], no_responses,
-                                  grouped_attention=grouped)
+                                  grouped_attention=grouped and sequence_parallel is None)
             last = (packed.cu_seq_lens[1:] - 1).long()
             if sequence_parallel is None:
                 with packing.packed_forward():
                     model(**packed.model_kwargs())
                 picked = captured[-1][0, last, 0].float()
             else:
-                from rlplat_engine_fsdp2 import ulysses
-
                 shard = ulysses.shard(packed, sequence_parallel, grouped_attention=grouped)
                 with packing.packed_forward():
                     model(**shard.kwargs)

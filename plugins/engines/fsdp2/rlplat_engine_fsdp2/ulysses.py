@@ -147,15 +147,12 @@ class _Gather(torch.autograd.Function):
 
 @dataclasses.dataclass
 class PackShard:
-    """This rank's slice of a pack (``[start, stop)`` of the pack padded to ``length`` tokens) and how its
-    per-position outputs are gathered."""
+    """This rank's slice of a pack (from ``start``, ``length / sp`` of the pack padded to ``length`` tokens): the
+    model kwargs of the call, and how its per-position outputs are gathered."""
 
     sp: SequenceParallel
     length: int
     start: int
-    stop: int
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
     kwargs: dict[str, Any]
 
     def local(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
@@ -178,20 +175,20 @@ class PackShard:
 
 def shard(packed: packing.Pack, sp: SequenceParallel, *, grouped_attention: bool) -> PackShard:
     """This rank's :class:`PackShard` of ``packed``: its tokens padded to a multiple of ``sp.size`` (the padding
-    one sequence of its own), a contiguous ``1/sp`` of them, and the model kwargs of the whole padded pack."""
+    one sequence of its own), a contiguous ``1/sp`` of them, and the model kwargs of the whole padded pack
+    (``grouped_attention``: with the attention groups of the padded pack, planned here; ``packed`` needs none)."""
     tokens = packed.input_ids.shape[1]
     length = max(sp.size, -(-tokens // sp.size) * sp.size)
     extra = length - tokens
     input_ids, position_ids = packed.input_ids, packed.position_ids
     cu_seq_lens, max_length = packed.cu_seq_lens, packed.max_length
-    groups = packed.attention_groups
     if extra:
         input_ids = torch.cat([input_ids, input_ids.new_zeros((1, extra))], dim=1)
         position_ids = torch.cat([position_ids, torch.arange(extra, device=position_ids.device, dtype=position_ids.dtype)[None]], dim=1)
         cu_seq_lens = torch.cat([cu_seq_lens, cu_seq_lens.new_tensor([length])])
         max_length = max(max_length, extra)
-        if grouped_attention:
-            groups = packing.plan_attention_groups(cu_seq_lens.diff().tolist(), input_ids.device)
+    lengths = [length for length in cu_seq_lens.diff().tolist() if length > 0]
+    groups = packing.plan_attention_groups(lengths, input_ids.device) if grouped_attention and lengths else None
     step = length // sp.size
     start, stop = sp.rank * step, (sp.rank + 1) * step
     kwargs = dict(
@@ -207,4 +204,4 @@ def shard(packed: packing.Pack, sp: SequenceParallel, *, grouped_attention: bool
     )
     if groups is not None:
         kwargs["packed_attention_groups"] = groups
-    return PackShard(sp, length, start, stop, kwargs["input_ids"], kwargs["position_ids"], kwargs)
+    return PackShard(sp, length, start, kwargs)
