@@ -146,8 +146,12 @@ def is_expert(name: str) -> bool:
     return LOCAL_EXPERTS in name or ".mlp.experts.linear_fc" in name
 
 
-def build_chunks(bridge: Any, hf_config: Any, *, value_model: bool, use_te: bool, vpp: int) -> list[torch.nn.Module]:
-    """The GPT model chunks of this pipeline rank (one per virtual stage), weights not yet loaded."""
+def build_chunks(bridge: Any, hf_config: Any, *, value_model: bool, use_te: bool, vpp: int,
+                 context_parallel: bool = False) -> list[torch.nn.Module]:
+    """The GPT model chunks of this pipeline rank (one per virtual stage), weights not yet loaded;
+    ``context_parallel``: with :mod:`rlplat_engine_megatron.context_parallel`'s attention."""
+    from rlplat_engine_megatron import context_parallel as cp
+
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -160,7 +164,7 @@ def build_chunks(bridge: Any, hf_config: Any, *, value_model: bool, use_te: bool
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(config, use_te),
+            transformer_layer_spec=cp.use_in(layer_spec(config, use_te)) if context_parallel else layer_spec(config, use_te),
             vocab_size=hf_config.vocab_size,
             max_sequence_length=hf_config.max_position_embeddings,
             pre_process=pre,

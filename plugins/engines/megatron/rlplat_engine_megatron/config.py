@@ -49,6 +49,12 @@ class MegatronEngineConfig(EngineBuildConfig):
     1 for a dense model."""
     pipeline_parallel_size: int = 1
     """Pipeline stages (decoder layers split evenly over them; 1F1B schedule). Must divide the layers."""
+    context_parallel_size: int = 1
+    """Ranks each sequence's tokens are split over (context parallelism, megatron's load-balanced layout of
+    ``2 x CP`` chunks; :mod:`rlplat_engine_megatron.context_parallel`): every rank of a context-parallel group
+    gets the same rows, runs its share of their positions, and all-gathers keys and values for attention, so
+    activations and logits per rank shrink by about CP. The world size must be divisible by TP x CP x PP;
+    ``max_token_len_per_gpu`` counts one rank's share. Not with a mixture-of-experts model."""
     virtual_pipeline_parallel_size: Optional[int] = None
     """Model chunks per pipeline stage (interleaved schedule); None for one. Needs
     ``pipeline_parallel_size`` > 1 and the layers divisible by stages x chunks."""
@@ -105,8 +111,8 @@ class MegatronEngineConfig(EngineBuildConfig):
             )
         if len(self.betas) != 2:
             problems.append(f"betas needs two values, got {list(self.betas)}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_model_parallel_size", "ppo_epochs", "micro_batch_size_per_gpu",
-                     "max_token_len_per_gpu", "logprob_chunk_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "expert_model_parallel_size", "ppo_epochs",
+                     "micro_batch_size_per_gpu", "max_token_len_per_gpu", "logprob_chunk_size"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("ppo_mini_batch_size", "forward_micro_batch_size_per_gpu", "virtual_pipeline_parallel_size"):
@@ -141,4 +147,4 @@ def check_layout(config: MegatronEngineConfig, world_size: int, hf_config: Any) 
     problems = layout_problems(config, world_size, sizes)
     if problems:
         raise ValueError("megatron engine layout: " + "; ".join(problems))
-    return world_size // (config.tensor_parallel_size * config.pipeline_parallel_size)
+    return world_size // (config.tensor_parallel_size * config.context_parallel_size * config.pipeline_parallel_size)

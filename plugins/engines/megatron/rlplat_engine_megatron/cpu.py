@@ -7,7 +7,8 @@ the RNG tracker keeps CUDA generator states and is forked in every attention for
 allocated on ``torch.cuda.current_device()``; schedules, the optimizers and gradient clipping pass
 ``device="cuda"``; the distributed optimizer checks ``Tensor.type()`` for a ``torch.cuda.*`` name;
 tied embeddings call ``.cuda()``; pipeline p2p calls ``torch.cuda.synchronize()``; activation
-recompute saves and restores the CUDA RNG state.
+recompute saves and restores the CUDA RNG state; the rotary embedding's context-parallel slice indexes through
+pinned memory.
 
 :func:`cpu_substitutes` answers each of them for CPU while the block runs and restores every patched
 name when it ends, so code outside the block (other engines, the rollout, the test process) sees the
@@ -139,6 +140,15 @@ def no_op(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def positions_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+    """megatron's ``get_pos_emb_on_this_cp_rank`` (the rotary embedding of this context-parallel rank's two
+    chunks of ``2 x CP``) with its index on the embedding's device instead of pinned memory copied to CUDA."""
+    size, rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([rank, 2 * size - rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[seq_dim + 1:]).index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
 @contextlib.contextmanager
 def cpu_substitutes(tracker: CpuRNGStatesTracker) -> Iterator[None]:
     """megatron-core on CPU for the duration of the block (see the module docstring)."""
@@ -154,7 +164,10 @@ def cpu_substitutes(tracker: CpuRNGStatesTracker) -> Iterator[None]:
     patches.set(random, "_set_cuda_rng_state", lambda state, *args, **kwargs: torch.set_rng_state(state))
     patches.set(random, "_CUDA_RNG_STATE_TRACKER", tracker)
     patches.set(random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
     from megatron.core.transformer.moe import moe_utils
+
+    patches.set(rotary_pos_embedding, "get_pos_emb_on_this_cp_rank", positions_on_this_cp_rank)
 
     if not hasattr(moe_utils, "te_general_gemm"):
         # megatron-core 0.16.1 binds it only when Transformer Engine imports, and the router's gating GEMM reads

@@ -1,9 +1,11 @@
 """``MegatronEngine``: the :class:`rlplat.TrainingEngine` on megatron-core (tensor, pipeline and data parallel).
 
 Layout: the worker group's ranks form megatron's ``tp-cp-ep-dp-pp`` grid (``initialize_model_parallel``):
-``tensor_parallel_size`` x ``pipeline_parallel_size`` ranks hold one model replica, the data-parallel
-size is what is left. Every rank of a replica gets the same rows (:meth:`data_parallel_info`), and TP rank
-0 of the last pipeline stage answers for them.
+``tensor_parallel_size`` x ``context_parallel_size`` x ``pipeline_parallel_size`` ranks hold one model
+replica (context-parallel ranks each run a share of every row's tokens:
+:mod:`rlplat_engine_megatron.context_parallel`), the data-parallel size is what is left. Every rank of a
+replica gets the same rows (:meth:`data_parallel_info`), and TP and CP rank 0 of the last pipeline stage
+answer for them.
 
 Model: megatron-core's ``GPTModel`` built from a local Hugging Face checkpoint through mbridge
 (:mod:`rlplat_engine_megatron.bridge`), wrapped in megatron's ``DistributedDataParallel`` with its
@@ -46,7 +48,7 @@ from rlplat.kits.engine import WarmupSchedule, fixed_size_partition, token_budge
 from rlplat.kits.moe import ROUTES
 from rlplat.protocol import DataProto
 from rlplat_engine_megatron import bridge as hf_bridge
-from rlplat_engine_megatron import cpu, vocab_parallel
+from rlplat_engine_megatron import context_parallel, cpu, vocab_parallel
 from rlplat_engine_megatron.config import MegatronEngineConfig, check_layout, read_engine_config
 from rlplat_engine_megatron.moe import MegatronCall, MegatronRouting, aligned_routes, moe_shape, original_routes
 
@@ -111,14 +113,15 @@ class MegatronEngine(TrainingEngine):
 
         config = self.config
         vpp = config.virtual_pipeline_parallel_size if (config.virtual_pipeline_parallel_size or 1) > 1 else None
-        wanted = (config.tensor_parallel_size, config.pipeline_parallel_size, vpp, config.expert_model_parallel_size)
+        wanted = (config.tensor_parallel_size, config.pipeline_parallel_size, vpp, config.expert_model_parallel_size,
+                  config.context_parallel_size)
         if parallel_state.model_parallel_is_initialized():
             current = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
                        parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-                       parallel_state.get_expert_model_parallel_world_size())
+                       parallel_state.get_expert_model_parallel_world_size(), parallel_state.get_context_parallel_world_size())
             if current != wanted:
                 raise ValueError(
-                    f"megatron's parallel state of this process is already set up as (tp, pp, vpp, ep) = {current}; a second "
+                    f"megatron's parallel state of this process is already set up as (tp, pp, vpp, ep, cp) = {current}; a second "
                     f"megatron engine in the same process (e.g. the reference beside the actor) must use the same layout, not {wanted}"
                 )
         else:
@@ -126,8 +129,10 @@ class MegatronEngine(TrainingEngine):
                 tensor_model_parallel_size=config.tensor_parallel_size,
                 pipeline_model_parallel_size=config.pipeline_parallel_size,
                 virtual_pipeline_model_parallel_size=vpp,
-                expert_model_parallel_size=config.expert_model_parallel_size,
+                expert_model_parallel_size=config.expert_model_parallel_size, context_parallel_size=config.context_parallel_size,
             )
+        self.cp_rank, self.cp_size = parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_world_size()
+        self.cp_group = parallel_state.get_context_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -154,7 +159,7 @@ class MegatronEngine(TrainingEngine):
             bias_dropout_fusion=False, persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
             batch_p2p_comm=False, variable_seq_lengths=True, moe_token_dispatcher_type="alltoall", calculate_per_token_loss=True,
             hidden_dropout=0.0, attention_dropout=0.0, init_method_std=getattr(self.hf_config, "initializer_range", 0.02),
-            deallocate_pipeline_outputs=False,
+            deallocate_pipeline_outputs=False, context_parallel_size=config.context_parallel_size,
         )
         if self.moe_shape is not None:
             # megatron's own router losses and replay stay off: the engine's (rlplat_engine_megatron.moe) follow actor.moe
@@ -188,7 +193,8 @@ class MegatronEngine(TrainingEngine):
         self.bridge = hf_bridge.make_bridge(self.hf_config, self.compute_dtype(), self.transformer_overrides())
         vpp = config.virtual_pipeline_parallel_size or 1
         use_te = not self.on_cpu and transformer_engine_available()
-        chunks = hf_bridge.build_chunks(self.bridge, self.hf_config, value_model=config.value_model, use_te=use_te, vpp=vpp)
+        chunks = hf_bridge.build_chunks(self.bridge, self.hf_config, value_model=config.value_model, use_te=use_te, vpp=vpp,
+                                        context_parallel=config.context_parallel_size > 1)
         if not self.on_cpu:
             chunks = [chunk.cuda() for chunk in chunks]
         with contextlib.ExitStack() as stack:
@@ -232,9 +238,12 @@ class MegatronEngine(TrainingEngine):
 
     def data_parallel_info(self) -> DataParallelInfo:
         """``(dp_rank, dp_size, collect)``: the ranks of one model replica share a data-parallel rank, and
-        TP rank 0 of the last pipeline stage collects."""
+        TP and CP rank 0 of the last pipeline stage collects."""
         self.require_model("data_parallel_info")
-        return DataParallelInfo(int(self.dp_rank), int(self.dp_size), bool(self.is_last_stage and self.tp_rank == 0))
+        return DataParallelInfo(int(self.dp_rank), int(self.dp_size), self.collects())
+
+    def collects(self) -> bool:
+        return bool(self.is_last_stage and self.tp_rank == 0 and self.cp_rank == 0)
 
     # -- batches -----------------------------------------------------------------------------------
 
@@ -254,7 +263,8 @@ class MegatronEngine(TrainingEngine):
         the pipeline size: the rows are then spread over that many groups, and a group left empty (fewer
         rows than stages) is run as a stand-in that contributes nothing (:meth:`micro_batches_of`)."""
         if self.config.use_dynamic_bsz:
-            groups = token_budget_partition(batch.batch["attention_mask"].sum(-1).tolist(), self.config.max_token_len_per_gpu)
+            budget = self.config.max_token_len_per_gpu * self.cp_size  # each context-parallel rank runs its share
+            groups = token_budget_partition(batch.batch["attention_mask"].sum(-1).tolist(), budget)
         else:
             groups = fixed_size_partition(len(batch), micro_batch_size)
         if len(self.chunks) > 1 and len(groups) % self.pp_size:
@@ -301,7 +311,7 @@ class MegatronEngine(TrainingEngine):
             if ROUTES in data.keys():
                 inputs["routes"] = aligned_routes(data[ROUTES], valid, columns, self.hf_config.num_hidden_layers,
                                                   self.moe_shape["top_k"]).to(device)
-        return inputs
+        return context_parallel.shard_inputs(inputs, self.cp_size, self.cp_rank) if self.cp_size > 1 else inputs
 
     def routing_calls(self, update: bool, share_of: Any = None) -> Any:
         """``call_of(micro_batch, inputs)``: the :class:`MegatronCall` of a model call under ``actor.moe`` (None for a
@@ -329,6 +339,10 @@ class MegatronEngine(TrainingEngine):
         """The last stage's model output [b, T, V/tp] (or [b, T, 1] values) -> ``log_probs`` (``entropy``)
         or ``values`` [b, R]; ``gathered_log_probs`` [b, R, k] at ``gather_ids``; ``top_k_log_probs`` and
         ``top_k_ids`` [b, R, top_k]."""
+        if inputs.get("cp_slots") is not None:  # context parallel: this rank's response positions, then the group's [b, R]
+            mine = self.outputs_of(output, {**inputs, "cp_slots": None}, temperature, with_entropy,
+                                   None if gather_ids is None else context_parallel.compact(gather_ids, inputs), top_k)
+            return context_parallel.spread_outputs(mine, inputs, self.cp_group)
         index = inputs["predictors"]
         if self.config.value_model:
             return {"values": output[..., 0].float().gather(1, index)}
@@ -383,7 +397,7 @@ class MegatronEngine(TrainingEngine):
             return output, loss_func
 
         iterators: Any = [iter(prepared) for _ in self.chunks] if len(self.chunks) > 1 else iter(prepared)
-        width = micro_batches[0].batch["input_ids"].shape[1]
+        width = prepared[0][1]["attention_mask"].shape[-1]  # padded to a multiple of 2 x CP under context parallelism
         layer = self.chunks[-1].module.output_layer if self.is_last_stage else None
         rows = max(len(micro_batch) for micro_batch in micro_batches)
         logits_bytes = rows * micro_batches[0].batch["responses"].shape[1] * (self.hf_config.vocab_size // self.tp_size) * 4
@@ -501,12 +515,7 @@ class MegatronEngine(TrainingEngine):
         return batch.batch["attention_mask"][:, -batch.batch["responses"].shape[1]:]
 
     def dp_sum(self, values: list[float]) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64)
-        if not self.on_cpu:
-            tensor = tensor.cuda()
-        if self.dp_size > 1:
-            dist.all_reduce(tensor, group=self.dp_group)
-        return tensor.tolist()
+        return self.world_sum(values, self.dp_group) if self.dp_size > 1 else [float(value) for value in values]
 
     def optimizer_step(self, mini_batch: DataProto, loss_fn: LossFunction, temperature: float, calculate_entropy: bool) -> dict[str, float]:
         mask = self.response_mask(mini_batch)
@@ -561,12 +570,13 @@ class MegatronEngine(TrainingEngine):
             summed.update(self.routing.step_metrics(self.world_sum))
         return {**summed, "grad_norm": grad_norm, "lr": float(lr), "skipped_step": float(not (success and math.isfinite(grad_norm)))}
 
-    def world_sum(self, values: list[float]) -> list[float]:
+    def world_sum(self, values: list[float], group: Any = None) -> list[float]:
+        """``values`` summed over ``group`` (every rank by default)."""
         tensor = torch.tensor(values, dtype=torch.float64)
         if not self.on_cpu:
             tensor = tensor.cuda()
         if self.world_size > 1:
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, group=group)
         return tensor.cpu().tolist()
 
     def set_lr(self, lr: float) -> None:
@@ -575,7 +585,7 @@ class MegatronEngine(TrainingEngine):
 
     def gather_metrics(self, metrics: list[dict[str, float]]) -> dict[str, float]:
         """Sum of every metric over the micro-batches of the collecting rank of each data-parallel group."""
-        collecting = self.is_last_stage and self.tp_rank == 0
+        collecting = self.collects()
         gathered: list[Any] = [metrics if collecting else []]
         if self.world_size > 1:
             gathered = [None] * self.world_size
@@ -686,11 +696,7 @@ class MegatronEngine(TrainingEngine):
     # -- checkpoints -------------------------------------------------------------------------------
 
     def sharded_state(self) -> dict[str, Any]:
-        model_state: dict[str, Any] = {}
-        for index, chunk in enumerate(self.chunks):
-            key = "model" if len(self.chunks) == 1 else f"model{index}"
-            model_state[key] = chunk.module.sharded_state_dict()
-        return model_state
+        return {"model" if len(self.chunks) == 1 else f"model{index}": chunk.module.sharded_state_dict() for index, chunk in enumerate(self.chunks)}
 
     def save(self, path: str) -> None:
         """megatron's distributed checkpoint (``dist_checkpointing``, torch_dist format) of the model and
@@ -770,7 +776,7 @@ class MegatronEngine(TrainingEngine):
         if self.chunks:
             facts.update(
                 tensor_parallel_size=self.tp_size, pipeline_parallel_size=self.pp_size, data_parallel_size=self.dp_size,
-                expert_model_parallel_size=self.ep_size,
+                expert_model_parallel_size=self.ep_size, context_parallel_size=self.cp_size,
                 local_parameters=sum(p.numel() for chunk in self.chunks for p in chunk.module.parameters()),
                 value_model=self.config.value_model, lr=self.schedule(self.global_step) * self.config.lr,
             )

@@ -4,7 +4,7 @@ layout check that needs the world size and the model (:func:`layout_problems`). 
 megatron): the registration names :func:`estimate` (``metadata["estimate_memory"]``), so the plan reads it
 without importing the engine.
 
-What one rank holds, as :mod:`rlplat_engine_megatron.engine` allocates it (DP = processes / (TP x PP)):
+What one rank holds, as :mod:`rlplat_engine_megatron.engine` allocates it (DP = processes / (TP x CP x PP)):
 
 * **training state** (:func:`rlplat.plan.estimate.training_state_items`): the rank's parameters in the
   compute dtype, the float32 gradient buffer of megatron's DDP (``grad_reduce_in_fp32``), float32 master
@@ -31,6 +31,12 @@ What one rank holds, as :mod:`rlplat_engine_megatron.engine` allocates it (DP = 
   final hidden states, and one chunk's logits and copies; modelled, not measured yet). The plan takes the larger
   of the first and the last stage. megatron's global buffer for the attention scores (rows x heads/TP x
   sequence x sequence) stays allocated after the first call.
+* **context parallelism** (``context_parallel_size`` CP > 1): a rank holds ``1 / CP`` of each padded row's
+  tokens, and its attention scores are its queries against the whole sequence; unless the attention core is
+  recomputed (``selective``), each layer also keeps the whole sequence's keys and values its attention
+  all-gathered (repeated to every head with grouped-query attention). The response logits are the busiest
+  rank's: megatron's layout gives rank ``r`` chunks ``r`` and ``2 CP - 1 - r``, so the rank holding the
+  last chunk computes most of the response positions.
 * **forward** (log-probs, values; no gradients): the largest transient of a layer (the MLP's ``i / TP``
   tensors, the residual stream, the scores and probabilities) and the logits of the micro-batch.
 * **export** (the weight sync, actor): ``named_weights`` gathers one parameter at a time: its TP shards,
@@ -61,18 +67,22 @@ def layout_problems(config: MegatronEngineConfig, world_size: int, model_config:
     """Every size of ``config`` that does not fit ``world_size`` ranks or the model ``model_config`` (a
     ``config.json`` dict) describes, named as ``<key>.tensor_parallel_size=...`` with the numbers."""
     prefix = f"{key}." if key else ""
-    tp, pp, ep = config.tensor_parallel_size, config.pipeline_parallel_size, config.expert_model_parallel_size
+    tp, pp, ep, cp = config.tensor_parallel_size, config.pipeline_parallel_size, config.expert_model_parallel_size, config.context_parallel_size
     vpp = config.virtual_pipeline_parallel_size or 1
     tp_key, pp_key = f"{prefix}tensor_parallel_size={tp}", f"{prefix}pipeline_parallel_size={pp}"
-    ep_key = f"{prefix}expert_model_parallel_size={ep}"
+    ep_key, cp_key = f"{prefix}expert_model_parallel_size={ep}", f"{prefix}context_parallel_size={cp}"
     model = dict(model_config.get("text_config") or model_config)
     problems = []
-    if world_size % (tp * pp):
+    replica, replica_keys = tp * cp * pp, f"{tp_key} x {cp_key} x {pp_key}" if cp > 1 else f"{tp_key} x {pp_key}"
+    if world_size % replica:
         problems.append(
-            f"world size {world_size} is not divisible by {tp_key} x {pp_key} = {tp * pp} "
-            f"(a run needs cluster.backend=ray and cluster.devices_per_node a multiple of {tp * pp})"
+            f"world size {world_size} is not divisible by {replica_keys} = {replica} "
+            f"(a run needs cluster.backend=ray and cluster.devices_per_node a multiple of {replica})"
         )
     experts = int(model.get("num_experts") or model.get("num_local_experts") or 0)
+    if cp > 1 and experts:
+        problems.append(f"{cp_key} with a mixture-of-experts model is not supported (the routers' replay, load metrics and "
+                        "losses read every token of a row on one rank); use context_parallel_size=1")
     if ep > 1 and not experts:
         problems.append(f"{ep_key} needs a mixture-of-experts model; this one has no experts")
     elif ep > 1:
@@ -138,6 +148,26 @@ def layer_activation_elements(shape: ModelShape, tp: int, sequence: int, recompu
     return kept + (0 if recompute == "selective" else probabilities)
 
 
+def busiest_response_share(sequence: int, response: int, cp: int) -> int:
+    """Response positions (the ``response`` positions before the last of a ``sequence``-token row, a multiple of
+    ``2 x cp``) on the context-parallel rank holding the most of them: its chunks ``r`` and ``2 cp - 1 - r``."""
+    chunk, first = sequence // (2 * cp), sequence - response - 1
+    def count(start: int) -> int:
+        return max(0, min(start + chunk, sequence - 1) - max(start, first))
+    return max(count(rank * chunk) + count((2 * cp - 1 - rank) * chunk) for rank in range(cp))
+
+
+def gathered_key_value_bytes(shape: ModelShape, tp: int, cp: int, rows: int, sequence: int, recompute: Any, b: int) -> int:
+    """What context parallelism adds to a layer's kept activations: the whole sequence's keys and values its
+    attention all-gathers (repeated to every head with grouped-query attention), beyond this rank's share
+    :func:`layer_activation_elements` counts; none under selective recompute (the attention core is rerun)."""
+    if cp == 1 or recompute == "selective":
+        return 0
+    if shape.num_kv_heads < shape.num_heads:
+        return rows * (sequence - sequence // cp) * 2 * shape.q_size // tp * b
+    return rows * sequence * 2 * shape.kv_size // tp * b
+
+
 def in_flight(pp: int, vpp: int, micro_batches: int) -> tuple[int, int]:
     """``(micro-batches whose activations the first stage holds at once, layers-per-stage divisor)``."""
     if pp == 1:
@@ -163,7 +193,8 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
     b = dtype_bytes(compute)
     tp, pp = engine.tensor_parallel_size, engine.pipeline_parallel_size
     vpp = engine.virtual_pipeline_parallel_size or 1
-    dp = world // (tp * pp)
+    cp = engine.context_parallel_size
+    dp = world // (tp * cp * pp)
     head = "value" if engine.value_model else "lm"
     ep = engine.expert_model_parallel_size
     local, stage = stage_parameters(shape, head, tp, pp, ep)
@@ -183,7 +214,8 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
         if offloads and item.name in ("optimizer states", "master weights"):
             item = MemoryItem(item.name, item.bytes, ("update",), item.detail + ", offloaded outside the step")
         items.append(item)
-    notes.append(f"TP {tp} x PP {pp} x DP {dp}: the figures are the largest pipeline stage's (stage {stage}, "
+    grid = f"TP {tp} x CP {cp} x PP {pp} x DP {dp}" if cp > 1 else f"TP {tp} x PP {pp} x DP {dp}"
+    notes.append(f"{grid}: the figures are the largest pipeline stage's (stage {stage}, "
                  f"{local:,} parameters on a rank of the model's {total:,})")
     if shape.moe_layers:
         notes.append(f"{shape.expert_parameters():,} of the model's parameters are the experts and routers of {shape.moe_layers} MoE "
@@ -195,7 +227,7 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
     if not gpu and engine.optimizer_offload:
         notes.append("optimizer_offload moves nothing on CPU")
     sequence, response = context.sequence_length, context.response_length
-    per_process = max(context.sequences_per_process, 1) * tp * pp  # a replica's rows: its TP x PP ranks get the same rows
+    per_process = max(context.sequences_per_process, 1) * tp * cp * pp  # a replica's rows: its TP x CP x PP ranks get the same rows
     for call, rows_key in (("update", "micro_batch_size_per_gpu"), ("forward", "forward_micro_batch_size_per_gpu")):
         if call == "update" and not trains:
             continue
@@ -205,7 +237,7 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
             mini_batch = min(max(engine.ppo_mini_batch_size // dp, 1), per_process)
         rows = min(rows, mini_batch)
         if engine.use_dynamic_bsz:
-            rows = max(min(engine.max_token_len_per_gpu, mini_batch * sequence) // sequence, 1)
+            rows = max(min(engine.max_token_len_per_gpu * cp, mini_batch * sequence) // sequence, 1)
         micro_batches = -(-mini_batch // rows)
         items.append(activation_item(shape, engine, call, b, compute, rows, sequence, response, micro_batches, head))
     if context.role == "actor":
@@ -216,11 +248,19 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
 def activation_item(shape: ModelShape, engine: MegatronEngineConfig, call: str, b: int, compute: str, rows: int, sequence: int,
                     response: int, micro_batches: int, head: str) -> MemoryItem:
     h, i, vocab = shape.hidden_size, shape.active_intermediate(), shape.vocab_size
-    tp, pp = engine.tensor_parallel_size, engine.pipeline_parallel_size
+    tp, pp, cp = engine.tensor_parallel_size, engine.pipeline_parallel_size, engine.context_parallel_size
     vpp = engine.virtual_pipeline_parallel_size or 1
-    tokens, response_tokens = rows * sequence, rows * response
-    scores = rows * (shape.num_heads // tp) * sequence * sequence * b  # megatron's global buffer, then the scores themselves
-    if head == "lm" and response_tokens * (vocab // tp) * 4 > KEEP_FLOAT32_BYTES:
+    chunked = head == "lm" and rows * response * (vocab // tp) * 4 > KEEP_FLOAT32_BYTES  # the engine decides on the whole rows
+    if cp > 1:  # this rank's positions of the padded rows; its queries meet every key (rlplat_engine_megatron.context_parallel)
+        sequence = -(-sequence // (2 * cp)) * 2 * cp
+        local, response = sequence // cp, busiest_response_share(sequence, response, cp)
+    else:
+        local = sequence
+    tokens, response_tokens = rows * local, rows * response
+    span = f"{local} of {sequence} tokens (CP {cp})" if cp > 1 else f"{sequence} tokens"
+    scores = rows * (shape.num_heads // tp) * local * sequence * b  # megatron's global buffer, then the scores themselves
+    gathered = gathered_key_value_bytes(shape, tp, cp, rows, sequence, engine.recompute_granularity, b)
+    if chunked:
         # the chunked output layer (vocab_parallel.ChunkedOutput): the final hidden states, and one chunk's
         # logits with their float32 scaled, shifted and exponentiated copies, never the whole sequence's
         chunk = min(engine.logprob_chunk_size, response_tokens)
@@ -232,26 +272,26 @@ def activation_item(shape: ModelShape, engine: MegatronEngineConfig, call: str, 
     else:
         logits = tokens * 4
     if call == "forward":
-        transient = tokens * b * (2 * h + 4 * i // tp) + 2 * scores
+        transient = tokens * b * (2 * h + 4 * i // tp) + 2 * scores + (rows * sequence * 2 * shape.q_size // tp * b if cp > 1 else 0)
         return MemoryItem("forward activations", transient + logits, ("forward",),
-                          f"{rows} rows x {sequence} tokens per micro-batch, largest layer transient and the logits (V/TP = "
+                          f"{rows} rows x {span} per micro-batch, largest layer transient and the logits (V/TP = "
                           f"{vocab // tp:,}) of the last stage, no gradients")
     per_layer = layer_activation_elements(shape, tp, sequence, engine.recompute_granularity, engine.expert_model_parallel_size) * b
     layers = shape.num_layers // pp
     held, divisor = in_flight(pp, vpp, micro_batches)
     layers_per_hold = layers // divisor
     if engine.recompute_granularity == "full":
-        first = tokens * held * (layers_per_hold * b * h) + tokens * per_layer
+        first = tokens * held * (layers_per_hold * b * h) + tokens * per_layer + gathered
         how = f"full recompute: {layers_per_hold} layer inputs ({b * h} B/token) per micro-batch + 1 layer recomputed ({per_layer:,} B/token)"
     else:
-        first = tokens * held * layers_per_hold * per_layer
+        first = held * layers_per_hold * (tokens * per_layer + gathered)
         how = f"{layers_per_hold} layers x {per_layer:,} B/token" + (" (selective recompute)" if engine.recompute_granularity else "")
     if pp > 1:
         first += tokens * held * h * b  # stage outputs kept until their backward (deallocate_pipeline_outputs off)
         last_layers = layers * b * h if engine.recompute_granularity == "full" else layers * per_layer
         if engine.recompute_granularity == "full":
             last_layers += per_layer
-        last = tokens * last_layers + tokens * 2 * h * b + logits
+        last = tokens * last_layers + (1 if engine.recompute_granularity == "full" else layers) * gathered + tokens * 2 * h * b + logits
         where = f"first stage: {held} micro-batch(es) in flight" if first >= last else "last stage: 1 micro-batch in flight + logits"
         kept = max(first, last)
     else:
@@ -259,7 +299,7 @@ def activation_item(shape: ModelShape, engine: MegatronEngineConfig, call: str, 
         where = "1 micro-batch in flight + logits"
     output_gradient = (vocab // tp if head == "lm" else 1) * h * b
     return MemoryItem("activations", kept + scores + output_gradient, ("update",),
-                      f"{rows} rows x {sequence} tokens per micro-batch in {compute}, {how}; {where} (V/TP = {vocab // tp:,}); "
+                      f"{rows} rows x {span} per micro-batch in {compute}, {how}; {where} (V/TP = {vocab // tp:,}); "
                       "the output layer's weight gradient")
 
 

@@ -34,7 +34,8 @@ def measure(spec: dict) -> dict[str, dict[str, int]]:
             parallel_state.destroy_model_parallel()
         gc.collect()
         config = dict(spec["config"], **layout["config"])
-        dp = dist.get_world_size() // (config.get("tensor_parallel_size", 1) * config.get("pipeline_parallel_size", 1))
+        dp = dist.get_world_size() // (config.get("tensor_parallel_size", 1) * config.get("context_parallel_size", 1)
+                                        * config.get("pipeline_parallel_size", 1))
         data = synthetic_batch(spec["rows"], spec["prompt_length"], spec["response_length"], spec["vocab_size"],
                                seed=dist.get_rank() if dp > 1 else 0)
         data.meta_info["ppo_mini_batch_size"] = spec["rows"] * dp

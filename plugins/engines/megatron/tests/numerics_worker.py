@@ -74,7 +74,7 @@ def main() -> None:
         # rounding difference of 1e-9 into an update difference of up to lr; eps 1e-4 keeps the step a
         # smooth function of the gradient, so the comparison measures the gradients.
         config = dict(base, eps=1e-4, tensor_parallel_size=layout.get("tp", 1), pipeline_parallel_size=layout.get("pp", 1),
-                      **layout.get("extra", {}))
+                      context_parallel_size=layout.get("cp", 1), **layout.get("extra", {}))
         from rlplat_engine_megatron import vocab_parallel
 
         vocab_parallel.KEEP_FLOAT32_BYTES = layout.get("keep_float32_bytes", 16 << 20)

@@ -1,7 +1,7 @@
 """The megatron engine's memory estimate (``MegatronEngine.estimate_memory``, read by ``rlplat plan`` and
 ``rlplat run``): worked figures for an 8B Llama at TP=2 x PP=2 x DP=2, the plan through the CLI, the layout
 refused at load (before any worker starts) naming the key and the numbers, and the estimate against the
-peaks measured on CPU at TP=1 (two data-parallel ranks), TP=2 and PP=2 within 15% (``memory_worker.measure``
+peaks measured on CPU at TP=1 (two data-parallel ranks), TP=2, PP=2 and CP=2 within 15% (``memory_worker.measure``
 in fresh processes at the start of the two-process launch the numerics test shares;
 :class:`rlplat.testing.memory.LiveStorageMeter` counts live tensor storage bytes)."""
 
@@ -81,6 +81,36 @@ def test_the_estimate_refuses_a_layout_that_does_not_fit_naming_every_key():
     assert "3 key/value heads" in message and "3 layers" in message and "2049 tokens" in message
 
 
+def test_the_estimate_refuses_context_parallelism_that_does_not_divide_the_processes_or_meets_experts():
+    from rlplat_engine_megatron.engine import MegatronEngine
+
+    with pytest.raises(ValueError) as raised:
+        MegatronEngine.estimate_memory(dict(BASE, tensor_parallel_size=2, context_parallel_size=2), MODEL, context(6, 4))
+    assert ("world size 6 is not divisible by actor.engine_config.tensor_parallel_size=2 x actor.engine_config.context_parallel_size=2 "
+            "x actor.engine_config.pipeline_parallel_size=1 = 4") in str(raised.value)
+    moe = dict(MODEL, model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+    with pytest.raises(ValueError, match="context_parallel_size=2 with a mixture-of-experts model is not supported"):
+        MegatronEngine.estimate_memory(dict(BASE, context_parallel_size=2), moe, context(2, 4))
+    with pytest.raises(ValueError, match="context_parallel_size must be >= 1, got 0"):
+        MegatronEngine.estimate_memory(dict(BASE, context_parallel_size=0), MODEL, context(2, 4))
+
+
+def test_context_parallelism_divides_a_ranks_tokens_and_keeps_the_whole_sequences_keys_and_values():
+    from rlplat_engine_megatron.engine import MegatronEngine
+    from rlplat_engine_megatron.memory import busiest_response_share
+
+    # 4096-token rows: CP=2 cuts them into chunks of 1024, rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2. A response
+    # of 1024 is predicted from positions 3071-4094, all rank 0's; one of 3000 from 1095-4094: rank 1 holds 953 + 1024
+    assert busiest_response_share(4096, 1024, 2) == 1023 and busiest_response_share(4096, 3000, 2) == 953 + 1024
+    whole = MegatronEngine.estimate_memory(dict(BASE, micro_batch_size_per_gpu=1), MODEL, context(2, 2, length=2048))
+    split = MegatronEngine.estimate_memory(dict(BASE, micro_batch_size_per_gpu=1, context_parallel_size=2), MODEL, context(2, 2, length=2048))
+    ratio = split.during("update") / whole.during("update")
+    activations = {estimate: next(item.bytes for item in estimate.items if item.name == "activations") for estimate in (whole, split)}
+    assert activations[split] < 0.75 * activations[whole], activations
+    assert "TP 1 x CP 2 x PP 1 x DP 1" in " ".join(split.notes) and "(CP 2)" in next(
+        item.detail for item in split.items if item.name == "activations"), ratio
+
+
 def write_model(directory) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(MODEL))
@@ -138,13 +168,14 @@ def measured_peaks(two_process_results) -> dict[str, dict[str, int]]:
 def predicted(layout: dict, world_size: int):
     from rlplat_engine_megatron.engine import MegatronEngine
 
-    dp = world_size // (layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1))
+    dp = world_size // (layout.get("tensor_parallel_size", 1) * layout.get("context_parallel_size", 1)
+                        * layout.get("pipeline_parallel_size", 1))
     config = dict(BASE, ppo_mini_batch_size=ROWS * dp, **layout)
     return MegatronEngine.estimate_memory(config, MODEL, context(world_size, ROWS * dp // world_size))
 
 
 @pytest.mark.slow
-def test_the_estimate_matches_the_measured_peaks_at_tp1_tp2_and_pp2(two_process_results):
+def test_the_estimate_matches_the_measured_peaks_at_tp1_tp2_pp2_and_cp2(two_process_results):
     measured = measured_peaks(two_process_results)
     failures, lines = [], []
     for name, layout in LAYOUTS.items():

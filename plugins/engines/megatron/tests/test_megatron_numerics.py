@@ -3,8 +3,10 @@ PP=2 and TP=1 agree within 1e-5 and agree with the fsdp2 engine within 1e-5; one
 parameters agree within 1e-6 across TP=1 (two data-parallel ranks, each half the rows), TP=2 and PP=2;
 the distributed optimizer with full recompute and PP=2 with selective recompute and token-budget micro-batches take the same step; the
 HF export of a TP=2 model reproduces the checkpoint exactly; save -> load -> step repeats the
-uninterrupted step exactly (PP=2, distributed checkpoint); TP=2 x PP=2 and PP=2 x VPP=2 (interleaved schedule, also on a
-single row: fewer micro-batches than stages) on 4 processes. Each launch runs
+uninterrupted step exactly (PP=2 and CP=2, distributed checkpoint); context parallelism (CP=2, also with full recompute, the
+distributed optimizer, the chunked output layer and a token budget only CP fits) gives TP=1's log-probs and step; TP=2 x PP=2,
+PP=2 x VPP=2 (interleaved schedule, also on a single row: fewer micro-batches than stages), TP=2 x CP=2 and CP=2 x PP=2 on
+4 processes. Each launch runs
 every layout in the same processes (imports cost ~8 s a launch); the two-process one is shared with the memory
 test (the ``two_process_results`` fixture)."""
 
@@ -40,7 +42,7 @@ def assert_weights_close(actual, expected, what):
 
 
 @pytest.mark.slow
-def test_tp2_pp2_and_tp1_agree_with_each_other_and_with_fsdp2_and_export_and_resume_exactly(two_process_results):
+def test_tp2_pp2_cp2_and_tp1_agree_with_each_other_and_with_fsdp2_and_export_and_resume_exactly(two_process_results):
     results = two_process_results  # the layouts of two_process_launch.NUMERICS_LAYOUTS, then fsdp2
     # Layouts: two data-parallel ranks at TP=1; one replica over both ranks at TP=2 (TP rank 0 collects)
     # and at PP=2 (the last stage collects).
@@ -78,15 +80,28 @@ def test_tp2_pp2_and_tp1_agree_with_each_other_and_with_fsdp2_and_export_and_res
     assert float((values - results["tp2/top_k"][0])[valid].abs().max()) <= 1e-6 and torch.equal(ids[valid], results["tp2/top_k"][1][valid])
     assert results["tp2-chunked/metrics"]["test/gathered"] == pytest.approx(results["tp2/metrics"]["test/gathered"], abs=1e-6)
     assert results["tp2-chunked/metrics"]["grad_norm"] == pytest.approx(results["tp2/metrics"]["grad_norm"], rel=1e-5)
+    # context parallelism (CP=2: one replica over both ranks, CP rank 0 collects) gives TP=1's numbers
+    for name in ("cp2", "cp2-full-budget-chunked"):
+        assert results[f"{name}/info"] == [(0, 1, True), (0, 1, False)], name
+        assert_log_probs_close(results[f"{name}/log_probs"], reference, f"{name} vs TP=1")
+        assert_log_probs_close(results[f"{name}/entropy"], results["tp1/entropy"], f"entropy {name} vs TP=1")
+        assert_weights_close(results[f"{name}/weights"], results["tp1/weights"], f"{name} vs TP=1")
+        values, ids = results[f"{name}/top_k"]
+        assert float((values - results["tp1/top_k"][0])[valid].abs().max()) <= 1e-5 and torch.equal(ids[valid], results["tp1/top_k"][1][valid])
+        assert results[f"{name}/metrics"]["test/gathered"] == pytest.approx(results["tp1/metrics"]["test/gathered"], abs=1e-5), name
+        assert results[f"{name}/metrics"]["grad_norm"] == pytest.approx(results["tp1/metrics"]["grad_norm"], rel=1e-5), name
+    assert float(results["cp2/resume_max_diff"]) == 0.0
 
 
 @pytest.mark.slow
-def test_tp2_by_pp2_and_an_interleaved_pipeline_on_four_processes_agree_with_tp1(tmp_path):
+def test_tp2_by_pp2_an_interleaved_pipeline_tp2_by_cp2_and_cp2_by_pp2_on_four_processes_agree_with_tp1(tmp_path):
     model = write_numerics_checkpoint(tmp_path / "hf", num_key_value_heads=2, tie_word_embeddings=False, num_hidden_layers=4)
     results = launch(4, {"model": model, "layouts": [
         {"name": "tp1"},
         {"name": "tp2pp2", "tp": 2, "pp": 2, "extra": {"use_distributed_optimizer": True}},
         {"name": "pp2vpp2", "pp": 2, "extra": {"virtual_pipeline_parallel_size": 2}, "single_row": True},
+        {"name": "tp2cp2", "tp": 2, "cp": 2},
+        {"name": "cp2pp2", "cp": 2, "pp": 2},
     ]}, tmp_path)
     assert [info for info in results["tp2pp2/info"] if info[2]] == [(0, 1, True)]
     assert [info for info in results["pp2vpp2/info"] if info[2]] == [(0, 2, True), (1, 2, True)]
@@ -94,5 +109,9 @@ def test_tp2_by_pp2_and_an_interleaved_pipeline_on_four_processes_agree_with_tp1
     assert_weights_close(results["tp2pp2/weights"], results["tp1/weights"], "TP=2 x PP=2 vs TP=1")
     assert_log_probs_close(results["pp2vpp2/log_probs"], results["tp1/log_probs"], "PP=2 x VPP=2 vs TP=1")
     assert_weights_close(results["pp2vpp2/weights"], results["tp1/weights"], "PP=2 x VPP=2 vs TP=1")
+    for name in ("tp2cp2", "cp2pp2"):
+        assert [info for info in results[f"{name}/info"] if info[2]] == [(0, 1, True)], name
+        assert_log_probs_close(results[f"{name}/log_probs"], results["tp1/log_probs"], f"{name} vs TP=1")
+        assert_weights_close(results[f"{name}/weights"], results["tp1/weights"], f"{name} vs TP=1")
     valid = make_batch(8, seed=3).batch["response_mask"][0].bool()
     assert float((results["pp2vpp2/single_row"][0] - results["tp1/log_probs"][0])[valid].abs().max()) <= LOG_PROB_TOLERANCE

@@ -28,6 +28,7 @@ MEMORY_LAYOUTS = {
     "tp2": dict(tensor_parallel_size=2),
     "pp2": dict(pipeline_parallel_size=2),
     "tp1 full recompute, distributed optimizer": dict(recompute_granularity="full", use_distributed_optimizer=True),
+    "cp2": dict(context_parallel_size=2),
 }
 MEMORY_BASE = dict(model_config=MEMORY_MODEL, seed=3, lr=1e-3, micro_batch_size_per_gpu=4, dtype="float32")
 
@@ -41,6 +42,13 @@ NUMERICS_LAYOUTS = [
                                                          "max_token_len_per_gpu": 24}},
     # the chunked output layer (forced: the tiny model's logits are far below the size that turns it on), 6 tokens a chunk
     {"name": "tp2-chunked", "tp": 2, "keep_float32_bytes": 0, "extra": {"logprob_chunk_size": 6}},
+    # context parallelism: each rank runs half of every row's tokens; then with full recompute, the distributed
+    # optimizer, the chunked output layer and a token budget of 6 a rank (rows of 11 tokens fit only because CP=2
+    # makes a group's budget 12)
+    {"name": "cp2", "cp": 2, "resume": True},
+    {"name": "cp2-full-budget-chunked", "cp": 2, "keep_float32_bytes": 0, "extra": {
+        "recompute_granularity": "full", "use_distributed_optimizer": True, "use_dynamic_bsz": True, "max_token_len_per_gpu": 6,
+        "logprob_chunk_size": 6}},
 ]
 
 
