@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import warnings
@@ -127,10 +128,6 @@ class FSDP2Engine(TrainingEngine):
             # peft changes the Hugging Face module in place; the PeftModel around it is kept for its switches.
             self.peft_model = lora.attach_adapter(model, self.lora, config.seed, config.model_path)
         self.routing = self.build_routing(model)
-        if self.routing is not None and self.sp_size > 1:
-            raise ValueError(f"fsdp2 engine: ulysses_sequence_parallel_size={self.sp_size} with a mixture-of-experts model "
-                             f"({type(model).__name__}) is not supported: its routers' load metrics and replay read the whole "
-                             "pack on every rank; use sequence parallelism with dense models")
         reduce_dtype = modeling.TORCH_DTYPES[config.reduce_dtype]
         full_precision = (self.compute_dtype(), reduce_dtype) == (torch.float32, torch.float32)
         replicate = config.data_parallel == "replicate"
@@ -218,7 +215,8 @@ class FSDP2Engine(TrainingEngine):
         with torch.no_grad():
             for rows in groups:
                 micro_batch = self.micro_batch(batch, rows)
-                call = None if self.routing is None else self.routing.begin(micro_batch.batch, self.remove_padding, update=False)
+                call = None if self.routing is None else self.routing.begin(micro_batch.batch, self.remove_padding, update=False,
+                                                                              sequence_parallel=self.sequence_parallel)
                 outputs = self.run(micro_batch, temperature, calculate_entropy, top_k=top_k)
                 if rows:
                     pieces.append({key: outputs[key].detach() for key in self.output_keys(calculate_entropy)})
@@ -324,11 +322,11 @@ class FSDP2Engine(TrainingEngine):
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return int(tensor.item())
 
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
+    def all_reduce_sum(self, values: list[float], every_rank: bool = False) -> list[float]:
         """``values`` summed over the data-parallel groups (a sequence-parallel group's ranks hold the same rows:
-        its first rank's values count)."""
+        its first rank's values count), or over ``every_rank`` (values of each rank's own tokens)."""
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.rank % self.sp_size:
+        if self.rank % self.sp_size and not every_rank:
             tensor.zero_()
         if self.world_size > 1:
             dist.all_reduce(tensor)
@@ -416,7 +414,7 @@ class FSDP2Engine(TrainingEngine):
                 self.module.set_requires_gradient_sync(index == len(groups) - 1)
             micro_batch = self.micro_batch(mini_batch, rows).with_meta_info(meta_info).to(self.device)
             call = None if self.routing is None else self.routing.begin(micro_batch.batch, self.remove_padding, update=True,
-                                                                          counted=bool(rows))
+                                                                          counted=bool(rows), sequence_parallel=self.sequence_parallel)
             outputs = self.run(micro_batch, temperature, calculate_entropy, getattr(loss_fn, "gather_ids", None))
             if rows:
                 loss, metrics = loss_fn(outputs, micro_batch)
@@ -446,7 +444,7 @@ class FSDP2Engine(TrainingEngine):
         summed = self.gather_metrics(loss_metrics)
         if self.routing is not None:
             self.routing.end()
-            summed.update(self.routing.step_metrics(self.all_reduce_sum))
+            summed.update(self.routing.step_metrics(functools.partial(self.all_reduce_sum, every_rank=True)))
         (loss_total,) = self.all_reduce_sum([loss_total])
         return {**summed, "loss": loss_total, "grad_norm": grad_norm, "lr": float(lr), "skipped_step": float(not math.isfinite(grad_norm))}
 

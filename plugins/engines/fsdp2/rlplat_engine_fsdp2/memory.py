@@ -189,8 +189,6 @@ def sequence_parallel_problems(sp: int, world: int, shape: ModelShape) -> list[s
             problems.append(f"it does not divide the model's {shape.num_heads} attention heads")
         if shape.num_kv_heads % sp and sp % shape.num_kv_heads:
             problems.append(f"the model's {shape.num_kv_heads} key/value heads neither divide by it nor divide it")
-        if shape.moe_layers:
-            problems.append("the model is a mixture of experts, which the engine does not run sequence-parallel yet")
     return problems
 
 

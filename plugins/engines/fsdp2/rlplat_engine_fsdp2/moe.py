@@ -13,6 +13,13 @@ of ``forward`` or of an optimizer step begins a :class:`~rlplat.kits.moe.Routing
   step, every rank's tokens) and, with gradients, the load-balancing loss and the z-loss, weighted by the
   call's share of the mini-batch's tokens so that the step's sum is their mean over the mini-batch.
 
+With Ulysses sequence parallelism (``sequence_parallel``) each rank's routers see its slice of the padded pack:
+the call's tokens, replayed routes and token mask are the slice's, recorded routes are gathered from the group,
+and the router losses are those of the group's whole pack on every rank (the experts' counts and token counts
+summed over the group, the probabilities and z-loss terms through a differentiable sum whose gradient reaches
+each rank's own tokens). The load metrics sum every rank's tokens; the pairs whose routes matter are counted by
+the group's first rank.
+
 Hugging Face's MoE layers route every token to its k experts (no capacity, so no token is dropped).
 """
 
@@ -24,6 +31,7 @@ import torch
 
 from rlplat.config.moe import MoEConfig
 from rlplat.kits.moe import ROUTES, RouteHooks, RoutingCall, routing_metrics
+from rlplat_engine_fsdp2 import ulysses
 
 
 class EngineCall(RoutingCall):
@@ -31,10 +39,13 @@ class EngineCall(RoutingCall):
     observer collected (``terms``) and the (token, layer) pairs whose routes matter (``needed``: every
     valid token but each row's last, whose output predicts nothing)."""
 
-    def __init__(self, tokens: int, token_mask: torch.Tensor | None, needed: int, **options: Any):
+    def __init__(self, tokens: int, token_mask: torch.Tensor | None, needed: int, sequence_parallel: Any = None,
+                 pack_tokens: int = 0, **options: Any):
         super().__init__(tokens, **options)
         self.token_mask = token_mask
         self.needed = needed
+        self.sequence_parallel = sequence_parallel  # ulysses.SequenceParallel: the routers see this rank's slice
+        self.pack_tokens = pack_tokens  # the whole pack's tokens, under sequence parallelism
         self.terms: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
@@ -48,12 +59,14 @@ class EngineRouting:
 
     # -- one model call ------------------------------------------------------------------------------------
 
-    def begin(self, batch: Any, packed: bool, *, update: bool, counted: bool = True) -> EngineCall:
+    def begin(self, batch: Any, packed: bool, *, update: bool, counted: bool = True, sequence_parallel: Any = None) -> EngineCall:
         """The routing of one model call on ``batch`` (a micro-batch's TensorDict); ``update``: a call of an
         optimizer step (observed; replays under r2 and r3), else of ``forward`` (replays under r3, records
-        under r2); ``counted``: False for a stand-in micro-batch whose loss is dropped."""
+        under r2); ``counted``: False for a stand-in micro-batch whose loss is dropped; ``sequence_parallel``:
+        this rank runs its slice of the (packed) call's tokens."""
         valid = batch["attention_mask"].bool()
         tokens = int(valid.sum()) if packed else valid.numel()
+        sp = sequence_parallel
         replays = self.moe.router_replay == "r3" or (self.moe.router_replay == "r2" and update)
         replay = None
         if replays:
@@ -73,29 +86,41 @@ class EngineRouting:
                 routes[rows, last[rows]] = -1
                 replay = routes[valid] if packed else routes.flatten(0, 1)
         needed = (int(valid.sum()) - int(valid.any(-1).sum())) * len(self.routers) if counted else 0
-        call = EngineCall(tokens, None if packed else valid.flatten(), needed, replay=replay,
-                          record=self.moe.router_replay == "r2" and not update)
+        token_mask = None if packed else valid.flatten()
+        if sp is not None:  # this rank's slice of the pack padded to a multiple of the group (ulysses.shard)
+            step = ulysses.padded_length(tokens, sp.size) // sp.size
+            start = sp.rank * step
+            if replay is not None:
+                replay = torch.cat([replay, replay.new_full((step * sp.size - tokens, *replay.shape[1:]), -1)])[start:start + step]
+            token_mask = torch.arange(start, start + step, device=valid.device) < tokens
+            needed = needed if sp.rank == 0 else 0
+        call = EngineCall(step if sp is not None else tokens, token_mask, needed, sequence_parallel=sp, pack_tokens=tokens,
+                          replay=replay, record=self.moe.router_replay == "r2" and not update)
         if update and counted:
             call.observe = self.observer(call)
         return self.hooks.begin(call)
 
     def observer(self, call: EngineCall) -> Callable:
         def observe(router: Any, logits: torch.Tensor, indices: torch.Tensor) -> None:
-            mask = call.token_mask
+            mask, sp = call.token_mask, call.sequence_parallel
             if mask is not None:
                 mask = mask.to(logits.device)
                 logits, indices = logits[mask], indices[mask]
-            if logits.shape[0] == 0:
+            if logits.shape[0] == 0 and sp is None:  # under SP every rank joins the sums, tokens or not
                 return
             counts = torch.bincount(indices.flatten().long(), minlength=router.num_experts).to(logits.dtype)
             if self.counts.device != counts.device:  # kept where the model runs: no copy to the host per layer
                 self.counts = self.counts.to(counts.device)
             self.counts[router.layer, : router.num_experts] += counts.detach().double()
             with torch.set_grad_enabled(torch.is_grad_enabled() and self.moe.aux_loss_coef > 0):
-                probabilities = torch.softmax(logits.float(), dim=-1)
-                balance = router.num_experts * (counts.float() / logits.shape[0] * probabilities.mean(0)).sum()
+                probabilities = torch.softmax(logits.float(), dim=-1).sum(0)
+                if sp is not None:
+                    counts, probabilities = ulysses.sum_over(counts.float(), sp), ulysses.sum_over(probabilities, sp)
+                tokens = float(call.pack_tokens) if sp is not None else float(logits.shape[0])
+                balance = router.num_experts * (counts.float() / tokens * probabilities / tokens).sum()
             with torch.set_grad_enabled(torch.is_grad_enabled() and self.moe.z_loss_coef > 0):
-                z = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+                z = torch.logsumexp(logits.float(), dim=-1).pow(2).sum()
+                z = (ulysses.sum_over(z, sp) if sp is not None else z) / tokens
             call.terms.append((balance, z))
 
         return observe
@@ -118,6 +143,8 @@ class EngineRouting:
         """``call``'s recorded routes as the batch column ``[rows, T, moe_layers, top_k]`` (``-1`` at padding)."""
         valid = batch["attention_mask"].bool().cpu()
         stacked = self.hooks.stacked(call)
+        if call.sequence_parallel is not None:  # the group's slices, in pack order, without the padding
+            stacked = ulysses.gather_slices(stacked.int(), call.sequence_parallel)[: call.pack_tokens].to(torch.int16)
         routes = torch.full((*valid.shape, *stacked.shape[1:]), -1, dtype=torch.int16)
         if packed:
             routes[valid] = stacked

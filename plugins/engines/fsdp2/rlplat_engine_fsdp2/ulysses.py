@@ -173,12 +173,50 @@ class PackShard:
         return _Gather.apply(values, self.sp, counts)
 
 
+def padded_length(tokens: int, size: int) -> int:
+    """The length a pack of ``tokens`` tokens is padded to for ``size`` sequence-parallel ranks (at least one
+    token a rank)."""
+    return max(size, -(-tokens // size) * size)
+
+
+class _SumOver(torch.autograd.Function):
+    """All-reduce sum over the group; the gradient passes unchanged (every rank of the group computes the same
+    loss from the sum, and each rank's summand comes from its own tokens)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+        tensor = tensor.contiguous().clone()
+        dist.all_reduce(tensor, group=sp.group)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def sum_over(tensor: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """``tensor`` summed over the group's ranks, differentiable (see :class:`_SumOver`)."""
+    if tensor.requires_grad:
+        return _SumOver.apply(tensor, sp)
+    tensor = tensor.contiguous().clone()
+    dist.all_reduce(tensor, group=sp.group)
+    return tensor
+
+
+def gather_slices(tensor: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
+    """Each rank's ``[length / sp, ...]`` slice of a padded pack -> the whole ``[length, ...]`` (not differentiable)."""
+    tensor = tensor.contiguous()
+    pieces = [torch.empty_like(tensor) for _ in range(sp.size)]
+    dist.all_gather(pieces, tensor, group=sp.group)
+    return torch.cat(pieces)
+
+
 def shard(packed: packing.Pack, sp: SequenceParallel, *, grouped_attention: bool) -> PackShard:
     """This rank's :class:`PackShard` of ``packed``: its tokens padded to a multiple of ``sp.size`` (the padding
     one sequence of its own), a contiguous ``1/sp`` of them, and the model kwargs of the whole padded pack
     (``grouped_attention``: with the attention groups of the padded pack, planned here; ``packed`` needs none)."""
     tokens = packed.input_ids.shape[1]
-    length = max(sp.size, -(-tokens // sp.size) * sp.size)
+    length = padded_length(tokens, sp.size)
     extra = length - tokens
     input_ids, position_ids = packed.input_ids, packed.position_ids
     cu_seq_lens, max_length = packed.cu_seq_lens, packed.max_length

@@ -521,15 +521,43 @@ def test_ulysses_chunked_output_layer_value_and_reward_models_equal_one_rank(two
     assert float((values[0] - values[1]).abs().max()) <= 1e-5
 
 
+def test_ulysses_sp2_with_a_moe_model_records_replays_and_balances_as_one_rank(two_ranks, one_rank):
+    """A Qwen3-MoE policy at SP=2: each rank's routers see its slice of the pack. The forward's recorded routes
+    (r2), gathered from both slices, equal one rank's; the update replays them, and its router losses (the
+    load-balancing loss and the z-loss of the whole pack, summed over the group) and load metrics equal one
+    rank's, as do the gradients and the parameters after the step."""
+    from rlplat.kits.moe import ROUTES
+    from rlplat.testing.tiny_models import tiny_moe_config
+
+    overrides = {"lr": 1e-4, "grad_clip": None, "micro_batch_size_per_gpu": 3,
+                 "moe": {"router_replay": "r2", "aux_loss_coef": 0.1, "z_loss_coef": 0.01}}
+    model = tiny_moe_config("qwen3_moe")
+    two_ranks.build_mesh("sp-moe", {"ulysses_sequence_parallel_size": 2, **overrides}, model)
+    one_rank.build_mesh("sp-moe", overrides, model)
+    batch = long_batch()
+    sp_out, one_out = two_ranks.forward_mesh("sp-moe", batch, True), one_rank.forward_mesh("sp-moe", batch, True)
+    assert float((sp_out.batch["log_probs"] - one_out.batch["log_probs"]).abs().max()) <= 1e-5
+    assert torch.equal(sp_out.batch[ROUTES], one_out.batch[ROUTES])
+    batch = batch.union(DataProto.from_dict({ROUTES: one_out.batch[ROUTES]}))
+    sp_metrics = two_ranks.train_mesh("sp-moe", batch).meta_info["metrics"]
+    one_metrics = one_rank.train_mesh("sp-moe", batch).meta_info["metrics"]
+    one_gradients = one_rank.gradients("sp-moe")[0]
+    gradients = max_difference(two_ranks.gradients("sp-moe")[0], one_gradients)
+    step = max_difference(two_ranks.parameters("sp-moe")[0], one_rank.parameters("sp-moe")[0])
+    print(f"Ulysses SP=2 MoE vs 1 rank: gradients {gradients:.3g}, parameters after a step {step:.3g}")
+    assert gradients <= 1e-6 * max(1.0, max(float(g.abs().max()) for g in one_gradients.values())) and step <= 1e-5
+    for key in ("loss", "grad_norm", "actor/moe/aux_loss", "actor/moe/z_loss", "actor/moe/load_imbalance",
+                "actor/moe/load_imbalance/layer_1", "actor/moe/replayed_fraction", "actor/moe/replay_agreement"):
+        assert sp_metrics[key] == pytest.approx(one_metrics[key], rel=1e-5, abs=1e-7), key
+    # metrics come back as a list, one entry per data-parallel group
+    assert sp_metrics["actor/moe/replayed_fraction"] == [1.0] and sp_metrics["actor/moe/replay_agreement"] == [1.0]
+
+
 def test_ulysses_refuses_a_size_that_does_not_divide_the_heads_or_the_ranks(two_ranks):
     with pytest.raises(WorkerError, match=r"ulysses_sequence_parallel_size=2 does not divide the model's 3 attention heads"):
         two_ranks.build_mesh("sp-bad", {"ulysses_sequence_parallel_size": 2},
                              dict(BASE["model_config"], num_attention_heads=3, num_key_value_heads=3, hidden_size=96))
     with pytest.raises(WorkerError, match=r"ulysses_sequence_parallel_size=4 does not divide the 2 ranks"):
         two_ranks.build_mesh("sp-bad", {"ulysses_sequence_parallel_size": 4})
-    from rlplat.testing.tiny_models import tiny_moe_config
-
-    with pytest.raises(WorkerError, match=r"ulysses_sequence_parallel_size=2 with a mixture-of-experts model .* is not supported"):
-        two_ranks.build_mesh("sp-bad", {"ulysses_sequence_parallel_size": 2}, tiny_moe_config())
     with pytest.raises(WorkerError, match=r"ulysses_sequence_parallel_size=2 splits packed micro-batches: it needs use_remove_padding"):
         two_ranks.build_mesh("sp-bad", {"ulysses_sequence_parallel_size": 2, "use_remove_padding": False})
