@@ -54,7 +54,7 @@ class MegatronEngineConfig(EngineBuildConfig):
     ``2 x CP`` chunks; :mod:`rlplat_engine_megatron.context_parallel`): every rank of a context-parallel group
     gets the same rows, runs its share of their positions, and all-gathers keys and values for attention, so
     activations and logits per rank shrink by about CP. The world size must be divisible by TP x CP x PP;
-    ``max_token_len_per_gpu`` counts one rank's share. Not with a mixture-of-experts model."""
+    ``max_token_len_per_gpu`` counts one rank's share."""
     virtual_pipeline_parallel_size: Optional[int] = None
     """Model chunks per pipeline stage (interleaved schedule); None for one. Needs
     ``pipeline_parallel_size`` > 1 and the layers divisible by stages x chunks."""

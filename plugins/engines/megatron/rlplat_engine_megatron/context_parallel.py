@@ -23,6 +23,10 @@ megatron's context parallelism and replaces only the attention kernel:
   batch's outputs, on every rank; its backward passes each rank the gradient of its own positions. Every
   rank of the group then computes the same loss, and megatron's gradient reduction over the data- and
   context-parallel ranks sums the ranks' parts of the gradient.
+* **Mixture of experts**: each rank's routers see its tokens (``[local positions, rows]`` flattened), so the
+  routers' valid-token mask and replayed routes are sliced like the tokens, recorded routes are gathered from
+  the group back into sequence order (:func:`gather_tokens`), and the router losses are the whole rows' on
+  every rank (:func:`sum_over`: expert counts, probabilities and z-loss terms summed over the group).
 """
 
 from __future__ import annotations
@@ -79,6 +83,25 @@ def sequence_order(local: int, size: int, device: Any = None) -> torch.Tensor:
 def gather_sequence(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """``tensor`` [local tokens, ...] of every rank of ``group`` -> [whole sequence, ...] in position order."""
     return _GatherSequence.apply(tensor, group)
+
+
+def sum_over(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """``tensor`` summed over ``group``; differentiable when it requires grad (:class:`_SumOver`)."""
+    if tensor.requires_grad:
+        return _SumOver.apply(tensor, group)
+    tensor = tensor.contiguous().clone()
+    dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def gather_tokens(tokens: torch.Tensor, rows: int, width: int, group: Any) -> torch.Tensor:
+    """This rank's per-token values in the routers' order (``[local positions x rows, ...]``) -> the whole
+    micro-batch's ``[width x rows, ...]`` in sequence order, the padding to ``2 x CP`` dropped (not differentiable)."""
+    local = tokens.reshape(-1, rows, *tokens.shape[1:]).contiguous()
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, local, group=group)
+    whole = torch.cat(pieces).index_select(0, sequence_order(local.shape[0], len(pieces), local.device))
+    return whole[:width].reshape(width * rows, *tokens.shape[1:])
 
 
 class _SumOver(torch.autograd.Function):
@@ -157,6 +180,14 @@ def shard_inputs(inputs: Mapping[str, torch.Tensor], size: int, rank: int) -> di
     kept = here.gather(1, slots)
     local = local_of[predictors.gather(1, slots)].clamp(min=0)
     sharded = dict(inputs)
+    if "valid" in inputs:  # a MoE model's routers: tokens in [sequence, rows] order (rlplat_engine_megatron.moe)
+        valid = inputs["valid"].view(width, rows)
+        sharded["cp_tokens"] = (width, rows, int(valid.sum()))
+        sharded["valid"] = torch.cat([valid, valid.new_zeros((wide - width, rows))])[positions].reshape(-1)
+        if "routes" in inputs:
+            routes = inputs["routes"].view(width, rows, *inputs["routes"].shape[1:])
+            routes = torch.cat([routes, routes.new_full((wide - width, *routes.shape[1:]), -1)])[positions]
+            sharded["routes"] = routes.reshape(-1, *routes.shape[2:])
     sharded.update(
         tokens=tokens[:, positions], position_ids=positions.unsqueeze(0).expand(rows, -1).contiguous(),
         attention_mask=mask[:, :, positions, :].contiguous(), predictors=local, responses=responses.gather(1, slots),

@@ -228,7 +228,7 @@ class MegatronEngine(TrainingEngine):
         self.set_lr(self.schedule(0) * config.lr)
         if self.moe_shape is not None:
             self.routing = MegatronRouting([chunk.module for chunk in self.chunks], self.moe, self.hf_config.num_hidden_layers,
-                                           counts_here=self.tp_rank == 0)
+                                           counts_here=self.tp_rank == 0, once_here=self.tp_rank == 0 and self.cp_rank == 0)
 
     def require_model(self, method: str) -> None:
         if not self.chunks:
@@ -330,7 +330,8 @@ class MegatronEngine(TrainingEngine):
             replays = mode == "r3" or (mode == "r2" and update)
             stand_in = bool(micro_batch.meta_info.get(STAND_IN))
             share = share_of(micro_batch) if update and not stand_in else None
-            return MegatronCall(inputs["valid"], routes if replays else None, record=mode == "r2" and not update, share=share)
+            return MegatronCall(inputs["valid"], routes if replays else None, record=mode == "r2" and not update, share=share,
+                                cp_tokens=inputs.get("cp_tokens"))
 
         return call_of
 
@@ -551,7 +552,7 @@ class MegatronEngine(TrainingEngine):
         lr = self.schedule(self.global_step) * self.config.lr
         self.set_lr(lr)
         call_of = self.routing_calls(update=True, share_of=lambda micro_batch: float(micro_batch.batch["attention_mask"].sum()) / max(input_tokens, 1.0))
-        if self.routing is not None and self.routing.counts_here:  # the (token, layer) pairs whose routes matter, this stage's layers
+        if self.routing is not None and self.routing.once_here:  # the (token, layer) pairs whose routes matter, this stage's layers
             for micro_batch in micro_batches:
                 if not micro_batch.meta_info.get(STAND_IN):
                     valid = micro_batch.batch["attention_mask"].bool()

@@ -80,9 +80,6 @@ def layout_problems(config: MegatronEngineConfig, world_size: int, model_config:
             f"(a run needs cluster.backend=ray and cluster.devices_per_node a multiple of {replica})"
         )
     experts = int(model.get("num_experts") or model.get("num_local_experts") or 0)
-    if cp > 1 and experts:
-        problems.append(f"{cp_key} with a mixture-of-experts model is not supported (the routers' replay, load metrics and "
-                        "losses read every token of a row on one rank); use context_parallel_size=1")
     if ep > 1 and not experts:
         problems.append(f"{ep_key} needs a mixture-of-experts model; this one has no experts")
     elif ep > 1:

@@ -23,6 +23,12 @@ the engine begins a :class:`MegatronCall` on the taps of that chunk:
 Tokens reach a router in megatron's ``[sequence, batch]`` order, flattened: token ``s * b + r`` is position
 ``s`` of row ``r`` of the left-aligned micro-batch (the engine's ``model_inputs``). megatron's MoE layers are
 dropless here (no capacity factor), so no token is dropped.
+
+Under context parallelism each rank's routers see its positions of the rows (``cp_tokens`` of the call: the
+micro-batch's width, rows and valid tokens): recorded routes are gathered from the group, and the router losses
+are the whole rows' on every rank (:func:`rlplat_engine_megatron.context_parallel.sum_over`); the load counts each
+rank's own tokens, and what every rank of a group sees alike (the losses' figures, the pairs whose routes
+matter) is counted by its first rank (``once_here``).
 """
 
 from __future__ import annotations
@@ -65,7 +71,9 @@ class MegatronCall:
     [tokens, layers, k] or None, ``record``, ``share`` (the call's weight in the mini-batch's router losses;
     None: no router losses, not observed)."""
 
-    def __init__(self, valid: torch.Tensor, replay: torch.Tensor | None, record: bool, share: float | None):
+    def __init__(self, valid: torch.Tensor, replay: torch.Tensor | None, record: bool, share: float | None,
+                 cp_tokens: tuple[int, int, int] | None = None):
+        self.cp_tokens = cp_tokens  # context parallel: (the micro-batch's width, rows, valid tokens)
         self.valid = valid
         self.replay = replay
         self.record = record
@@ -116,7 +124,15 @@ class RouterTap:
                 indices = used
                 values = scores.gather(1, indices)
         if call.record:
-            call.recorded[self.layer] = indices.detach().to(torch.int16).cpu()
+            recorded = indices.detach()
+            if call.cp_tokens is not None:  # the group's tokens in sequence order
+                from megatron.core import parallel_state
+
+                from rlplat_engine_megatron.context_parallel import gather_tokens
+
+                width, rows, _ = call.cp_tokens
+                recorded = gather_tokens(recorded.int(), rows, width, parallel_state.get_context_parallel_group())
+            call.recorded[self.layer] = recorded.to(torch.int16).cpu()
         return values, indices
 
     def wrapped_routing(self, logits: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,12 +146,13 @@ class RouterTap:
 class MegatronRouting:
     """The taps of every router of the engine's model chunks and the step's load, replay and loss figures."""
 
-    def __init__(self, chunks: list[torch.nn.Module], moe: MoEConfig, moe_layers: int, counts_here: bool):
+    def __init__(self, chunks: list[torch.nn.Module], moe: MoEConfig, moe_layers: int, counts_here: bool, once_here: bool | None = None):
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.moe = moe
         self.moe_layers = moe_layers
         self.counts_here = counts_here  # tensor-parallel rank 0: its figures stand for its tensor-parallel group's
+        self.once_here = counts_here if once_here is None else once_here  # also context-parallel rank 0
         self.call: MegatronCall | None = None
         self.taps = [RouterTap(self, module) for chunk in chunks for module in chunk.modules() if isinstance(module, TopKRouter)]
         self.experts = max((tap.experts for tap in self.taps), default=0)
@@ -152,18 +169,26 @@ class MegatronRouting:
                 call: MegatronCall) -> torch.Tensor:
         valid = call.valid.to(logits.device)
         logits, routed = logits[valid], routing_map[valid]
-        if logits.shape[0] == 0:
+        if logits.shape[0] == 0 and call.cp_tokens is None:  # under CP every rank joins the sums, tokens or not
             return probs
         counts = routed.sum(0).to(torch.float64)
         if self.counts_here:  # the step's figures stay on the model's device: one host copy per step, not per layer
             if self.counts.device != counts.device:
                 self.counts = self.counts.to(counts.device)
             self.counts[tap.layer, : tap.experts] += counts.detach()
-        probabilities = torch.softmax(logits.float(), dim=-1)
-        balance = tap.experts * (counts.float() / logits.shape[0] * probabilities.mean(0)).sum()
-        z = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+        sums = torch.cat([counts.float(), torch.softmax(logits.float(), dim=-1).sum(0),
+                          torch.logsumexp(logits.float(), dim=-1).pow(2).sum()[None]])
+        tokens = float(logits.shape[0])
+        if call.cp_tokens is not None:  # the whole rows': summed over the group, each rank's gradient its own tokens'
+            from megatron.core import parallel_state
+
+            from rlplat_engine_megatron.context_parallel import sum_over
+
+            sums, tokens = sum_over(sums, parallel_state.get_context_parallel_group()), float(call.cp_tokens[2])
+        counts, probabilities, z = sums[: tap.experts].detach(), sums[tap.experts: 2 * tap.experts], sums[-1] / tokens
+        balance = tap.experts * (counts / tokens * probabilities / tokens).sum()
         weight = call.share / self.moe_layers
-        if self.counts_here:
+        if self.once_here:
             self.aux_loss = self.aux_loss + balance.detach().double() * weight
             self.z_loss = self.z_loss + z.detach().double() * weight
         term = 0.0

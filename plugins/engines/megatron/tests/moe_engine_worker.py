@@ -9,6 +9,8 @@ routes that differ from the live ones (``routed_experts`` drawn at random, ``-1`
   each gives its log-probs, one optimizer step's metrics and the full weights after it; ``ep2`` also exports a
   HF directory and checks that save -> step equals load -> step;
 * ``r2``: with EP=2, ``forward`` returns the routes it took (live routing), the update replays them;
+* ``cp2`` and ``cp2-r2``: the same as ``ep1`` and ``r2`` with context parallelism (CP=2: each rank's routers see
+  half of every row's positions);
 * the fsdp2 engine, on the same ranks with the same settings, gives its log-probs, metrics, weights and
   (``r2``) routes.
 
@@ -116,7 +118,9 @@ def main() -> None:
     results: dict[str, object] = {}
     for name, extra, data, options in (("ep1", {"moe": MOE}, batch, {}),
                                        ("ep2", {"moe": MOE, "expert_model_parallel_size": 2}, batch, {"resume": True, "export": True}),
-                                       ("r2", {"moe": {**MOE, "router_replay": "r2"}, "expert_model_parallel_size": 2}, plain, {})):
+                                       ("r2", {"moe": {**MOE, "router_replay": "r2"}, "expert_model_parallel_size": 2}, plain, {}),
+                                       ("cp2", {"moe": MOE, "context_parallel_size": 2}, batch, {}),
+                                       ("cp2-r2", {"moe": {**MOE, "router_replay": "r2"}, "context_parallel_size": 2}, plain, {})):
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         config = dict(base, **extra)

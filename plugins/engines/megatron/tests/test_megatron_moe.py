@@ -1,7 +1,7 @@
 """Mixture-of-experts models in the megatron engine: Qwen2-MoE, Qwen3-MoE and Mixtral checkpoints give the
 fsdp2 engine's log-probs and export unchanged; on two gloo processes expert parallelism (EP=2) equals EP=1 and
-the fsdp2 engine under router replay (r3 with drifted routes, r2) and both router losses, and resumes exactly
-(moe_engine_worker.py); layouts and settings that cannot work are refused with the reason. Expert
+the fsdp2 engine under router replay (r3 with drifted routes, r2) and both router losses, and resumes exactly,
+and context parallelism (CP=2) equals them too (moe_engine_worker.py); layouts and settings that cannot work are refused with the reason. Expert
 parallelism runs on CPU through megatron-core's all-gather token dispatcher (its all-to-all one creates CUDA
 streams)."""
 
@@ -105,6 +105,23 @@ def test_r2_returns_the_live_routes_and_the_update_replays_them(two_ranks):
     metrics = two_ranks["r2/metrics"]
     assert metrics["actor/moe/replayed_fraction"] == 1.0 and metrics["actor/moe/replay_agreement"] >= 0.99
     assert max_difference(two_ranks["r2/weights"], two_ranks["fsdp2-r2/weights"]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_context_parallelism_replays_records_and_balances_the_routers_as_one_rank(two_ranks):
+    """CP=2: each rank's routers see half of every row's positions; the replayed routes are sliced alike, the
+    recorded ones gathered back, and the router losses are the whole rows' (summed over the group)."""
+    mask = make_batch(8, seed=3).batch["response_mask"].bool()
+    assert float((two_ranks["cp2/log_probs"] - two_ranks["ep1/log_probs"])[mask].abs().max()) <= 1e-5
+    assert max_difference(two_ranks["cp2/weights"], two_ranks["ep1/weights"]) <= 1e-5
+    metrics, reference = two_ranks["cp2/metrics"], two_ranks["ep1/metrics"]
+    for key in ("actor/moe/aux_loss", "actor/moe/z_loss", "actor/moe/load_imbalance", "actor/moe/replayed_fraction",
+                "actor/moe/replay_agreement"):
+        assert metrics[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), key
+    assert metrics["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4)
+    assert torch.equal(two_ranks["cp2-r2/routes"], two_ranks["r2/routes"])
+    assert two_ranks["cp2-r2/metrics"]["actor/moe/replayed_fraction"] == 1.0
+    assert max_difference(two_ranks["cp2-r2/weights"], two_ranks["r2/weights"]) <= 1e-5
 
 
 def test_layouts_and_settings_that_cannot_work_are_refused_with_the_reason():
