@@ -3,8 +3,8 @@ processes) and a PP=2 megatron critic (value head) in the same processes, three 
 probe checking after every sync that the rollout scores what the actor scores (named_weights gathered from
 both stages feeding the hf rollout). With pipeline stages the first stage computes no loss, so this also
 covers the actor worker's on-policy update, whose old log-probs come from the last stage only. (GRPO with
-a TP=2 actor on the demo is measured in the README.) The same with a CP=2 actor and critic; GRPO with an
-expert-parallel MoE actor."""
+a TP=2 actor on the demo is measured in the README.) The same with a CP=2 actor and critic, two steps; GRPO
+with an expert-parallel MoE actor."""
 
 from __future__ import annotations
 
@@ -19,41 +19,23 @@ from rlplat.testing import fit_run
 pytestmark = pytest.mark.slow
 
 
-def test_ppo_with_a_pp2_actor_and_a_pp2_megatron_critic_runs_three_steps_and_the_rollout_gets_the_weights(tmp_path):
+@pytest.mark.parametrize("layout, steps", [("pipeline_parallel_size", 3), ("context_parallel_size", 2)], ids=["pp2", "cp2"])
+def test_ppo_with_a_two_rank_megatron_actor_and_critic_trains_and_the_rollout_gets_the_weights(tmp_path, layout, steps):
+    """PP=2 (each process a pipeline stage) or CP=2 (each process running half of every row's tokens) for the
+    actor, its reference and a value-model critic: the rollout scores what the actor scores after every sync,
+    and the rollout's log-probs are the actor's."""
     config = load_config(
         overrides=[
-            *overrides(), "critic.engine=megatron", "actor.engine_config.pipeline_parallel_size=2",
-            "critic.engine_config.pipeline_parallel_size=2", "cluster.backend=ray", "cluster.devices_per_node=2",
-            "cluster.threads_per_process=1", "trainer.total_training_steps=3", "trainer.test_freq=3", "trainer.save_freq=1000",
+            *overrides(), "critic.engine=megatron", f"actor.engine_config.{layout}=2", f"critic.engine_config.{layout}=2",
+            "cluster.backend=ray", "cluster.devices_per_node=2", "cluster.threads_per_process=1",
+            f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", "trainer.save_freq=1000",
             "trainer.val_before_train=false", "trainer.logger=[jsonl]", f"trainer.output_dir={tmp_path / 'run'}",
             "rollout.sync_probe.freq=1", "rollout.sync_probe.tolerance=1e-5",
         ],
         algo="ppo", engine="megatron", rollout="hf",
     )
     records = [record for record in fit_run(config) if "critic/vf_loss" in record]
-    assert len(records) == 3
-    for record in records:
-        for key in ("critic/vf_loss", "critic/grad_norm", "actor/pg_loss", "actor/grad_norm"):
-            assert math.isfinite(record[key]), (key, record[key])
-        assert record["critic/grad_norm"] > 0 and record["actor/grad_norm"] > 0
-        assert record["sync_probe/max_abs_diff"] <= 1e-5
-
-
-def test_ppo_with_a_context_parallel_actor_and_critic_trains_and_the_rollout_gets_the_weights(tmp_path):
-    """CP=2 (two Ray processes, each running half of every row's tokens) for the actor, its reference and a value-model
-    critic: the rollout scores what the actor scores after every sync, and the rollout's log-probs are the actor's."""
-    config = load_config(
-        overrides=[
-            *overrides(), "critic.engine=megatron", "actor.engine_config.context_parallel_size=2",
-            "critic.engine_config.context_parallel_size=2", "cluster.backend=ray", "cluster.devices_per_node=2",
-            "cluster.threads_per_process=1", "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.save_freq=1000",
-            "trainer.val_before_train=false", "trainer.logger=[jsonl]", f"trainer.output_dir={tmp_path / 'run'}",
-            "rollout.sync_probe.freq=1", "rollout.sync_probe.tolerance=1e-5",
-        ],
-        algo="ppo", engine="megatron", rollout="hf",
-    )
-    records = [record for record in fit_run(config) if "critic/vf_loss" in record]
-    assert len(records) == 2
+    assert len(records) == steps
     for record in records:
         for key in ("critic/vf_loss", "critic/grad_norm", "actor/pg_loss", "actor/grad_norm"):
             assert math.isfinite(record[key]), (key, record[key])
