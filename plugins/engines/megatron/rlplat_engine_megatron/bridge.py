@@ -79,12 +79,20 @@ SUPPORTED = ("qwen2", "llama", "qwen2_moe", "qwen3_moe", "mixtral")
 
 def materialise_model_config(config: Any, hf_config: Any, directory: str) -> str:
     """Write fresh weights for ``model_config`` (drawn by transformers under ``seed``, as the fsdp2 engine
-    draws them) into ``directory`` as a HF checkpoint; returns the directory."""
+    draws them) into ``directory`` as a HF checkpoint; returns the directory. Every rank writes its own copy:
+    transformers' ``save_pretrained`` writes on rank 0 only once ``torch.distributed`` is initialised."""
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(config.seed)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    model.save_pretrained(directory)
+    state = model.state_dict()
+    for name, target in (getattr(model, "all_tied_weights_keys", None) or {}).items():  # a tied copy is the tensor it ties to
+        if name in state and target in state and state[name].data_ptr() == state[target].data_ptr():
+            del state[name]
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, os.path.join(directory, "model.safetensors"),
+              metadata={"format": "pt"})
+    hf_config.to_json_file(os.path.join(directory, "config.json"))
     return directory
 
 

@@ -191,3 +191,45 @@ def test_the_chunked_output_layer_equals_the_whole_logits_in_forward_and_in_a_st
     for key in ("loss", "test/gathered"):
         assert chunked_step[key] == pytest.approx(whole_step[key], abs=1e-6), key
     assert chunked_step["grad_norm"] == pytest.approx(whole_step["grad_norm"], rel=1e-5)
+
+
+FRESH_WEIGHTS = """
+import json, os, sys
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method="env://")
+from rlplat_engine_megatron.bridge import hf_config_of, materialise_model_config
+from rlplat_engine_megatron.config import read_engine_config
+config = read_engine_config({"model_config": json.loads(sys.argv[2]), "seed": 3})
+directory = os.path.join(sys.argv[1], str(dist.get_rank()))
+os.makedirs(directory)
+materialise_model_config(config, hf_config_of(config), directory)
+dist.barrier()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [True, False])
+def test_every_rank_draws_the_same_fresh_weights_from_a_model_config(tmp_path, tied):
+    """``model_config`` on two processes: each rank writes its own checkpoint of the weights transformers draws
+    under the seed (transformers' save_pretrained writes on rank 0 only once torch.distributed is set up), the
+    same on both, a tied output layer stored once."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from two_process_launch import free_port
+
+    model = dict(TINY_QWEN2, tie_word_embeddings=tied)
+    port = free_port()
+    processes = [subprocess.Popen([sys.executable, "-c", FRESH_WEIGHTS, str(tmp_path), json.dumps(model)],
+                                  env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                       "MASTER_PORT": str(port)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for rank in range(2)]
+    outputs = [process.communicate(timeout=300)[0] for process in processes]
+    assert all(process.returncode == 0 for process in processes), outputs
+    weights = [load_file(str(tmp_path / str(rank) / "model.safetensors")) for rank in range(2)]
+    assert sorted(weights[0]) == sorted(weights[1]) and all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    assert ("lm_head.weight" in weights[0]) is not tied
+    assert json.loads((tmp_path / "1" / "config.json").read_text())["tie_word_embeddings"] is tied
