@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -268,6 +269,7 @@ PARTIAL_PROMPT, PARTIAL_TOKENS = [1, 5, 6, 14, 7], 40
 #: tokens a hybrid generation has made at least when it is paused (the rollout's own weights sample ``7`` greedily
 #: after this prompt, never the stop token, so every generation reaches it)
 PAUSED_AT = 5
+PAUSE_ATTEMPTS, PAUSE_SETTLE_S = 5, 1.0
 
 
 class InFlight:
@@ -283,20 +285,31 @@ class InFlight:
         return self.result["output"]
 
 
-def pause_in_flight(engine, tokens: int = PAUSED_AT) -> None:
-    """Pause generation with a ``generate_tokens`` call in flight. Hybrid: once the call has ``tokens`` tokens (the
-    token loop's lock is held from the check to the pause, so at most the step running then adds more). Server: once
-    the call was sent (it may not have reached vLLM yet: it is then queued there, with no tokens)."""
+def paused_in_flight(engine, prompt, sampling, tokens: int = PAUSED_AT) -> InFlight:
+    """A ``generate_tokens`` call started and generation paused with it in flight. Hybrid: once the call has ``tokens``
+    tokens (the token loop's lock is held from the check to the pause, so at most the step running then adds more).
+    Server: once the call was sent (it may not have reached vLLM yet: it is then queued there, with no tokens). The
+    server may finish a short call between the send and the pause (a busy machine delays this thread): then there is
+    no call in flight to test, the pause is lifted and a new call started, up to ``PAUSE_ATTEMPTS`` times."""
     if engine.config.mode == "hybrid":
-        loop = engine.backend.loop
+        call, loop = InFlight(engine, prompt, sampling), engine.backend.loop
         with loop.condition:
             assert loop.condition.wait_for(lambda: any(len(r.token_ids) >= tokens for r in loop.running.values()), timeout=60)
             engine.pause_generation()
-        return
+        return call
     backend = engine.backend
-    with backend.condition:
-        assert backend.condition.wait_for(lambda: backend.in_flight, timeout=60)
-    engine.pause_generation()
+    for _ in range(PAUSE_ATTEMPTS):
+        call, deadline = InFlight(engine, prompt, sampling), time.monotonic() + 60
+        with backend.condition:
+            while not backend.in_flight and call.thread.is_alive():
+                assert time.monotonic() < deadline, "the generate_tokens call was not sent within 60 s"
+                backend.condition.wait(timeout=0.05)
+        engine.pause_generation()
+        call.thread.join(timeout=PAUSE_SETTLE_S)  # a paused call does not end: one that ends here ended before the pause
+        if call.thread.is_alive():
+            return call
+        engine.resume_generation()
+    raise AssertionError(f"the server finished each of {PAUSE_ATTEMPTS} calls before generation was paused")
 
 
 def new_weights() -> list[tuple[str, torch.Tensor]]:
@@ -312,8 +325,7 @@ def greedy(tokens: int) -> SamplingParams:
 def switched(engine, mode: str, sampling: SamplingParams, weights) -> tuple:
     """A call paused in flight, given ``weights`` as version 11 (it started with 10) and resumed with ``mode``."""
     engine.set_weights_version(10, mode)
-    call = InFlight(engine, PARTIAL_PROMPT, sampling)
-    pause_in_flight(engine)
+    call = paused_in_flight(engine, PARTIAL_PROMPT, sampling)
     try:
         engine.update_weights(weights)
         engine.set_weights_version(11, mode)
@@ -380,8 +392,7 @@ def test_abort_returns_each_call_its_tokens_so_far_and_later_calls_are_served(en
     resume a new call is served to its end."""
     engine.set_weights_version(4)
     try:
-        running = InFlight(engine, PARTIAL_PROMPT, greedy(PARTIAL_TOKENS))
-        pause_in_flight(engine)
+        running = paused_in_flight(engine, PARTIAL_PROMPT, greedy(PARTIAL_TOKENS))
         queued = InFlight(engine, [1, 9, 14], greedy(PARTIAL_TOKENS))
         backend = engine.backend
         if engine.config.mode == "hybrid":
