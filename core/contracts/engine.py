@@ -141,8 +141,9 @@ class TrainingEngine(abc.ABC):
     """Whether the engine takes ``EngineBuildConfig.lora`` (checked at load)."""
     features: ClassVar[frozenset] = frozenset()
     """Optional abilities, checked before a run relies on them: ``count_masks`` and ``gather_ids`` (a loss
-    function's attributes of those names, see :class:`LossFunction`) and ``top_k`` (:meth:`forward` takes
-    ``top_k=k``)."""
+    function's attributes of those names, see :class:`LossFunction`), ``top_k`` (:meth:`forward` takes
+    ``top_k=k``), ``split_step`` (:meth:`forward_backward` and :meth:`optimizer_step`) and ``trainable_state``
+    (:meth:`trainable_state` and :meth:`load_trainable_state`)."""
 
     @abc.abstractmethod
     def init_model(self) -> None:
@@ -240,6 +241,33 @@ class TrainingEngine(abc.ABC):
         """Write the adapter as a folder ``peft.PeftModel.from_pretrained`` loads (``adapter_config.json``
         and ``adapter_model.safetensors``). Engines without LoRA refuse."""
         raise RuntimeError(f"{type(self).__name__} has no LoRA adapter to export (TrainingEngine.supports_lora)")
+
+    def forward_backward(self, batch: "DataProto", loss_fn: LossFunction, *, temperature: float = 1.0) -> "DataProto":
+        """Half of :meth:`train_batch`, for callers that step the optimizer themselves (``split_step`` in
+        :attr:`features`): forward and backward over ``batch`` in micro-batches, the gradients *added* to those of
+        earlier calls since the last :meth:`optimizer_step`. ``loss_fn`` is called as in :meth:`train_batch`, with the
+        whole batch as the mini-batch of its global counts. Returns ``log_probs`` [B, R] (and ``gathered_log_probs``
+        when ``loss_fn`` has ``gather_ids``) of the batch's rows, detached, and ``meta_info["metrics"]``: the loss
+        function's metrics and ``loss``, summed over micro-batches and ranks."""
+        raise RuntimeError(f"{type(self).__name__} does not split its step (TrainingEngine.features has no 'split_step')")
+
+    def optimizer_step(self, settings: "Mapping[str, Any] | None" = None) -> dict[str, float]:
+        """Apply the gradients :meth:`forward_backward` accumulated: reduce them over the ranks, clip, step the
+        optimizer and the LR schedule, and clear them; a non-finite norm skips the update. ``settings`` override the
+        engine's for this step only: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``grad_clip``
+        (:func:`rlplat.kits.engine.check_optimizer_settings`). Returns ``grad_norm``, ``lr`` and ``skipped_step``."""
+        raise RuntimeError(f"{type(self).__name__} does not split its step (TrainingEngine.features has no 'split_step')")
+
+    def trainable_state(self) -> Any:
+        """What training changes, in memory (``trainable_state`` in :attr:`features`): the trainable parameters
+        (with LoRA the adapter only: the base is shared), their gradients so far, the optimizer's state, the LR
+        schedule and the step count; this rank's part, valid for this engine only. Several LoRA adapters on one
+        base take turns in one engine by :meth:`load_trainable_state`."""
+        raise RuntimeError(f"{type(self).__name__} cannot hand out its trainable state (TrainingEngine.features)")
+
+    def load_trainable_state(self, state: Any) -> None:
+        """Put back what :meth:`trainable_state` returned (it stays valid: it may be loaded again)."""
+        raise RuntimeError(f"{type(self).__name__} cannot load a trainable state (TrainingEngine.features)")
 
     def state(self) -> Mapping[str, Any]:
         """Small facts for logging (``step``, ``lr``, parameter count); override to add more."""

@@ -6,7 +6,9 @@
   mini-batch's rows are grouped into micro-batches (a row count, or a token budget with a balanced
   partition, greedy longest-processing-time first);
 * :func:`weight_buckets`: named tensors gathered into buckets of at most a byte budget, the shape of
-  :meth:`rlplat.contracts.TrainingEngine.named_weights`.
+  :meth:`rlplat.contracts.TrainingEngine.named_weights`;
+* :func:`check_optimizer_settings`: the settings one :meth:`~rlplat.contracts.TrainingEngine.optimizer_step`
+  takes, checked the same way for every engine.
 
 The partitions only plan (lists of row indices) and are deterministic, so every rank of a model replica
 plans the same groups; an engine whose collectives need every rank to run the same number of forwards
@@ -121,3 +123,35 @@ def tokenizer_folder(tokenizer_path: str | None, model_path: str | None) -> str 
     if model_path is not None and any(os.path.isfile(os.path.join(model_path, name)) for name in TOKENIZER_FILES):
         return model_path
     return None
+
+
+OPTIMIZER_SETTINGS = ("lr", "betas", "eps", "weight_decay", "grad_clip")
+
+
+def check_optimizer_settings(settings: Any) -> dict[str, Any]:
+    """``settings`` of :meth:`rlplat.contracts.TrainingEngine.optimizer_step` (None: none) as a dict of floats
+    (``betas`` a pair, ``grad_clip`` None for no clip), or a ValueError naming every bad entry."""
+    if settings is None:
+        return {}
+    if not hasattr(settings, "items"):
+        raise ValueError(f"optimizer settings must be a mapping of {', '.join(OPTIMIZER_SETTINGS)}; got {type(settings).__name__}")
+    checked, problems = {}, []
+    for key, value in settings.items():
+        if key not in OPTIMIZER_SETTINGS:
+            problems.append(f"unknown setting {key!r} (known: {', '.join(OPTIMIZER_SETTINGS)})")
+        elif key == "grad_clip" and value is None:
+            checked[key] = None
+        elif key == "betas":
+            pair = list(value) if isinstance(value, (list, tuple)) else []
+            if len(pair) != 2 or not all(isinstance(beta, (int, float)) and 0 <= beta < 1 for beta in pair):
+                problems.append(f"betas must be two numbers in [0, 1), got {value!r}")
+            else:
+                checked[key] = (float(pair[0]), float(pair[1]))
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+                or (key in ("eps", "grad_clip") and value == 0):
+            problems.append(f"{key} must be a finite number {'> 0' if key in ('eps', 'grad_clip') else '>= 0'}, got {value!r}")
+        else:
+            checked[key] = float(value)
+    if problems:
+        raise ValueError("invalid optimizer settings: " + "; ".join(problems))
+    return checked

@@ -17,12 +17,13 @@ their squares), and an adapter is not loaded onto other base weights.
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -210,3 +211,48 @@ def write_hf(path: str, full_state: dict[str, torch.Tensor], hf_config: Any, mod
 
             AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(str(target))
     dist.barrier()
+
+
+def trainable_state(parameters: Mapping[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, lr_scheduler: Any,
+                    global_step: int) -> dict[str, Any]:
+    """This rank's trainable state in memory (:meth:`TrainingEngine.trainable_state`): copies of the trainable
+    parameters (the adapter's, with LoRA; this rank's shards when sharded), their gradients so far, the optimizer's
+    state, the LR schedule and the step count."""
+    trainable = {name: parameter for name, parameter in parameters.items() if parameter.requires_grad}
+    return {
+        "parameters": {name: parameter.detach().clone() for name, parameter in trainable.items()},
+        "gradients": {name: None if parameter.grad is None else parameter.grad.detach().clone() for name, parameter in trainable.items()},
+        "optimizer": copy.deepcopy(optimizer.state_dict()),
+        "lr_scheduler": copy.deepcopy(lr_scheduler.state_dict()),
+        "global_step": global_step,
+    }
+
+
+def load_trainable_state(state: Mapping[str, Any], parameters: Mapping[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+                         lr_scheduler: Any) -> int:
+    """Put back what :func:`trainable_state` captured (the state is left as it was: it may be loaded again); returns
+    the step count."""
+    trainable = {name: parameter for name, parameter in parameters.items() if parameter.requires_grad}
+    held = state.get("parameters") if isinstance(state, Mapping) else None
+    if not isinstance(held, Mapping) or set(held) != set(trainable):
+        raise ValueError(f"load_trainable_state: the state holds other parameters than this engine trains ({len(held or ())} "
+                         f"vs {len(trainable)}): it comes from another engine or LoRA config")
+    with torch.no_grad():
+        for name, parameter in trainable.items():
+            parameter.copy_(held[name])
+            gradient = state["gradients"][name]
+            parameter.grad = None if gradient is None else gradient.clone()
+    optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+    lr_scheduler.load_state_dict(copy.deepcopy(state["lr_scheduler"]))
+    return int(state["global_step"])
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's optimizer state (its shards of AdamW's moments and the step counters)."""
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if isinstance(value, DTensor) else value
+                total += local.numel() * local.element_size()
+    return total

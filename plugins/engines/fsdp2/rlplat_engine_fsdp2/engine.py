@@ -51,7 +51,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rlplat.contracts.engine import DataParallelInfo, LossFunction, TrainingEngine
-from rlplat.kits.engine import WarmupSchedule, fixed_size_partition, token_budget_partition, tokenizer_folder, weight_buckets
+from rlplat.kits.engine import WarmupSchedule, check_optimizer_settings, fixed_size_partition, token_budget_partition, tokenizer_folder, weight_buckets
 from rlplat.lora import LoraConfig, read_lora
 from rlplat.protocol import DataProto
 from rlplat.config.moe import MoEConfig, read_moe
@@ -70,7 +70,7 @@ class FSDP2Engine(TrainingEngine):
     arguments override its fields (``FSDP2Engine(config, lr=1e-5)``)."""
 
     supports_lora = True
-    features = frozenset({"count_masks", "gather_ids", "top_k"})
+    features = frozenset({"count_masks", "gather_ids", "top_k", "split_step", "trainable_state"})
 
     def __init__(self, config: Any, **overrides: Any):
         config = read_engine_config(config)
@@ -351,21 +351,11 @@ class FSDP2Engine(TrainingEngine):
         steps = []
         for _ in range(epochs):
             for mini_batch in batch.split(mini_batch_rows):
-                steps.append(self.optimizer_step(mini_batch, loss_fn, temperature, calculate_entropy))
+                steps.append(self.train_mini_batch(mini_batch, loss_fn, temperature, calculate_entropy))
         self.offload_parameters_if_configured()
         keys = sorted({key for step in steps for key in step})
         metrics = {key: sum(step[key] for step in steps if key in step) / sum(key in step for step in steps) for key in keys}
-        return {**metrics, "trainable_params": float(self.trainable_params), "optimizer_state_bytes": float(self.optimizer_state_bytes())}
-
-    def optimizer_state_bytes(self) -> int:
-        """Bytes of this rank's optimizer state (its shards of AdamW's moments and the step counters)."""
-        total = 0
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    local = value.to_local() if isinstance(value, DTensor) else value
-                    total += local.numel() * local.element_size()
-        return total
+        return {**metrics, "trainable_params": float(self.trainable_params), "optimizer_state_bytes": float(checkpoint.optimizer_state_bytes(self.optimizer))}
 
     def local_mini_batch_rows(self, batch: DataProto) -> int:
         """Rows of this rank's shard per optimizer step: ``ppo_mini_batch_size / dp``.
@@ -394,8 +384,16 @@ class FSDP2Engine(TrainingEngine):
             )
         return min(per_rank, rows)
 
-    def optimizer_step(self, mini_batch: DataProto, loss_fn: LossFunction, temperature: float, calculate_entropy: bool) -> dict[str, float]:
+    def train_mini_batch(self, mini_batch: DataProto, loss_fn: LossFunction, temperature: float, calculate_entropy: bool) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
+        loss_total, metrics, _ = self.accumulate(mini_batch, loss_fn, temperature, calculate_entropy)
+        return {**metrics, "loss": loss_total, **self.apply_gradients()}
+
+    def accumulate(self, mini_batch: DataProto, loss_fn: LossFunction, temperature: float, calculate_entropy: bool,
+                   keep_outputs: bool = False) -> tuple[float, dict[str, float], dict[str, torch.Tensor]]:
+        """Forward and backward over the micro-batches of ``mini_batch``, adding to the gradients there are; returns
+        the loss summed over micro-batches and ranks, the loss function's metrics summed likewise, and with
+        ``keep_outputs`` the rows' ``log_probs`` (and ``gathered_log_probs``) detached, in the batch's row order."""
         response_mask = self.response_mask(mini_batch)
         rows_with_tokens = float((response_mask.sum(-1) > 0).sum())
         masks = loss_masks(mini_batch, response_mask, loss_fn)
@@ -407,7 +405,8 @@ class FSDP2Engine(TrainingEngine):
         if masks:
             meta_info["global_counts"] = {name: {"tokens": counts[2 + 2 * index], "sequences": int(counts[3 + 2 * index])}
                                           for index, name in enumerate(masks)}
-        loss_total, loss_metrics = 0.0, []
+        loss_total, loss_metrics, kept = 0.0, [], {}
+        gather_ids = getattr(loss_fn, "gather_ids", None)
         groups = self.plan_micro_batches(mini_batch, self.config.micro_batch_size_per_gpu)
         for index, rows in enumerate(groups):
             if self.sharded and not self.config.gradient_sync_every_micro_batch:
@@ -415,11 +414,17 @@ class FSDP2Engine(TrainingEngine):
             micro_batch = self.micro_batch(mini_batch, rows).with_meta_info(meta_info).to(self.device)
             call = None if self.routing is None else self.routing.begin(micro_batch.batch, self.remove_padding, update=True,
                                                                           counted=bool(rows), sequence_parallel=self.sequence_parallel)
-            outputs = self.run(micro_batch, temperature, calculate_entropy, getattr(loss_fn, "gather_ids", None))
+            outputs = self.run(micro_batch, temperature, calculate_entropy, gather_ids)
             if rows:
                 loss, metrics = loss_fn(outputs, micro_batch)
                 loss_total += float(loss.detach())
                 loss_metrics.append(metrics)
+                if keep_outputs:
+                    for key in ("log_probs", "gathered_log_probs"):
+                        if key in outputs:
+                            value = outputs[key].detach().float().cpu()
+                            target = kept.setdefault(key, value.new_zeros((len(mini_batch), *value.shape[1:])))
+                            target[rows] = value
             else:
                 loss = sum(outputs[key].sum() for key in self.output_keys(False)) * 0.0
             if call is not None:  # the router losses, weighted by this call's share of the mini-batch's tokens
@@ -429,24 +434,81 @@ class FSDP2Engine(TrainingEngine):
                 loss_metrics.append(moe_metrics)
                 self.routing.count_replay(call)
             (loss * self.world_size).backward()
-        if self.replicated:
-            self.all_reduce_gradients()
-        grad_norm = self.clip_gradients()
-        lr = self.optimizer.param_groups[0]["lr"]
-        if math.isfinite(grad_norm):
-            self.onload_optimizer()
-            self.optimizer.step()
-            self.offload_optimizer_if_configured()
-            self.lr_scheduler.step()
-            self.global_step += 1
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
         summed = self.gather_metrics(loss_metrics)
         if self.routing is not None:
             self.routing.end()
             summed.update(self.routing.step_metrics(functools.partial(self.all_reduce_sum, every_rank=True)))
         (loss_total,) = self.all_reduce_sum([loss_total])
-        return {**summed, "loss": loss_total, "grad_norm": grad_norm, "lr": float(lr), "skipped_step": float(not math.isfinite(grad_norm))}
+        return loss_total, summed, kept
+
+    def apply_gradients(self, settings: Mapping[str, Any] | None = None) -> dict[str, float]:
+        """Reduce (``replicate``), clip and apply the gradients accumulated so far and step the LR schedule; a
+        non-finite norm skips the update and clears them. ``settings`` (:meth:`optimizer_step`) apply to this
+        update only."""
+        settings = check_optimizer_settings(settings)
+        if self.replicated:
+            self.all_reduce_gradients()
+        grad_norm = self.clip_gradients(settings.get("grad_clip", self.config.grad_clip))
+        group = self.optimizer.param_groups[0]
+        kept = {key: group[key] for key in ("lr", "betas", "eps", "weight_decay")}
+        group.update({key: value for key, value in settings.items() if key in kept})
+        lr = group["lr"]
+        try:
+            if math.isfinite(grad_norm):
+                self.onload_optimizer()
+                self.optimizer.step()
+                self.offload_optimizer_if_configured()
+                self.global_step += 1
+        finally:
+            group.update(kept)
+        if math.isfinite(grad_norm):
+            self.lr_scheduler.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "lr": float(lr), "skipped_step": float(not math.isfinite(grad_norm))}
+
+    # -- the step in two calls, and the trainable state (TrainingEngine's optional methods) -------------
+
+    def forward_backward(self, batch: DataProto, loss_fn: LossFunction, *, temperature: float = 1.0) -> DataProto:
+        model = self.require_model("forward_backward")
+        if self.adapter_off:
+            raise RuntimeError("FSDP2Engine.forward_backward() inside adapter_disabled(): leave the context to train the adapter")
+        self.check_inputs(batch, "forward_backward")
+        rows = len(batch)
+        low, high = -self.all_reduce_max(-rows), self.all_reduce_max(rows)
+        if low != high:
+            raise ValueError(f"forward_backward: ranks hold different row counts ({low} to {high}); dispatch equal shards")
+        self.onload_parameters()
+        model.train()
+        calculate_entropy = bool(getattr(loss_fn, "needs_entropy", False))
+        loss_total, metrics, outputs = self.accumulate(batch, loss_fn, temperature, calculate_entropy, keep_outputs=True)
+        self.offload_parameters_if_configured()
+        return DataProto.from_dict(outputs, meta_info={"metrics": {**metrics, "loss": loss_total}})
+
+    def optimizer_step(self, settings: Mapping[str, Any] | None = None) -> dict[str, float]:
+        self.require_model("optimizer_step")
+        self.onload_parameters()
+        metrics = self.apply_gradients(settings)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.offload_parameters_if_configured()
+        return metrics
+
+    def trainable_state(self) -> dict[str, Any]:
+        self.require_model("trainable_state")
+        self.onload_parameters()
+        self.onload_optimizer()
+        state = checkpoint.trainable_state(self.sharded_parameters, self.optimizer, self.lr_scheduler, self.global_step)
+        self.offload_optimizer_if_configured()
+        self.offload_parameters_if_configured()
+        return state
+
+    def load_trainable_state(self, state: Mapping[str, Any]) -> None:
+        self.require_model("load_trainable_state")
+        self.onload_parameters()
+        self.onload_optimizer()
+        self.global_step = checkpoint.load_trainable_state(state, self.sharded_parameters, self.optimizer, self.lr_scheduler)
+        self.offload_optimizer_if_configured()
+        self.offload_parameters_if_configured()
 
     def response_mask(self, batch: DataProto) -> torch.Tensor:
         if "response_mask" in batch.batch.keys():
@@ -495,8 +557,8 @@ class FSDP2Engine(TrainingEngine):
                         tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
                         offset += tensor.numel()
 
-    def clip_gradients(self) -> float:
-        max_norm = self.config.grad_clip if self.config.grad_clip is not None else math.inf
+    def clip_gradients(self, grad_clip: float | None) -> float:
+        max_norm = grad_clip if grad_clip is not None else math.inf
         parameters = [p for p in self.module.parameters() if p.grad is not None]
         return float(full_tensor(torch.nn.utils.clip_grad_norm_(parameters, max_norm=max_norm)))
 
