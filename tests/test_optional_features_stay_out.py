@@ -15,7 +15,7 @@ from rlplat import registry
 
 ENABLED = ["engine-fsdp2", "rollout-hf", "algorithms", "rewards", "demo"]
 #: Packages (or modules) of the optional features, none of which a single-turn run may import.
-OPTIONAL = ("rlplat_agents", "rlplat_python_tool", "rlplat_judge", "rlplat_reward_model", "rlplat_verl", "rlplat_sft", "rlplat_distill",
+OPTIONAL = ("rlplat_agents", "rlplat_python_tool", "rlplat_judge", "rlplat_reward_model", "rlplat_verl", "rlplat_sft", "rlplat_distill", "rlplat_tinker",
             "rlplat_rewards.reward_loop", "rlplat_engine_megatron", "rlplat_rollout_vllm", "rlplat_rollout_sglang",
             # their old names in core (rlplat.moved)
             "rlplat.agent", "rlplat.judge", "rlplat.judge_parsers", "rlplat.reward_model", "rlplat.workers.reward_model",

@@ -1,0 +1,100 @@
+"""Starting the service: the workers (one in-process :class:`~rlplat_tinker.worker.TinkerWorker` group), the
+service and its HTTP server. ``rlplat serve`` and the tests start it the same way: :func:`start`."""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from rlplat_tinker.app import Server
+from rlplat_tinker.service import TinkerService
+
+ENGINE_DEFAULTS = {"dtype": "float32", "grad_clip": None, "weight_decay": 0.0, "ppo_mini_batch_size": None}
+
+
+def loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclasses.dataclass
+class Running:
+    """A started service: :attr:`base_url` for the SDK; :meth:`stop` ends the server, then the workers."""
+
+    server: Server
+    service: TinkerService
+    group: Any
+    state_dir: Path
+
+    @property
+    def base_url(self) -> str:
+        return self.server.base_url
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.service.shutdown()
+        self.group.shutdown()
+
+    def __enter__(self) -> "Running":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def special_tokens(model_path: str) -> tuple[int, tuple[int, ...], Optional[str]]:
+    """The pad token, the end-of-sequence tokens and the tokenizer's folder (None when the model has none)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    eos = getattr(config, "eos_token_id", None)
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    tokenizer_dir, pad = None, getattr(config, "pad_token_id", None)
+    if any((Path(model_path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer_dir = str(Path(model_path).absolute())
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else pad
+    return (pad if pad is not None else (eos_ids[0] if eos_ids else 0)), eos_ids, tokenizer_dir
+
+
+def start(model_path: str, *, engine: str = "fsdp2", rollout: str = "hf", host: str = "127.0.0.1", port: int = 0,
+          keys: Sequence[str] = (), state_dir: Optional[str] = None, base_model: Optional[str] = None,
+          engine_config: Optional[Mapping[str, Any]] = None, rollout_config: Optional[Mapping[str, Any]] = None,
+          max_snapshots: int = 8, seed: int = 0) -> Running:
+    """Start the service on ``model_path`` (a local Hugging Face folder). Bound elsewhere than loopback it needs
+    ``keys``. ``base_model``: the name clients use (default: the folder's absolute path)."""
+    from rlplat import LocalWorkerGroup, WorkerSpec
+    from rlplat_tinker.worker import TinkerWorker
+
+    if not Path(model_path).is_dir():
+        raise FileNotFoundError(f"rlplat serve: model {model_path!r} is not a local Hugging Face folder")
+    if not loopback(host) and not keys:
+        raise ValueError(f"rlplat serve: binding {host} (not loopback) needs an API key: --api-key or RLPLAT_SERVE_API_KEYS")
+    bad = [key for key in keys if not key.startswith("tml-")]
+    if bad:
+        raise ValueError("rlplat serve: API keys start with 'tml-' (the tinker SDK refuses others before sending them)")
+    model_path = str(Path(model_path).absolute())
+    pad, eos, tokenizer_dir = special_tokens(model_path)
+    state = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="rlplat-serve-"))
+    state.mkdir(parents=True, exist_ok=True)
+    worker = {"engine": engine, "rollout": rollout,
+              "engine_config": {**ENGINE_DEFAULTS, "seed": seed, **dict(engine_config or {}), "model_path": model_path},
+              "rollout_config": {"load_weights": False, **dict(rollout_config or {}), "model_path": model_path}}
+    group = LocalWorkerGroup(WorkerSpec(TinkerWorker, worker), role="tinker")
+    service = TinkerService(group, base_model or model_path, state, tokenizer_dir, pad, eos, max_snapshots)
+    try:
+        server = Server(service, host, port, keys).start()
+    except BaseException:
+        service.shutdown()
+        group.shutdown()
+        raise
+    return Running(server, service, group, state)

@@ -1,0 +1,197 @@
+"""``TinkerWorker``: the training engine and the sampler behind the service, driven through rlplat's contracts only.
+
+One engine per LoRA shape (rank and targets); the clients of one shape take turns on it: each client's adapter, its
+gradients so far, its optimizer state and step count are its :meth:`~rlplat.contracts.engine.TrainingEngine.trainable_state`,
+put in place before each of its calls (nothing is copied when the same client calls again). So one base model
+serves several adapters, and a client's weights change only by its own steps.
+
+The sampler is the configured rollout (``hf`` by default) in the same process. A sampler snapshot is the client's
+full weights (adapter merged) at the time it was saved; sampling from a snapshot loads it into the rollout when
+another is loaded. When a snapshot is taken the rollout samples a few tokens of a fixed prompt with it and the
+engine scores them: a mean difference per token above ``probe_tolerance`` is refused (the sync probe of
+:mod:`rlplat.trainer.sync_probe`, for the service).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from rlplat.config_node import read_config_node
+from rlplat.contracts.rollout import SamplingParams
+from rlplat.controller.decorator import Dispatch, register
+from rlplat.controller.worker import Worker
+from rlplat.protocol import DataProto
+from rlplat.registry import EngineRegistry
+
+PROBE_PROMPT_TOKENS, PROBE_NEW_TOKENS = 4, 8
+
+
+@dataclasses.dataclass
+class TinkerWorkerConfig:
+    engine: str = "fsdp2"
+    engine_config: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The engine's build config, LoRA left out (each client's shape adds its own ``lora``)."""
+    rollout: str = "hf"
+    rollout_config: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    probe_tolerance: float = 0.05
+    """Largest mean absolute difference per token between the sampler's and the engine's log-probs of a snapshot."""
+
+
+def lora_key(lora: Optional[Dict[str, Any]]) -> str:
+    return "full" if not lora else "lora:" + ",".join(f"{key}={lora[key]}" for key in sorted(lora))
+
+
+class TinkerWorker(Worker):
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = read_config_node(config, TinkerWorkerConfig, "tinker worker config")
+        self.engines: dict[str, Any] = {}
+        self.fresh: dict[str, Any] = {}  # per engine: its trainable state as built (a new client's)
+        self.active: dict[str, Optional[str]] = {}  # per engine: the client whose state is in place
+        self.clients: dict[str, str] = {}  # client -> engine key
+        self.states: dict[str, Any] = {}  # client -> its state while another client's is in place
+        self.snapshots: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        self.loaded: Optional[str] = None  # the snapshot the rollout holds
+        self.rollout: Any = None
+
+    # -- clients ------------------------------------------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def create(self, client: str, lora: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        """A new client on the engine of its LoRA shape (built on first use); returns the engine's facts."""
+        key = lora_key(lora)
+        if key not in self.engines:
+            engine = EngineRegistry("engine").build(self.config.engine, {**self.config.engine_config, "lora": lora})
+            engine.init_model()
+            missing = {"split_step", "trainable_state"} - set(getattr(engine, "features", ()))
+            if missing:
+                raise ValueError(f"engine {self.config.engine!r} lacks {', '.join(sorted(missing))} (TrainingEngine.features), which the "
+                                 "service needs to run each client's step as the client asks and to keep clients apart")
+            self.engines[key], self.fresh[key], self.active[key] = engine, engine.trainable_state(), None
+            self.set_dispatch_info(*engine.data_parallel_info())
+        self.clients[client] = key
+        self.states[client] = self.fresh[key]
+        engine = self.engines[key]
+        hf_config = getattr(engine, "hf_config", None)
+        return {"vocab_size": int(getattr(hf_config, "vocab_size", 0) or 0),
+                "max_position_embeddings": getattr(hf_config, "max_position_embeddings", None),
+                "model_type": getattr(hf_config, "model_type", None)}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def unload(self, client: str) -> None:
+        key = self.clients.pop(client)
+        self.states.pop(client, None)
+        if self.active.get(key) == client:
+            self.active[key] = None
+
+    def engine_of(self, client: str) -> Any:
+        """The client's engine with the client's state in place."""
+        if client not in self.clients:
+            raise KeyError(f"no training client {client!r} on this worker")
+        key = self.clients[client]
+        engine, current = self.engines[key], self.active[key]
+        if current != client:
+            if current is not None:
+                self.states[current] = engine.trainable_state()
+            engine.load_trainable_state(self.states.pop(client))
+            self.active[key] = client
+        return engine
+
+    # -- training ------------------------------------------------------------------------------------------
+
+    @register(Dispatch.DP_MESH)
+    def forward_backward(self, client: str, batch: DataProto, loss_fn: Any) -> DataProto:
+        output = self.engine_of(client).forward_backward(batch, loss_fn)
+        return output
+
+    @register(Dispatch.DP_MESH)
+    def forward(self, client: str, batch: DataProto) -> DataProto:
+        return self.engine_of(client).forward(batch)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def optimizer_step(self, client: str, settings: Dict[str, Any]) -> Dict[str, float]:
+        return self.engine_of(client).optimizer_step(settings)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_state(self, client: str, path: str) -> None:
+        self.engine_of(client).save(path)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_state(self, client: str, path: str, optimizer: bool) -> None:
+        """The weights saved at ``path``; with ``optimizer`` its optimizer state and step count too, else those of
+        a new client."""
+        engine = self.engine_of(client)
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"no saved state at {path}")
+        engine.load(path)
+        if not optimizer:
+            state, fresh = engine.trainable_state(), self.fresh[self.clients[client]]
+            engine.load_trainable_state({**state, **{key: fresh[key] for key in ("optimizer", "lr_scheduler", "global_step")}})
+
+    # -- sampling ----------------------------------------------------------------------------------------------
+
+    def require_rollout(self) -> Any:
+        if self.rollout is None:
+            self.rollout = EngineRegistry("rollout").build(self.config.rollout, dict(self.config.rollout_config))
+        return self.rollout
+
+    @register(Dispatch.ONE_TO_ALL)
+    def snapshot(self, client: str, name: str) -> Dict[str, float]:
+        """The client's weights now, kept as sampler snapshot ``name`` and loaded into the rollout; probed."""
+        engine = self.engine_of(client)
+        weights = [(key, tensor.detach().clone()) for bucket in engine.named_weights() for key, tensor in bucket]
+        if self.rank != 0:
+            return {}
+        self.snapshots[name] = weights
+        self.load_snapshot(name)
+        return self.probe(engine)
+
+    def load_snapshot(self, name: str) -> None:
+        if self.loaded != name:
+            if name not in self.snapshots:
+                raise KeyError(f"no sampler weights {name!r}")
+            self.require_rollout().update_weights(self.snapshots[name])
+            self.loaded = name
+
+    def probe(self, engine: Any) -> Dict[str, float]:
+        prompt = torch.arange(1, PROBE_PROMPT_TOKENS + 1).unsqueeze(0)
+        prompts = DataProto.from_dict({"input_ids": prompt, "attention_mask": torch.ones_like(prompt),
+                                       "position_ids": torch.arange(PROBE_PROMPT_TOKENS).unsqueeze(0)})
+        sampled = self.rollout.generate(prompts, SamplingParams(max_new_tokens=PROBE_NEW_TOKENS, seed=0))
+        trained = engine.forward(sampled).batch["log_probs"]
+        mask = sampled.batch["response_mask"].bool()
+        difference = float(((trained - sampled.batch["rollout_log_probs"]).abs() * mask).sum() / mask.sum().clamp(min=1))
+        if difference > self.config.probe_tolerance:
+            raise RuntimeError(f"sync probe: the sampler's log-probs differ from the trained weights' by {difference:.3g} per token "
+                               f"(tolerance {self.config.probe_tolerance:g}): the weights did not reach the sampler")
+        return {"sync_probe/mean_abs_diff": difference}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def drop_snapshot(self, name: str) -> None:
+        self.snapshots.pop(name, None)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sample(self, name: str, prompt: List[int], sampling: SamplingParams, base: bool = False) -> Optional[DataProto]:
+        """``sampling.n`` samples of ``prompt`` from snapshot ``name`` (rank 0's rollout)."""
+        if self.rank != 0:
+            return None
+        self.load_snapshot(name)
+        ids = torch.tensor([prompt])
+        prompts = DataProto.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(len(prompt)).unsqueeze(0)})
+        return self.rollout.generate(prompts, sampling)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def score(self, name: str, tokens: List[int]) -> Optional[List[float]]:
+        """Log-probs of ``tokens[1:]`` under snapshot ``name``, each given the tokens before it (rank 0)."""
+        if self.rank != 0:
+            return None
+        self.load_snapshot(name)
+        ids = torch.tensor([tokens[:1]])
+        batch = DataProto.from_dict({"input_ids": torch.tensor([tokens]), "attention_mask": torch.ones(1, len(tokens), dtype=torch.long),
+                                     "position_ids": torch.arange(len(tokens)).unsqueeze(0), "prompts": ids,
+                                     "responses": torch.tensor([tokens[1:]]), "response_mask": torch.ones(1, len(tokens) - 1)})
+        return self.rollout.score_tokens(batch).batch["log_probs"][0].tolist()
