@@ -89,6 +89,12 @@ def build_app(service: TinkerService, keys: Sequence[str] = ()) -> web.Applicati
     async def sampler(request: web.Request) -> web.Response:
         return web.json_response(service.sampler(owner_of(request, keys), request.match_info["sampler"]))
 
+    @routes.get("/api/v1/get_server_capabilities")
+    async def capabilities(request: web.Request) -> web.Response:
+        owner_of(request, keys)
+        return web.json_response({"supported_models": [{"model_name": service.base_model, "max_context_length": service.max_context,
+                                                         "trainable": True, "sampleable": True}]})
+
     @routes.get("/api/v1/healthz")
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

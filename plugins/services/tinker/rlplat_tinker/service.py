@@ -107,6 +107,7 @@ class TinkerService:
                  eos_token_ids: tuple[int, ...] = (), max_snapshots: int = 8):
         self.group, self.base_model, self.state_dir = group, base_model, Path(state_dir)
         self.eos_token_ids = tuple(eos_token_ids)
+        self.max_context: Optional[int] = None  # the model's max_position_embeddings, once the first client is built
         self.tokenizer_dir, self.pad_token_id, self.max_snapshots = tokenizer_dir, pad_token_id, max_snapshots
         self.futures = Futures()
         self.sessions: dict[str, str] = {}  # session -> owner
@@ -151,6 +152,7 @@ class TinkerService:
         def create() -> dict:
             info = self.group.create(model_id, lora)[0]
             self.models[model_id] = Model(owner, session, lora, rank, info)
+            self.max_context = info.get("max_position_embeddings")
             return {"model_id": model_id, "type": "create_model"}
 
         return self.futures.submit(owner, create)
