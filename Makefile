@@ -130,6 +130,7 @@ bench: $(BENCH_STAMP) $(VLLM_CPU_STAMP)
 	$(BENCH_VENV)/bin/python bench/gateway_tokens.py
 	$(BENCH_VENV)/bin/python bench/long_context.py
 	$(BENCH_VENV)/bin/python bench/long_context.py --engine megatron
+	$(BENCH_VENV)/bin/python bench/tinker_service.py
 	$(VLLM_CPU_PY) bench/vllm_rollout.py
 
 # verl 0.9.1's own DataProto tests (tests/test_protocol_on_cpu.py, from its wheel) run against rlplat's

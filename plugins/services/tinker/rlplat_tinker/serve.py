@@ -12,7 +12,9 @@ from typing import Any, Mapping, Optional, Sequence
 from rlplat_tinker.app import Server
 from rlplat_tinker.service import TinkerService
 
-ENGINE_DEFAULTS = {"dtype": "float32", "grad_clip": None, "weight_decay": 0.0, "ppo_mini_batch_size": None}
+#: a request's datums are one mini-batch, cut into micro-batches by a token budget (their count varies by call)
+ENGINE_DEFAULTS = {"dtype": "float32", "grad_clip": None, "weight_decay": 0.0, "ppo_mini_batch_size": None,
+                   "use_dynamic_bsz": True, "max_token_len_per_gpu": 16384}
 
 
 def loopback(host: str) -> bool:

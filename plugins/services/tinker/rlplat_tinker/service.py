@@ -15,6 +15,7 @@ import itertools
 import re
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -26,6 +27,7 @@ from rlplat_tinker import wire
 from rlplat_tinker.losses import LOSSES, RequestError, TinkerLoss
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+GATHER_QUIET_S, GATHER_MAX_S = 0.003, 0.05
 LORA_ALPHA = 32.0  # the adapter scale Tinker's LoRA clients get
 ATTENTION, MLP = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
 
@@ -72,8 +74,20 @@ def adam_settings(params: Any) -> dict[str, Any]:
         raise RequestError(f"adam_params: {error}") from None
 
 
+@dataclasses.dataclass
+class PendingSample:
+    snapshot: str
+    prompt: list[int]
+    sampling: SamplingParams
+    prompt_logprobs: bool
+    future: concurrent.futures.Future
+
+
 class Futures:
-    """Request ids and their results; every call runs on one thread in arrival order."""
+    """Request ids and their results; every call runs on one thread in arrival order. The newest ``KEPT`` finished
+    results are kept for polls that come again (a client's retry); older finished ones are dropped."""
+
+    KEPT = 4096
 
     def __init__(self):
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlplat-serve")
@@ -82,10 +96,7 @@ class Futures:
         self.lock = threading.Lock()
 
     def submit(self, owner: str, call: Callable[[], Any]) -> str:
-        with self.lock:
-            request_id = f"req-{next(self.ids)}"
-            self.results[request_id] = (owner, self.executor.submit(call))
-        return request_id
+        return self.add(owner, self.executor.submit(call))
 
     def get(self, owner: str, request_id: str) -> concurrent.futures.Future:
         entry = self.results.get(request_id)
@@ -93,8 +104,16 @@ class Futures:
             raise RequestError(f"no request {request_id!r}", status=404)
         return entry[1]
 
-    def forget(self, request_id: str) -> None:
-        self.results.pop(request_id, None)
+    def add(self, owner: str, future: concurrent.futures.Future) -> str:
+        """A request id for a future resolved elsewhere."""
+        with self.lock:
+            request_id = f"req-{next(self.ids)}"
+            self.results[request_id] = (owner, future)
+            if len(self.results) > self.KEPT:
+                finished = [key for key, (_, held) in self.results.items() if held.done()]
+                for key in finished[: len(self.results) - self.KEPT]:
+                    del self.results[key]
+        return request_id
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
@@ -116,6 +135,7 @@ class TinkerService:
         self.snapshots: dict[str, str] = {}  # snapshot -> owner, oldest first
         self.counter = itertools.count(1)
         self.lock = threading.Lock()
+        self.pending: list[PendingSample] = []  # sample requests not yet drained (drain_samples)
 
     # -- sessions and models ----------------------------------------------------------------------------------
 
@@ -341,23 +361,58 @@ class TinkerService:
                 body.get("target_prompt_logprobs") is not None:
             raise RequestError("top-k log-probs, target prompt log-probs and alternative tokens are not served")
 
-        def run() -> bytes:
-            if snapshot not in self.snapshots:
-                raise RequestError(f"the sampler weights {snapshot} were dropped (the service keeps the newest {self.max_snapshots})")
-            output = self.group.sample(snapshot, prompt, sampling)[0]
-            stops = set(sampling.stop_token_ids) | set(self.eos_token_ids)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self.lock:
+            self.pending.append(PendingSample(snapshot, prompt, sampling, with_prompt_logprobs, future))
+        self.futures.submit(owner, self.drain_samples)
+        return self.futures.add(owner, future), [f"seq-{index}" for index in range(count)]
+
+    def drain_samples(self) -> None:
+        """Every sample request waiting, in batches: requests without a seed that share sampler weights and
+        settings are one ``generate`` call (a seeded request is sampled alone, so its seed draws what the rollout
+        draws for its prompt alone). A client sends a batch's requests one by one: the drain waits while more keep
+        arriving (``GATHER_QUIET_S`` apart, ``GATHER_MAX_S`` at most)."""
+        deadline = time.monotonic() + GATHER_MAX_S
+        while time.monotonic() < deadline:
+            waiting = len(self.pending)
+            time.sleep(GATHER_QUIET_S)
+            if len(self.pending) == waiting:
+                break
+        with self.lock:
+            pending, self.pending = self.pending, []
+        groups: dict[Any, list[PendingSample]] = {}
+        for entry in pending:
+            key = (entry.snapshot, entry.sampling) if entry.sampling.seed is None else id(entry)
+            groups.setdefault(key, []).append(entry)
+        for entries in groups.values():
+            try:
+                results = self.sample_batch(entries)
+            except BaseException as error:
+                for entry in entries:
+                    entry.future.set_exception(error)
+            else:
+                for entry, result in zip(entries, results):
+                    entry.future.set_result(result)
+
+    def sample_batch(self, entries: list["PendingSample"]) -> list[bytes]:
+        snapshot, sampling = entries[0].snapshot, entries[0].sampling
+        if snapshot not in self.snapshots:
+            raise RequestError(f"the sampler weights {snapshot} were dropped (the service keeps the newest {self.max_snapshots})")
+        output = self.group.sample(snapshot, [entry.prompt for entry in entries], sampling)[0]
+        stops = set(sampling.stop_token_ids) | set(self.eos_token_ids)
+        results = []
+        for index, entry in enumerate(entries):
             sequences = []
-            for row in range(len(output)):
+            for row in range(index * sampling.n, (index + 1) * sampling.n):
                 length = int(output.batch["response_mask"][row].sum())
                 tokens = output.batch["responses"][row, :length].tolist()
                 logprobs = output.batch["rollout_log_probs"][row, :length].tolist()
                 sequences.append((tokens, logprobs, "stop" if tokens and tokens[-1] in stops else "length"))
             prompt_logprobs = None
-            if with_prompt_logprobs:
-                prompt_logprobs = [None, *self.group.score(snapshot, prompt)[0]] if len(prompt) > 1 else [None]
-            return wire.sample_response(sequences, prompt_logprobs)
-
-        return self.futures.submit(owner, run), [f"seq-{index}" for index in range(count)]
+            if entry.prompt_logprobs:
+                prompt_logprobs = [None, *self.group.score(snapshot, entry.prompt)[0]] if len(entry.prompt) > 1 else [None]
+            results.append(wire.sample_response(sequences, prompt_logprobs))
+        return results
 
     def shutdown(self) -> None:
         self.futures.shutdown()

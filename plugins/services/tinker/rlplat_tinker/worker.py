@@ -175,14 +175,20 @@ class TinkerWorker(Worker):
         self.snapshots.pop(name, None)
 
     @register(Dispatch.ONE_TO_ALL)
-    def sample(self, name: str, prompt: List[int], sampling: SamplingParams, base: bool = False) -> Optional[DataProto]:
-        """``sampling.n`` samples of ``prompt`` from snapshot ``name`` (rank 0's rollout)."""
+    def sample(self, name: str, prompts: List[List[int]], sampling: SamplingParams) -> Optional[DataProto]:
+        """``sampling.n`` samples of each prompt (left padded into one batch) from snapshot ``name`` (rank 0's
+        rollout): ``B * n`` rows, each prompt's samples adjacent."""
         if self.rank != 0:
             return None
         self.load_snapshot(name)
-        ids = torch.tensor([prompt])
-        prompts = DataProto.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(len(prompt)).unsqueeze(0)})
-        return self.rollout.generate(prompts, sampling)
+        width = max(len(prompt) for prompt in prompts)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        batch = DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)})
+        return self.rollout.generate(batch, sampling)
 
     @register(Dispatch.ONE_TO_ALL)
     def score(self, name: str, tokens: List[int]) -> Optional[List[float]]:
