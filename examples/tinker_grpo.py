@@ -6,12 +6,14 @@ against ``rlplat serve``, every step runs on rlplat's engines.
 
 The task is the demo's (``a+b=``, reward 1 for the exact sum): prompts from its parquet files, the tokenizer the
 service names in ``get_info`` (a local folder). Each step: fresh sampler weights, ``group_size`` samples of each
-prompt (all requests sent before any is awaited), group-centred advantages (groups whose rewards are all equal are
-dropped), one ``forward_backward`` with ``importance_sampling`` and one ``optim_step``, sent back to back. Greedy
+prompt (all requests sent before any is awaited), GRPO's advantages (each reward less its group's mean, over the group's standard deviation;
+groups whose rewards are all equal are dropped), one ``forward_backward`` with ``importance_sampling`` and one ``optim_step`` (its learning rate decaying
+linearly to 0), sent back to back. Greedy
 validation accuracy on the held-out prompts every ``eval_every`` steps.
 
-Measured on a 2-core CPU machine (rlplat serve on the demo model, the defaults: 80 steps of 32 prompts x 8
-samples, LoRA rank 32, AdamW at 5e-4): greedy validation accuracy 0.445 -> 0.61 (0.565 at step 40), 88 s in all.
+Measured on a 2-core CPU machine (rlplat serve on the demo model, the defaults: 160 steps of 16 prompts x 16
+samples, LoRA rank 32, AdamW from 2e-3 decaying linearly): greedy validation accuracy 0.445 -> 0.615, 0.625 and
+0.625 with batch orders 0, 1 and 3 (``seed``), 83 to 102 s each, validation included.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ def accuracy(sampler: Any, tokenizer: Any, prompts: list[tuple[str, str]], max_t
     return sum(reward(tokenizer, future.result().sequences[0].tokens, answer) for future, (_, answer) in zip(futures, prompts)) / len(prompts)
 
 
-def train(base_url: str, api_key: str, train_file: str, val_file: str, *, steps: int = 80, batch_size: int = 32, group_size: int = 8,
-          learning_rate: float = 5e-4, rank: int = 32, max_tokens: int = 4, eval_every: int = 20, seed: int = 0) -> list[tuple[int, float]]:
+def train(base_url: str, api_key: str, train_file: str, val_file: str, *, steps: int = 160, batch_size: int = 16, group_size: int = 16,
+          learning_rate: float = 2e-3, rank: int = 32, max_tokens: int = 4, eval_every: int = 20, seed: int = 0) -> list[tuple[int, float]]:
     """Train, return ``[(step, greedy validation accuracy)]`` (step 0 first)."""
     service = tinker.ServiceClient(base_url=base_url, api_key=api_key)
     base_model = tinker.RestClient(base_url=base_url, api_key=api_key).get_server_capabilities().result().supported_models[0].model_name
@@ -52,7 +54,6 @@ def train(base_url: str, api_key: str, train_file: str, val_file: str, *, steps:
     tokenizer = client.get_tokenizer()
     training, validation = read_prompts(train_file), read_prompts(val_file)
     sampling = types.SamplingParams(max_tokens=max_tokens, temperature=1.0)
-    adam = types.AdamParams(learning_rate=learning_rate, beta1=0.9, beta2=0.95, eps=1e-8)
     order = random.Random(seed)
     history = []
     for step in range(steps + 1):
@@ -75,6 +76,7 @@ def train(base_url: str, api_key: str, train_file: str, val_file: str, *, steps:
             mean = sum(scores) / len(scores)
             if all(score == mean for score in scores):
                 continue  # no signal in this group
+            spread = (sum((score - mean) ** 2 for score in scores) / (len(scores) - 1)) ** 0.5
             for sequence, score in zip(sequences, scores):
                 tokens = prompt + sequence.tokens
                 observed = len(prompt) - 1
@@ -82,8 +84,9 @@ def train(base_url: str, api_key: str, train_file: str, val_file: str, *, steps:
                     model_input=types.ModelInput.from_ints(tokens[:-1]),
                     loss_fn_inputs={"target_tokens": tokens[1:],
                                     "logprobs": [0.0] * observed + list(sequence.logprobs),
-                                    "advantages": [0.0] * observed + [score - mean] * len(sequence.tokens)}))
-        if data:
+                                    "advantages": [0.0] * observed + [(score - mean) / spread] * len(sequence.tokens)}))
+        if data:  # the learning rate decays linearly to 0 at the last step (sent with every step, as the cookbook does)
+            adam = types.AdamParams(learning_rate=learning_rate * (1 - step / steps), beta1=0.9, beta2=0.95, eps=1e-8)
             backward = client.forward_backward(data, "importance_sampling")
             update = client.optim_step(adam)
             backward.result()
@@ -98,8 +101,8 @@ def main() -> None:
     parser.add_argument("--api-key", default="tml-local", help="any tml- key for a loopback rlplat serve without keys")
     parser.add_argument("--train-file", help="default: the demo's (rlplat_demo.train_file())")
     parser.add_argument("--val-file", help="default: the demo's (rlplat_demo.val_file())")
-    parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--learning-rate", type=float, default=5e-4)
+    parser.add_argument("--steps", type=int, default=160)
+    parser.add_argument("--learning-rate", type=float, default=2e-3, help="the first step's; it decays linearly to 0")
     parser.add_argument("--rank", type=int, default=32)
     arguments = parser.parse_args()
     if arguments.train_file is None or arguments.val_file is None:
