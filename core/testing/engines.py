@@ -16,8 +16,8 @@ if none exists. It calls every contract method with a loss of its own, the token
 log-likelihood of the responses normalised by ``global_token_count``, and checks what the contract
 promises: shapes, dtypes and keys of ``forward``, determinism under the seed, metrics of
 ``train_batch``, bucket bounds and coverage of ``named_weights``, an exact save/load round trip, an
-``export_hf`` directory that ``transformers`` loads and that predicts what the engine predicts, and
-errors that name what is wrong. Policy engines only: a value model's ``forward`` has no log-probs.
+``export_hf`` directory that ``transformers`` loads and that predicts what the engine predicts, errors
+that name what is wrong, and the optional features an engine lists (``split_step``, ``trainable_state``). Policy engines only: a value model's ``forward`` has no log-probs.
 """
 
 from __future__ import annotations
@@ -204,6 +204,45 @@ class TrainingEngineConformance:
         for name, tensor in shared:  # the same storage, holding the updated weights
             assert tensor.data_ptr() == addresses[name]
             torch.testing.assert_close(tensor.float().cpu(), current[name].float().cpu(), atol=0, rtol=0)
+
+    def test_the_split_step_if_offered_is_train_batch_in_two_calls(self, engine_factory, engine_batch):
+        """``split_step`` in ``features``: ``forward_backward`` then ``optimizer_step`` moves the model as one
+        ``train_batch`` step on the same rows; a step with ``lr`` 0 moves nothing; a bad setting is refused."""
+        split = self.fresh(engine_factory)
+        if "split_step" not in getattr(split, "features", ()):
+            pytest.skip("the engine does not split its step (no 'split_step' in TrainingEngine.features)")
+        whole = engine_batch.with_meta_info({**engine_batch.meta_info, "ppo_mini_batch_size": None})
+        native = self.fresh(engine_factory)
+        native.train_batch(whole, TokenMeanNLL())
+        output = split.forward_backward(whole, TokenMeanNLL())
+        valid = response_mask(engine_batch).bool()
+        assert output.batch["log_probs"].shape == engine_batch.batch["responses"].shape
+        assert "kit/nll" in output.meta_info["metrics"], f"forward_backward metrics: {sorted(output.meta_info['metrics'])}"
+        metrics = split.optimizer_step()
+        assert {"grad_norm", "lr"} <= set(metrics), f"optimizer_step metrics: {sorted(metrics)}"
+        stepped = split.forward(engine_batch).batch["log_probs"]
+        torch.testing.assert_close(stepped[valid], native.forward(engine_batch).batch["log_probs"][valid], atol=1e-6, rtol=0)
+        split.forward_backward(whole, TokenMeanNLL())
+        split.optimizer_step({"lr": 0.0})
+        assert torch.equal(split.forward(engine_batch).batch["log_probs"][valid], stepped[valid]), "a step with lr 0 moved the model"
+        split.forward_backward(whole, TokenMeanNLL())
+        with pytest.raises(ValueError, match="unknown setting"):
+            split.optimizer_step({"no_such_setting": 1.0})
+
+    def test_the_trainable_state_if_offered_puts_back_what_training_changed(self, engine_factory, engine_batch):
+        """``trainable_state`` in ``features``: after a step, loading the state taken before it gives the
+        predictions from before, and the same step again lands where the first did (optimizer state included)."""
+        engine = self.fresh(engine_factory)
+        if "trainable_state" not in getattr(engine, "features", ()):
+            pytest.skip("the engine cannot hand out its trainable state (no 'trainable_state' in TrainingEngine.features)")
+        state = engine.trainable_state()
+        before = engine.forward(engine_batch).batch["log_probs"]
+        engine.train_batch(engine_batch, TokenMeanNLL())
+        after = engine.forward(engine_batch).batch["log_probs"]
+        engine.load_trainable_state(state)
+        assert torch.equal(engine.forward(engine_batch).batch["log_probs"], before)
+        engine.train_batch(engine_batch, TokenMeanNLL())
+        assert torch.equal(engine.forward(engine_batch).batch["log_probs"], after)
 
     def test_state_is_a_mapping(self, engine):
         assert isinstance(engine.state(), Mapping)
