@@ -137,6 +137,7 @@ def main() -> None:
             if repeat:
                 sampling_times["native"].append(native)
                 sampling_times["service"].append(served)
+        service.close("success").result()  # ends the session's heartbeats before the server goes
     step = {name: median_s(values) for name, values in times.items()}
     sample = {name: median_s(values) for name, values in sampling_times.items()}
     lines = [f"A training step of {PROMPTS * GROUP} datums ({PROMPT_TOKENS + RESPONSE_TOKENS - 1} tokens each), importance_sampling, "

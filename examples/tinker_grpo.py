@@ -48,7 +48,14 @@ def accuracy(sampler: Any, tokenizer: Any, prompts: list[tuple[str, str]], max_t
 def train(base_url: str, api_key: str, train_file: str, val_file: str, *, steps: int = 160, batch_size: int = 16, group_size: int = 16,
           learning_rate: float = 2e-3, rank: int = 32, max_tokens: int = 4, eval_every: int = 20, seed: int = 0) -> list[tuple[int, float]]:
     """Train, return ``[(step, greedy validation accuracy)]`` (step 0 first)."""
-    service = tinker.ServiceClient(base_url=base_url, api_key=api_key)
+    with tinker.ServiceClient(base_url=base_url, api_key=api_key) as service:  # closing ends the session's heartbeats
+        return train_with(service, base_url, api_key, train_file, val_file, steps=steps, batch_size=batch_size,
+                          group_size=group_size, learning_rate=learning_rate, rank=rank, max_tokens=max_tokens,
+                          eval_every=eval_every, seed=seed)
+
+
+def train_with(service: Any, base_url: str, api_key: str, train_file: str, val_file: str, *, steps: int, batch_size: int,
+               group_size: int, learning_rate: float, rank: int, max_tokens: int, eval_every: int, seed: int) -> list[tuple[int, float]]:
     base_model = tinker.RestClient(base_url=base_url, api_key=api_key).get_server_capabilities().result().supported_models[0].model_name
     client = service.create_lora_training_client(base_model=base_model, rank=rank).result()
     tokenizer = client.get_tokenizer()

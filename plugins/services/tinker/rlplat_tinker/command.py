@@ -38,6 +38,7 @@ def serve(
     name: Optional[str] = typer.Option(None, "--name", help="The base_model name clients use (default: the model folder's path)."),
     max_snapshots: int = typer.Option(8, "--max-snapshots", help="Sampler weights kept in memory (the newest)."),
     seed: int = typer.Option(0, "--seed", help="Seeds the engine (the adapters' initialisation)."),
+    processes: int = typer.Option(1, "--processes", help="Worker processes (above 1: on a local Ray cluster, the engine sharded over them)."),
 ) -> None:
     """Serve the Tinker API over rlplat's engines: point the tinker SDK at it with
     `tinker.ServiceClient(base_url="http://127.0.0.1:8000", api_key="tml-...")` (any tml- key on loopback)."""
@@ -48,7 +49,7 @@ def serve(
     try:
         running = start(model, engine=engine, rollout=rollout, host=host, port=port, keys=keys, state_dir=state_dir,
                         base_model=name, engine_config=engine_config, rollout_config=rollout_config,
-                        max_snapshots=max_snapshots, seed=seed)
+                        max_snapshots=max_snapshots, seed=seed, processes=processes)
     except (FileNotFoundError, ValueError) as error:
         raise fail(str(error)) from None
     typer.echo(f"rlplat serve: {running.base_url} (base_model {running.service.base_model!r}; states in {running.state_dir}); "

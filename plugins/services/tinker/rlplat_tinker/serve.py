@@ -51,6 +51,42 @@ class Running:
         self.stop()
 
 
+class RayGroup:
+    """Worker processes on a Ray cluster this process started; :meth:`shutdown` ends them and the cluster."""
+
+    def __init__(self, spec: Any, processes: int):
+        import ray
+
+        from rlplat import RayWorkerGroup, ResourcePool, start_ray
+
+        self.started = not ray.is_initialized()
+        if self.started:
+            start_ray(num_cpus=max(processes, 2))
+        self.pool = ResourcePool([processes])
+        self.group = RayWorkerGroup(self.pool, spec, role="tinker")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.group, name)
+
+    def shutdown(self) -> None:
+        import ray
+
+        self.group.shutdown()
+        self.pool.release()
+        if self.started:
+            ray.shutdown()
+
+
+def worker_group(spec: Any, processes: int) -> Any:
+    if processes < 1:
+        raise ValueError(f"rlplat serve: --processes must be >= 1, got {processes}")
+    if processes == 1:
+        from rlplat import LocalWorkerGroup
+
+        return LocalWorkerGroup(spec, role="tinker")
+    return RayGroup(spec, processes)
+
+
 def special_tokens(model_path: str) -> tuple[int, tuple[int, ...], Optional[str]]:
     """The pad token, the end-of-sequence tokens and the tokenizer's folder (None when the model has none)."""
     from transformers import AutoConfig
@@ -71,10 +107,11 @@ def special_tokens(model_path: str) -> tuple[int, tuple[int, ...], Optional[str]
 def start(model_path: str, *, engine: str = "fsdp2", rollout: str = "hf", host: str = "127.0.0.1", port: int = 0,
           keys: Sequence[str] = (), state_dir: Optional[str] = None, base_model: Optional[str] = None,
           engine_config: Optional[Mapping[str, Any]] = None, rollout_config: Optional[Mapping[str, Any]] = None,
-          max_snapshots: int = 8, seed: int = 0) -> Running:
+          max_snapshots: int = 8, seed: int = 0, processes: int = 1) -> Running:
     """Start the service on ``model_path`` (a local Hugging Face folder). Bound elsewhere than loopback it needs
-    ``keys``. ``base_model``: the name clients use (default: the folder's absolute path)."""
-    from rlplat import LocalWorkerGroup, WorkerSpec
+    ``keys``. ``base_model``: the name clients use (default: the folder's absolute path). ``processes`` above 1:
+    that many worker processes on a local Ray cluster, the engine sharded over them (FSDP2 on gloo or NCCL)."""
+    from rlplat import WorkerSpec
     from rlplat_tinker.worker import TinkerWorker
 
     if not Path(model_path).is_dir():
@@ -91,7 +128,7 @@ def start(model_path: str, *, engine: str = "fsdp2", rollout: str = "hf", host: 
     worker = {"engine": engine, "rollout": rollout,
               "engine_config": {**ENGINE_DEFAULTS, "seed": seed, **dict(engine_config or {}), "model_path": model_path},
               "rollout_config": {"load_weights": False, **dict(rollout_config or {}), "model_path": model_path}}
-    group = LocalWorkerGroup(WorkerSpec(TinkerWorker, worker), role="tinker")
+    group = worker_group(WorkerSpec(TinkerWorker, worker), processes)
     service = TinkerService(group, base_model or model_path, state, tokenizer_dir, pad, eos, max_snapshots)
     try:
         server = Server(service, host, port, keys).start()

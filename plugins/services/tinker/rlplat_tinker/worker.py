@@ -23,7 +23,7 @@ import torch
 from rlplat.config_node import read_config_node
 from rlplat.contracts.rollout import SamplingParams
 from rlplat.controller.decorator import Dispatch, register
-from rlplat.controller.worker import Worker
+from rlplat.controller.worker import Worker, without_padding_weight
 from rlplat.protocol import DataProto
 from rlplat.registry import EngineRegistry
 
@@ -39,6 +39,17 @@ class TinkerWorkerConfig:
     rollout_config: Dict[str, Any] = dataclasses.field(default_factory=dict)
     probe_tolerance: float = 0.05
     """Largest mean absolute difference per token between the sampler's and the engine's log-probs of a snapshot."""
+
+
+def broadcast_from_first(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank of the process group (itself without one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
 
 
 def lora_key(lora: Optional[Dict[str, Any]]) -> str:
@@ -105,8 +116,7 @@ class TinkerWorker(Worker):
 
     @register(Dispatch.DP_MESH)
     def forward_backward(self, client: str, batch: DataProto, loss_fn: Any) -> DataProto:
-        output = self.engine_of(client).forward_backward(batch, loss_fn)
-        return output
+        return self.engine_of(client).forward_backward(without_padding_weight(batch, self.padding_rows), loss_fn)
 
     @register(Dispatch.DP_MESH)
     def forward(self, client: str, batch: DataProto) -> DataProto:
@@ -141,14 +151,28 @@ class TinkerWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def snapshot(self, client: str, name: str) -> Dict[str, float]:
-        """The client's weights now, kept as sampler snapshot ``name`` and loaded into the rollout; probed."""
+        """The client's weights now, kept as sampler snapshot ``name`` and loaded into rank 0's rollout; probed
+        (every rank scores the probe's tokens: the engine's forward is a collective)."""
         engine = self.engine_of(client)
         weights = [(key, tensor.detach().clone()) for bucket in engine.named_weights() for key, tensor in bucket]
+        sampled = None
+        if self.rank == 0:
+            self.snapshots[name] = weights
+            self.load_snapshot(name)
+            prompt = torch.arange(1, PROBE_PROMPT_TOKENS + 1).unsqueeze(0)
+            prompts = DataProto.from_dict({"input_ids": prompt, "attention_mask": torch.ones_like(prompt),
+                                           "position_ids": torch.arange(PROBE_PROMPT_TOKENS).unsqueeze(0)})
+            sampled = self.rollout.generate(prompts, SamplingParams(max_new_tokens=PROBE_NEW_TOKENS, seed=0))
+        sampled = broadcast_from_first(sampled)
+        trained = engine.forward(sampled).batch["log_probs"]
         if self.rank != 0:
             return {}
-        self.snapshots[name] = weights
-        self.load_snapshot(name)
-        return self.probe(engine)
+        mask = sampled.batch["response_mask"].bool()
+        difference = float(((trained - sampled.batch["rollout_log_probs"]).abs() * mask).sum() / mask.sum().clamp(min=1))
+        if difference > self.config.probe_tolerance:
+            raise RuntimeError(f"sync probe: the sampler's log-probs differ from the trained weights' by {difference:.3g} per token "
+                               f"(tolerance {self.config.probe_tolerance:g}): the weights did not reach the sampler")
+        return {"sync_probe/mean_abs_diff": difference}
 
     def load_snapshot(self, name: str) -> None:
         if self.loaded != name:
@@ -156,19 +180,6 @@ class TinkerWorker(Worker):
                 raise KeyError(f"no sampler weights {name!r}")
             self.require_rollout().update_weights(self.snapshots[name])
             self.loaded = name
-
-    def probe(self, engine: Any) -> Dict[str, float]:
-        prompt = torch.arange(1, PROBE_PROMPT_TOKENS + 1).unsqueeze(0)
-        prompts = DataProto.from_dict({"input_ids": prompt, "attention_mask": torch.ones_like(prompt),
-                                       "position_ids": torch.arange(PROBE_PROMPT_TOKENS).unsqueeze(0)})
-        sampled = self.rollout.generate(prompts, SamplingParams(max_new_tokens=PROBE_NEW_TOKENS, seed=0))
-        trained = engine.forward(sampled).batch["log_probs"]
-        mask = sampled.batch["response_mask"].bool()
-        difference = float(((trained - sampled.batch["rollout_log_probs"]).abs() * mask).sum() / mask.sum().clamp(min=1))
-        if difference > self.config.probe_tolerance:
-            raise RuntimeError(f"sync probe: the sampler's log-probs differ from the trained weights' by {difference:.3g} per token "
-                               f"(tolerance {self.config.probe_tolerance:g}): the weights did not reach the sampler")
-        return {"sync_probe/mean_abs_diff": difference}
 
     @register(Dispatch.ONE_TO_ALL)
     def drop_snapshot(self, name: str) -> None:

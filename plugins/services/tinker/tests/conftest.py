@@ -28,4 +28,5 @@ def running(model_dir, tmp_path_factory):
 def service_client(running):
     import tinker
 
-    return tinker.ServiceClient(base_url=running.base_url, api_key="tml-test")
+    with tinker.ServiceClient(base_url=running.base_url, api_key="tml-test") as client:  # closing stops its heartbeats
+        yield client

@@ -57,12 +57,14 @@ def test_a_served_process_trains_through_the_sdk_and_stops_on_sigterm(model_dir,
             found = re.search(r"rlplat serve: (http://127\.0\.0\.1:\d+)", line)
             url = found.group(1) if found else None
             assert line or process.poll() is None, "rlplat serve exited before it served"
-        client = tinker.ServiceClient(base_url=url, api_key="tml-test").create_lora_training_client(base_model=model_dir, rank=2).result()
+        service = tinker.ServiceClient(base_url=url, api_key="tml-test")
+        client = service.create_lora_training_client(base_model=model_dir, rank=2).result()
         datum = types.Datum(model_input=types.ModelInput.from_ints([1, 5, 6]), loss_fn_inputs={"target_tokens": [5, 6, 7], "weights": [1.0] * 3})
         loss = client.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
         client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         assert client.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] < loss
         assert client.save_state("kept").result().path.endswith("/weights/kept")
+        service.close("success").result()
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
         assert (tmp_path / "states").is_dir() and any((tmp_path / "states").rglob("kept"))

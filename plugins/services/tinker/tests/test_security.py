@@ -47,9 +47,8 @@ def test_a_request_without_a_valid_key_is_refused(keyed):
 
 
 def test_another_keys_client_state_and_futures_are_not_found(keyed):
-    alice = tinker.ServiceClient(base_url=keyed.base_url, api_key="tml-alice")
-    client = alice.create_lora_training_client(base_model=keyed.service.base_model, rank=2).result()
-    saved = client.save_state("mine").result().path
+    with tinker.ServiceClient(base_url=keyed.base_url, api_key="tml-alice") as alice:
+        saved = alice.create_lora_training_client(base_model=keyed.service.base_model, rank=2).result().save_state("mine").result().path
     model_id = saved.split("/")[2]
     status, submitted = post(keyed.base_url, "/api/v1/save_weights", {"model_id": model_id, "path": "x"}, "tml-alice")
     assert status == 200
@@ -63,9 +62,9 @@ def test_another_keys_client_state_and_futures_are_not_found(keyed):
     status, answer = post(keyed.base_url, "/api/v1/load_weights",
                           {"session_id": session, "model_seq_id": 0, "path": saved, "optimizer": True}, "tml-bob")
     assert status == 404 and "no saved state" in answer["detail"]
-    bob = tinker.ServiceClient(base_url=keyed.base_url, api_key="tml-bob")
-    with pytest.raises(Exception, match="no saved state"):
-        bob.create_training_client_from_state(saved).result()
+    with tinker.ServiceClient(base_url=keyed.base_url, api_key="tml-bob") as bob:
+        with pytest.raises(Exception, match="no saved state"):
+            bob.create_training_client_from_state(saved).result()
 
 
 def test_binding_beyond_loopback_needs_a_key(model_dir):
@@ -76,8 +75,11 @@ def test_binding_beyond_loopback_needs_a_key(model_dir):
 
 
 def test_bad_requests_get_a_4xx_with_the_reason_and_change_nothing(keyed):
-    alice = tinker.ServiceClient(base_url=keyed.base_url, api_key="tml-alice")
-    client = alice.create_lora_training_client(base_model=keyed.service.base_model, rank=2).result()
+    with tinker.ServiceClient(base_url=keyed.base_url, api_key="tml-alice") as alice:
+        check_bad_requests(keyed, alice.create_lora_training_client(base_model=keyed.service.base_model, rank=2).result())
+
+
+def check_bad_requests(keyed, client) -> None:
     model_id = client.model_id
     probe = [types.Datum(model_input=types.ModelInput.from_ints([1, 5, 6]), loss_fn_inputs={"target_tokens": [5, 6, 7], "weights": [1.0] * 3})]
     before = client.forward(probe, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
