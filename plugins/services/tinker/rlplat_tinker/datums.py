@@ -68,24 +68,24 @@ def rows_of(datums: Sequence[Datum], pad_token_id: int) -> DataProto:
     """The datums as engine rows (module docstring): ``input_ids``, ``attention_mask``, ``position_ids`` [B, 1 + R],
     ``responses``, ``response_mask`` [B, R], the targets [B, R, 1] and the loss columns [B, R]."""
     rows, width = len(datums), max(len(datum.tokens) for datum in datums)
-    input_ids = torch.full((rows, 1 + width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((rows, 1 + width), dtype=torch.long)
-    targets = torch.zeros((rows, width, 1), dtype=torch.long)
-    columns = {name: torch.zeros((rows, width), dtype=torch.float32) for name in COLUMNS.values()}
-    for row, datum in enumerate(datums):
-        n = len(datum.tokens)
+    ids, masks, targets = [], [], []
+    columns: dict[str, list[list[float]]] = {name: [] for name in COLUMNS.values()}
+    for datum in datums:
+        n, padding = len(datum.tokens), width - len(datum.tokens)
         target = [int(token) for token in datum.inputs["target_tokens"]]
-        input_ids[row, : n + 1] = torch.tensor([*datum.tokens, target[-1]])
-        attention_mask[row, : n + 1] = 1
-        targets[row, :n, 0] = torch.tensor(target)
-        columns[WEIGHTS][row, :n] = torch.tensor(datum.inputs.get("weights", [1.0] * n), dtype=torch.float32)
+        ids.append([*datum.tokens, target[-1]] + [pad_token_id] * padding)
+        masks.append([1] * (n + 1) + [0] * padding)
+        targets.append(target + [0] * padding)
+        columns[WEIGHTS].append(list(datum.inputs.get("weights", [1.0] * n)) + [0.0] * padding)
         for key in ("advantages", "logprobs"):
-            if key in datum.inputs:
-                columns[COLUMNS[key]][row, :n] = torch.tensor(datum.inputs[key], dtype=torch.float32)
-    response_mask = attention_mask[:, 1:].to(torch.float32)
+            columns[COLUMNS[key]].append(list(datum.inputs.get(key, [0.0] * n)) + [0.0] * padding)
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    attention_mask = torch.tensor(masks, dtype=torch.long)
     return DataProto.from_dict({
         "input_ids": input_ids, "attention_mask": attention_mask, "position_ids": torch.arange(1 + width).expand(rows, -1).clone(),
-        "responses": input_ids[:, 1:].clone(), "response_mask": response_mask, TARGETS: targets, **columns,
+        "responses": input_ids[:, 1:].clone(), "response_mask": attention_mask[:, 1:].to(torch.float32),
+        TARGETS: torch.tensor(targets, dtype=torch.long).unsqueeze(-1),
+        **{name: torch.tensor(values, dtype=torch.float32) for name, values in columns.items()},
     })
 
 
