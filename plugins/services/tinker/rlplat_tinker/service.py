@@ -12,10 +12,12 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import json
 import re
 import shutil
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -140,8 +142,8 @@ class TinkerService:
     # -- sessions and models ----------------------------------------------------------------------------------
 
     def create_session(self, owner: str) -> str:
-        with self.lock:
-            session = f"session-{next(self.counter)}"
+        with self.lock:  # unique across restarts: saved states outlive the service under --state-dir
+            session = f"session-{next(self.counter)}-{uuid.uuid4().hex[:8]}"
             self.sessions[session] = owner
         return session
 
@@ -165,7 +167,11 @@ class TinkerService:
         if optimizer != "adamw":
             raise RequestError(f"optimizer_config type {optimizer!r}: this service runs adamw only")
         lora, rank = lora_of(body.get("lora_config") or {"rank": 32})
-        model_id = f"{session}:train:{body.get('model_seq_id', 0)}"
+        return self.futures.submit(owner, self.creation(owner, session, body.get("model_seq_id", 0), lora, rank))
+
+    def creation(self, owner: str, session: str, sequence: Any, lora: dict, rank: int) -> Callable[[], dict]:
+        """The call that builds client ``<session>:train:<sequence>`` in the workers and registers it."""
+        model_id = f"{session}:train:{sequence}"
         if model_id in self.models:
             raise RequestError(f"training client {model_id!r} exists already", status=409)
 
@@ -175,7 +181,7 @@ class TinkerService:
             self.max_context = info.get("max_position_embeddings")
             return {"model_id": model_id, "type": "create_model"}
 
-        return self.futures.submit(owner, create)
+        return create
 
     def get_info(self, owner: str, model_id: Any) -> dict:
         model = self.model(owner, model_id)
@@ -253,6 +259,7 @@ class TinkerService:
             partial.parent.mkdir(parents=True, exist_ok=True)
             self.group.save_state(model_id, str(partial))
             (partial / "OWNER").write_text(owner)
+            (partial / "LORA.json").write_text(json.dumps({"rank": self.models[model_id].rank, "lora": self.models[model_id].lora}))
             if target.exists():
                 shutil.rmtree(target)
             partial.rename(target)  # complete or absent: a failed save leaves the previous state as it was
@@ -274,10 +281,9 @@ class TinkerService:
         with_optimizer = bool(body.get("optimizer", False))
         if body.get("model_id") is None:  # create_training_client_from_state: a new client, then the load
             session = self.check_session(owner, body.get("session_id"))
-            source = self.models.get(body["path"][len("tinker://"):].split("/")[0])
-            lora_config = {"rank": source.rank} if source is not None else {"rank": 32}
-            self.create_model(owner, {"session_id": session, "model_seq_id": body.get("model_seq_id", 0), "lora_config": lora_config})
+            saved = json.loads((folder / "LORA.json").read_text())  # the client is built in the saved one's shape
             model_id = f"{session}:train:{body.get('model_seq_id', 0)}"
+            self.futures.submit(owner, self.creation(owner, session, body.get("model_seq_id", 0), saved["lora"], saved["rank"]))
         else:
             model_id = body["model_id"]
             self.model(owner, model_id)

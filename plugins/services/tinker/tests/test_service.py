@@ -193,3 +193,28 @@ def test_three_concurrent_lora_clients_stay_isolated(service_client, running):
         assert largest(together, logprobs(alone.forward(probe, "cross_entropy").result())) == 0.0
     a, b = (logprobs(clients[name].forward(probe, "cross_entropy").result()) for name in "ab")
     assert largest(a, b) > 1e-4
+
+
+def test_a_state_saved_before_a_restart_resumes_in_a_new_service(model_dir, tmp_path):
+    """Saved states outlive the service (``--state-dir``): a new service builds the client in the saved one's shape
+    (rank 2 here, not the default) and it steps exactly as the uninterrupted one."""
+    import tinker
+
+    from rlplat_tinker.serve import start
+
+    first, second = BATCHES["importance_sampling"], BATCHES["ppo"]
+    adam = types.AdamParams(**ADAM)
+    with start(model_dir, state_dir=str(tmp_path)) as running, tinker.ServiceClient(base_url=running.base_url, api_key="tml-test") as service:
+        original = service.create_lora_training_client(base_model=running.service.base_model, rank=2).result()
+        original.forward_backward(first, "importance_sampling").result()
+        original.optim_step(adam).result()
+        saved = original.save_state("before-restart").result().path
+        original.forward_backward(second, "ppo").result()
+        original.optim_step(adam).result()
+        uninterrupted = logprobs(original.forward(first, "cross_entropy").result())
+    with start(model_dir, state_dir=str(tmp_path)) as running, tinker.ServiceClient(base_url=running.base_url, api_key="tml-test") as service:
+        resumed = service.create_training_client_from_state_with_optimizer(saved).result()
+        assert resumed.get_info().lora_rank == 2
+        resumed.forward_backward(second, "ppo").result()
+        resumed.optim_step(adam).result()
+        assert largest(logprobs(resumed.forward(first, "cross_entropy").result()), uninterrupted) == 0.0
