@@ -2,7 +2,8 @@
 with JSON, and stopped with the engine that owns it.
 
 Shared by the server modes of the vLLM and SGLang rollouts. Only the standard library is used, so the
-client side imports nothing the backend's environment might lack.
+client side imports nothing the backend's environment might lack. :func:`is_loopback` is the rule every server
+rlplat binds follows (the agents' gateway, ``rlplat serve``): beyond loopback only with an API key.
 """
 
 from __future__ import annotations
@@ -23,6 +24,18 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from rlplat.contracts.rollout import RolloutBuildConfig
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine only (127.0.0.0/8, ``::1``, ``localhost``)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class ServerError(RuntimeError):

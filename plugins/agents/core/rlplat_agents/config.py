@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Iterable, Optional
 
+from rlplat.kits.rollout_server import is_loopback
+
 VERL_LOOP_NAMES = {"single_turn_agent": "single_turn", "tool_agent": "tool"}
 """verl's ``agent_name`` values, read as rlplat's loop names."""
 
@@ -38,18 +40,6 @@ class TemplateCheckConfig:
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 PREFIX_BREAK_POLICIES = ("split", "error")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` is this machine only (127.0.0.0/8, ``::1``, ``localhost``)."""
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclasses.dataclass

@@ -4,26 +4,17 @@ service and its HTTP server. ``rlplat serve`` and the tests start it the same wa
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from rlplat.kits.rollout_server import is_loopback
 from rlplat_tinker.app import Server
 from rlplat_tinker.service import TinkerService
 
 #: a request's datums are one mini-batch, cut into micro-batches by a token budget (their count varies by call)
 ENGINE_DEFAULTS = {"dtype": "float32", "grad_clip": None, "weight_decay": 0.0, "ppo_mini_batch_size": None,
                    "use_dynamic_bsz": True, "max_token_len_per_gpu": 16384}
-
-
-def loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclasses.dataclass
@@ -116,7 +107,7 @@ def start(model_path: str, *, engine: str = "fsdp2", rollout: str = "hf", host: 
 
     if not Path(model_path).is_dir():
         raise FileNotFoundError(f"rlplat serve: model {model_path!r} is not a local Hugging Face folder")
-    if not loopback(host) and not keys:
+    if not is_loopback(host) and not keys:
         raise ValueError(f"rlplat serve: binding {host} (not loopback) needs an API key: --api-key or RLPLAT_SERVE_API_KEYS")
     bad = [key for key in keys if not key.startswith("tml-")]
     if bad:
