@@ -89,7 +89,7 @@ class Futures:
     """Request ids and their results; every call runs on one thread in arrival order. The newest ``KEPT`` finished
     results are kept for polls that come again (a client's retry); older finished ones are dropped."""
 
-    KEPT = 4096
+    KEPT = 512  # a forward_backward result holds every datum's log-probs: bounded memory
 
     def __init__(self):
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlplat-serve")
