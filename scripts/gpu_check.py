@@ -4,7 +4,7 @@
 Without a CUDA GPU it refuses with one line and exit code 2, before it installs or runs anything.
 With one it
 
-1. installs what the machine lacks (and a setuptools older than 77) from the wheels in ``--wheels``
+1. installs what the machine lacks (and a setuptools older than 77, a peft older than 0.21.2) from the wheels in ``--wheels``
    (``make gpu-check-wheels`` downloads them where there is network: constraints/gpu-check.txt) with
    ``pip --no-index``, then rlplat and its built-in plugins from this checkout (editable, ``--no-deps
    --no-build-isolation``: Ray is not needed and not there);
@@ -198,9 +198,10 @@ def version_key(version: str) -> tuple:
 
 
 #: Installed versions older than these are replaced from the wheels: rlplat's pyproject.toml gives its
-#: license as an SPDX string, which setuptools reads from 77 on. Anything else present is kept as it is
+#: license as an SPDX string, which setuptools reads from 77 on; the fsdp2 engine requires peft 0.21.2 (the
+#: GPU image had 0.21.0, which `rlplat doctor` rightly refused). Anything else present is kept as it is
 #: (replacing the machine's pytest would break the pytest plugins installed beside it).
-MINIMUM_VERSIONS = {"setuptools": "77"}
+MINIMUM_VERSIONS = {"setuptools": "77", "peft": "0.21.2"}
 
 
 def wheels_to_install(wheels: Iterable[Path], installed: dict[str, str], minimums: dict[str, str] = MINIMUM_VERSIONS) -> list[Path]:

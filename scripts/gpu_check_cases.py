@@ -437,6 +437,7 @@ def check_throughput(context: Context) -> list[dict]:
         synchronize()
         times.append(time.perf_counter() - started)
     memory = peak_allocated()
+    profile = profile_step(lambda: trained.train_batch(batch, loss), context.cuda)
     del trained
     release()
     finish_process_group()
@@ -451,9 +452,41 @@ def check_throughput(context: Context) -> list[dict]:
                  f"{parameters / 1e6:.0f}M params, {rows} rows x {length} tokens ({micro_rows} per micro-batch): "
                  f"{tokens_per_s:,.0f} tokens/s, {step_s:.3f} s/step (median of {timed}); "
                  f"MFU {mfu:.1%} of the measured {dtype} peak {peak / 1e12:.0f} TFLOP/s (target {MFU_TARGET:.0%}); "
-                 f"peak memory {gib(memory)}; built in {build_s:.0f} s",
+                 f"peak memory {gib(memory)}; built in {build_s:.0f} s"
+                 + (f"; kernels busy {profile['busy']:.0%} of a profiled step" if profile.get("busy") is not None else ""),
                  parameters=parameters, tokens_per_s=tokens_per_s, step_s=times, flops_per_step=flops, peak_flops=peak, mfu=mfu,
-                 peak_memory_bytes=memory, torch_version=torch.__version__)]
+                 peak_memory_bytes=memory, torch_version=torch.__version__, profile=profile)]
+
+
+def profile_step(step: Callable[[], Any], cuda: bool, rows: int = 25) -> dict[str, Any]:
+    """One more step under torch's profiler, so a figure under its target says where the time went: the
+    wall time, the share of it the GPU's kernels ran (their summed self time; a low share means the step
+    waits on the host: launches, synchronisations, copies) and the ``rows`` operators and kernels of the
+    most self time (device time on the GPU, host time on the CPU), also printed into the log. A profiler
+    failure is reported in the result, not raised: the measured figures stand without it."""
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as profiler:
+            synchronize()
+            started = time.perf_counter()
+            step()
+            synchronize()
+            wall = time.perf_counter() - started
+        averages = profiler.key_averages()
+        field = "self_device_time_total" if cuda else "self_cpu_time_total"
+        kernels_s = sum(event.self_device_time_total for event in averages if event.device_type == DeviceType.CUDA) / 1e6
+        top = sorted(averages, key=lambda event: getattr(event, field), reverse=True)[:rows]
+        table = [dict(name=event.key[:90], calls=event.count, self_ms=round(getattr(event, field) / 1e3, 2)) for event in top]
+        print(f"profiled step: {wall:.3f} s wall" + (f", kernels {kernels_s:.3f} s ({kernels_s / wall:.0%})" if cuda and kernels_s else ""))
+        for entry in table:
+            print(f"  {entry['self_ms']:10.2f} ms  {entry['calls']:6d}x  {entry['name']}")
+        counted = cuda and kernels_s > 0  # no kernel rows: a profiler that files them otherwise, no share to give
+        return dict(wall_s=wall, kernels_s=kernels_s if counted else None, busy=kernels_s / wall if counted else None, top=table)
+    except Exception as error:  # noqa: BLE001 - the profile is an explanation, not the measurement
+        return dict(error=f"{type(error).__name__}: {error}")
 
 
 # -- pytest -m gpu -----------------------------------------------------------------------------------------

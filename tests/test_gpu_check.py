@@ -149,6 +149,18 @@ def test_missing_distributions_and_a_setuptools_older_than_77_are_installed_the_
     assert gpu_check.wheels_to_install(wheels[1:2], {"setuptools": "80.9.0"}) == []
 
 
+def test_a_peft_older_than_the_fsdp2_engine_requires_is_replaced():
+    """The GPU image had peft 0.21.0, the fsdp2 engine requires 0.21.2: doctor refused the environment."""
+    import re
+
+    required = re.search(r'"peft>=([\d.]+)"', (ROOT / "plugins/engines/fsdp2/pyproject.toml").read_text()).group(1)
+    assert gpu_check.MINIMUM_VERSIONS["peft"] == required
+    assert f"peft=={required}" in (ROOT / "constraints/gpu-check.txt").read_text().splitlines()
+    wheel = [Path(f"peft-{required}-py3-none-any.whl")]
+    assert gpu_check.wheels_to_install(wheel, {"peft": "0.21.0"}) == wheel
+    assert gpu_check.wheels_to_install(wheel, {"peft": required}) == []
+
+
 def test_two_wheels_of_one_distribution_are_refused():
     wheels = [Path("pytest-9.2.0-py3-none-any.whl"), Path("pytest-8.4.0-py3-none-any.whl")]
     with pytest.raises(ValueError, match="two wheels of pytest"):
@@ -251,6 +263,10 @@ def test_throughput_at_toy_sizes_reports_tokens_per_second_and_mfu(tmp_path):
     (throughput,) = smoke("throughput", tmp_path)
     assert throughput["values"]["tokens_per_s"] > 0 and 0 < throughput["values"]["mfu"]
     assert throughput["values"]["flops_per_step"] == gpu_check_cases.update_flops(gpu_check_cases.QWEN2_TOY, 2, 32, 16)
+    profile = throughput["values"]["profile"]  # one more step profiled: where the time went
+    assert "error" not in profile, profile
+    assert profile["wall_s"] > 0 and profile["busy"] is None and len(profile["top"]) > 5
+    assert any(entry["name"].startswith("aten::") and entry["self_ms"] > 0 for entry in profile["top"])
 
 
 @pytest.mark.slow

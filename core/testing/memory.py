@@ -186,12 +186,22 @@ class PolicyGradientLoss:
 
 
 class CudaPeaks:
-    """The same interface as :class:`TensorMemoryMeter` over CUDA's allocator statistics."""
+    """The same interface as :class:`TensorMemoryMeter` over CUDA's allocator statistics: like it, a peak
+    counts the bytes allocated since the meter was entered (what an earlier measurement in the process left
+    allocated, such as an engine its reference cycles keep alive until a collection, is not counted)."""
 
     def __init__(self) -> None:
         self.results: dict[str, int] = {}
+        self.base = 0
 
     def __enter__(self) -> "CudaPeaks":
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.synchronize()
+        self.base = torch.cuda.memory_allocated()
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -205,7 +215,7 @@ class CudaPeaks:
         torch.cuda.reset_peak_memory_stats()
         yield
         torch.cuda.synchronize()
-        self.results[name] = max(self.results.get(name, 0), torch.cuda.max_memory_allocated())
+        self.results[name] = max(self.results.get(name, 0), torch.cuda.max_memory_allocated() - self.base)
 
     def peaks(self) -> dict[str, int]:
         return dict(self.results)
@@ -264,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     "name", "config", "rows", "prompt_length", "response_length"}``) in this process and print one JSON
     list of peaks. Under ``torchrun``-style variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
     ``MASTER_PORT``) every rank joins one gloo group first, and each prints its own line."""
+    import gc
     import json
     import os
     import sys
@@ -281,6 +292,9 @@ def main(argv: list[str] | None = None) -> None:
     for spec in specs:
         measure = measure_engine if spec["kind"] == "engine" else measure_rollout
         results.append(measure(spec["name"], spec["config"], spec["rows"], spec["prompt_length"], spec["response_length"]))
+        gc.collect()  # what the spec built goes before the next one is measured
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     print(json.dumps(results), flush=True)
     if distributed:
         torch.distributed.destroy_process_group()

@@ -441,6 +441,8 @@ class HFRollout(RolloutEngine):
         self.adapter_base, self.adapter_weights = {}, ()  # weights come back with update_weights, adapter off
         self.saved_buffers = {name: buffer.detach().to("cpu", copy=True) for name, buffer in self.model.named_buffers()}
         self.model.to_empty(device="meta")
+        # the name map held the old tensors too (so sleep freed nothing on CUDA): map the meta ones
+        self.targets = dict(self.model.state_dict(keep_vars=True))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.asleep = True

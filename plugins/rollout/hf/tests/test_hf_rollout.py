@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -49,8 +52,12 @@ def test_log_probs_are_under_the_filtered_distribution():
 def test_sleep_releases_all_parameter_storage_and_wake_up_requires_fresh_weights(engine, model_dir):
     held = engine.parameter_bytes()
     assert held > 500_000 * 4  # ~0.5M float32 parameters
+    old = [weakref.ref(parameter) for parameter in engine.model.parameters()]
     engine.sleep()
     assert engine.parameter_bytes() == 0
+    gc.collect()
+    # nothing of the rollout's keeps the old tensors (a name map did, so sleep freed nothing on CUDA)
+    assert [ref for ref in old if ref() is not None] == []
     engine.wake_up()
     with pytest.raises(RuntimeError, match="update_weights"):
         engine.generate(left_padded_prompts(PROMPTS, 0), SamplingParams())
