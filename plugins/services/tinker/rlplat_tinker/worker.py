@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -154,10 +154,10 @@ class TinkerWorker(Worker):
         """The client's weights now, kept as sampler snapshot ``name`` and loaded into rank 0's rollout; probed
         (every rank scores the probe's tokens: the engine's forward is a collective)."""
         engine = self.engine_of(client)
-        weights = [(key, tensor.detach().clone()) for bucket in engine.named_weights() for key, tensor in bucket]
+        named = [(key, tensor.detach()) for bucket in engine.named_weights() for key, tensor in bucket]  # every rank: gathers
         sampled = None
         if self.rank == 0:
-            self.snapshots[name] = weights
+            self.snapshots[name] = self.kept_weights(named)
             self.load_snapshot(name)
             prompt = torch.arange(1, PROBE_PROMPT_TOKENS + 1).unsqueeze(0)
             prompts = DataProto.from_dict({"input_ids": prompt, "attention_mask": torch.ones_like(prompt),
@@ -173,6 +173,19 @@ class TinkerWorker(Worker):
             raise RuntimeError(f"sync probe: the sampler's log-probs differ from the trained weights' by {difference:.3g} per token "
                                f"(tolerance {self.config.probe_tolerance:g}): the weights did not reach the sampler")
         return {"sync_probe/mean_abs_diff": difference}
+
+    def kept_weights(self, named: List[Tuple[str, torch.Tensor]]) -> List[Tuple[str, torch.Tensor]]:
+        """Copies of ``named`` to keep as a snapshot, sharing every tensor equal to the newest snapshot's of that
+        name: a LoRA client's frozen weights (embeddings, norms, modules without adapters) are held once however
+        many snapshots there are, not once per snapshot."""
+        newest = dict(self.snapshots[next(reversed(self.snapshots))]) if self.snapshots else {}
+        kept = []
+        for key, tensor in named:
+            held = newest.get(key)
+            same = (held is not None and held.shape == tensor.shape and held.dtype == tensor.dtype
+                    and held.device == tensor.device and torch.equal(held, tensor))
+            kept.append((key, held if same else tensor.clone()))
+        return kept
 
     def load_snapshot(self, name: str) -> None:
         if self.loaded != name:

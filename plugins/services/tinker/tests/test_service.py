@@ -145,6 +145,28 @@ def test_sampling_with_a_seed_equals_the_hf_rollout_on_the_trained_weights(servi
     assert scored[0] is None and max(abs(a - b) for a, b in zip(scored[1:], forward[0, :3].tolist())) < 1e-5
 
 
+def test_snapshots_hold_a_lora_clients_frozen_weights_once_and_each_samples_its_own(service_client, running):
+    """Two sampler snapshots around a step: the weights the step left alone are one tensor in both (memory
+    grows by what changed, not by the model), and the older snapshot still samples the older weights."""
+    client = new_client(service_client, running)
+    prompt = types.ModelInput.from_ints([1, 5, 6, 7])
+    before = client.save_weights_and_get_sampling_client().result()
+    first = before.compute_logprobs(prompt).result()
+    client.forward_backward(BATCHES["importance_sampling"], "importance_sampling").result()
+    client.optim_step(types.AdamParams(**ADAM)).result()
+    after = client.save_weights_and_get_sampling_client().result()
+    worker = running.group.backend.host.workers["tinker"]
+    newest = list(worker.snapshots)[-2:]
+    older, newer = (dict(worker.snapshots[name]) for name in newest)
+    shared = {name for name in older if older[name] is newer[name]}
+    changed = {name for name in older if not torch.equal(older[name], newer[name])}
+    assert changed and shared and shared.isdisjoint(changed)
+    assert shared | changed == set(older)  # every unchanged tensor is shared
+    assert "model.embed_tokens.weight" in shared and all(".layers." in name for name in changed)
+    assert largest([after.compute_logprobs(prompt).result()[1:]], [first[1:]]) > 1e-6
+    assert before.compute_logprobs(prompt).result() == first  # the older snapshot is intact
+
+
 def test_save_state_then_load_state_resumes_bit_for_bit(service_client, running):
     first, second = BATCHES["importance_sampling"], BATCHES["ppo"]
     adam = types.AdamParams(**ADAM)
