@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import hmac
 import json
 import logging
@@ -41,7 +42,7 @@ def owner_of(request: web.Request, keys: Sequence[str]) -> str:
         return LOCAL_USER
     for key in keys:
         if hmac.compare_digest(given.encode(), key.encode()):
-            return "key:" + key
+            return "key:" + hashlib.sha256(key.encode()).hexdigest()  # owners are written into saved states: no key in clear
     raise web.HTTPUnauthorized(text=json.dumps({"detail": "a valid X-API-Key header is required"}), content_type="application/json")
 
 
@@ -136,6 +137,11 @@ def build_app(service: TinkerService, keys: Sequence[str] = ()) -> web.Applicati
             return await handler(request)
         except RequestError as error:
             return web.json_response({"detail": str(error)}, status=error.status)
+        except (TypeError, AttributeError, ValueError, KeyError) as error:
+            # raised while a handler reads the request (the work itself runs in futures): a field of the wrong type
+            # or shape, an unhashable id. The client gets 400 with the reason (a 500 the SDK would retry for minutes)
+            log.info("bad request to %s: %s: %s", request.path, type(error).__name__, error)
+            return web.json_response({"detail": f"malformed request: {type(error).__name__}: {error}"}, status=400)
         except web.HTTPException as error:
             if error.text and error.content_type == "application/json":
                 raise

@@ -31,9 +31,13 @@ class Running:
         return self.server.base_url
 
     def stop(self) -> None:
-        self.server.stop()
-        self.service.shutdown()
-        self.group.shutdown()
+        try:
+            self.server.stop()
+        finally:  # the workers (and a Ray cluster) go even when the server's stop fails
+            try:
+                self.service.shutdown()
+            finally:
+                self.group.shutdown()
 
     def __enter__(self) -> "Running":
         return self
@@ -78,6 +82,30 @@ def worker_group(spec: Any, processes: int) -> Any:
     return RayGroup(spec, processes)
 
 
+def check_build(kind: str, name: str, config: Mapping[str, Any]) -> None:
+    """Before anything starts: ``name`` is an installed, usable engine (with the features the service needs) or
+    rollout, and ``config`` has only keys its config schema knows (the workers build it on a client's first call,
+    which would otherwise be where a typo surfaced)."""
+    from rlplat import registry
+    from rlplat.config_node import read_config_node, resolve_schema
+
+    try:
+        entry = registry.entry(kind, name)
+    except registry.RegistryError as error:
+        raise ValueError(f"rlplat serve: --{kind} {name!r}: {error}") from None
+    if entry.status != "ok":
+        raise ValueError(f"rlplat serve: --{kind} {name!r}: {entry.status}")
+    if kind == "engine":
+        features = getattr(entry.load(), "features", None)
+        missing = {"split_step", "trainable_state"} - set(features if features is not None else {"split_step", "trainable_state"})
+        if missing:
+            raise ValueError(f"rlplat serve: engine {name!r} lacks {', '.join(sorted(missing))} (TrainingEngine.features), which "
+                             "the service needs to run each client's step as the client asks and to keep clients apart")
+    schema = resolve_schema(entry.config_schema)
+    if schema is not None:
+        read_config_node(dict(config), schema, f"{kind}")
+
+
 def special_tokens(model_path: str) -> tuple[int, tuple[int, ...], Optional[str]]:
     """The pad token, the end-of-sequence tokens and the tokenizer's folder (None when the model has none)."""
     from transformers import AutoConfig
@@ -112,6 +140,10 @@ def start(model_path: str, *, engine: str = "fsdp2", rollout: str = "hf", host: 
     bad = [key for key in keys if not key.startswith("tml-")]
     if bad:
         raise ValueError("rlplat serve: API keys start with 'tml-' (the tinker SDK refuses others before sending them)")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"rlplat serve: --port must be from 0 (a free one) to 65535, got {port}")
+    if max_snapshots < 1:
+        raise ValueError(f"rlplat serve: --max-snapshots must be >= 1, got {max_snapshots}")
     model_path = str(Path(model_path).absolute())
     pad, eos, tokenizer_dir = special_tokens(model_path)
     state = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="rlplat-serve-"))
@@ -119,12 +151,16 @@ def start(model_path: str, *, engine: str = "fsdp2", rollout: str = "hf", host: 
     worker = {"engine": engine, "rollout": rollout,
               "engine_config": {**ENGINE_DEFAULTS, "seed": seed, **dict(engine_config or {}), "model_path": model_path},
               "rollout_config": {"load_weights": False, **dict(rollout_config or {}), "model_path": model_path}}
+    check_build("engine", engine, {**worker["engine_config"], "lora": None})
+    check_build("rollout", rollout, worker["rollout_config"])
     group = worker_group(WorkerSpec(TinkerWorker, worker), processes)
     service = TinkerService(group, base_model or model_path, state, tokenizer_dir, pad, eos, max_snapshots)
     try:
         server = Server(service, host, port, keys).start()
-    except BaseException:
+    except BaseException as error:
         service.shutdown()
         group.shutdown()
+        if isinstance(error, OSError):  # the address is taken, or not this machine's
+            raise ValueError(f"rlplat serve: cannot listen on {host}:{port}: {error.strerror or error}") from None
         raise
     return Running(server, service, group, state)

@@ -29,6 +29,17 @@ from rlplat_tinker import wire
 from rlplat_tinker.losses import LOSSES, RequestError, TinkerLoss
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+#: The most samples one request asks for (``num_samples``).
+MAX_SAMPLES = 1024
+
+
+def sequence_number(body: dict, key: str) -> int:
+    """The request's ``key`` (``model_seq_id``, ``sampling_session_seq_id``): an integer >= 0, 0 when absent. It
+    becomes part of ids and of the saved states' folder names, so nothing else is taken."""
+    value = body.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RequestError(f"{key} must be an integer >= 0, got {value!r}")
+    return value
 GATHER_QUIET_S, GATHER_MAX_S = 0.003, 0.05
 LORA_ALPHA = 32.0  # the adapter scale Tinker's LoRA clients get
 ATTENTION, MLP = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
@@ -129,6 +140,7 @@ class TinkerService:
         self.group, self.base_model, self.state_dir = group, base_model, Path(state_dir)
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_context: Optional[int] = None  # the model's max_position_embeddings, once the first client is built
+        self.vocab_size: Optional[int] = None  # likewise its vocabulary
         self.tokenizer_dir, self.pad_token_id, self.max_snapshots = tokenizer_dir, pad_token_id, max_snapshots
         self.futures = Futures()
         self.sessions: dict[str, str] = {}  # session -> owner
@@ -167,18 +179,19 @@ class TinkerService:
         if optimizer != "adamw":
             raise RequestError(f"optimizer_config type {optimizer!r}: this service runs adamw only")
         lora, rank = lora_of(body.get("lora_config") or {"rank": 32})
-        return self.futures.submit(owner, self.creation(owner, session, body.get("model_seq_id", 0), lora, rank))
+        return self.futures.submit(owner, self.creation(owner, session, sequence_number(body, "model_seq_id"), lora, rank))
 
-    def creation(self, owner: str, session: str, sequence: Any, lora: dict, rank: int) -> Callable[[], dict]:
+    def creation(self, owner: str, session: str, sequence: int, lora: dict, rank: int) -> Callable[[], dict]:
         """The call that builds client ``<session>:train:<sequence>`` in the workers and registers it."""
         model_id = f"{session}:train:{sequence}"
         if model_id in self.models:
-            raise RequestError(f"training client {model_id!r} exists already", status=409)
+            raise RequestError(f"training client {model_id!r} exists already")  # 400: the SDK retries a 409 for minutes
 
         def create() -> dict:
             info = self.group.create(model_id, lora)[0]
             self.models[model_id] = Model(owner, session, lora, rank, info)
             self.max_context = info.get("max_position_embeddings")
+            self.vocab_size = int(info.get("vocab_size") or 0) or None
             return {"model_id": model_id, "type": "create_model"}
 
         return create
@@ -242,7 +255,14 @@ class TinkerService:
     # -- saved states ------------------------------------------------------------------------------------------
 
     def state_path(self, model_id: str, name: str) -> Path:
-        return self.state_dir / model_id.replace(":", "_") / "weights" / name
+        """``<state dir>/<model id>/weights/<name>``; refused where it would lead out of the state dir."""
+        if not isinstance(model_id, str) or not isinstance(name, str):
+            raise RequestError(f"no saved state for {model_id!r}/{name!r}", status=404)
+        root = self.state_dir.resolve()
+        path = root / model_id.replace(":", "_") / "weights" / name
+        if not path.resolve().is_relative_to(root) or ".." in Path(model_id).parts:
+            raise RequestError(f"no saved state for {model_id!r}/{name!r}", status=404)
+        return path
 
     def save_state(self, owner: str, body: dict) -> str:
         model_id, name = body.get("model_id"), body.get("path")
@@ -251,7 +271,7 @@ class TinkerService:
             raise RequestError(f"save_weights: path {name!r} must be a name of letters, digits, '_', '-' and '.'")
         target = self.state_path(model_id, name)
         if target.exists() and not body.get("overwrite", False):
-            raise RequestError(f"a state named {name!r} exists for {model_id}; pass overwrite=True to replace it", status=409)
+            raise RequestError(f"a state named {name!r} exists for {model_id}; pass overwrite=True to replace it")
 
         def run() -> dict:
             partial = target.with_name(f".{name}.partial")
@@ -272,7 +292,7 @@ class TinkerService:
         if not match:
             raise RequestError(f"load_weights: path {path!r} is not tinker://<model_id>/weights/<name>")
         folder = self.state_path(match.group(1), match.group(2))
-        if not folder.is_dir() or (folder / "OWNER").read_text() != owner:
+        if not (folder / "OWNER").is_file() or (folder / "OWNER").read_text() != owner:
             raise RequestError(f"no saved state {path}", status=404)
         return folder
 
@@ -282,8 +302,9 @@ class TinkerService:
         if body.get("model_id") is None:  # create_training_client_from_state: a new client, then the load
             session = self.check_session(owner, body.get("session_id"))
             saved = json.loads((folder / "LORA.json").read_text())  # the client is built in the saved one's shape
-            model_id = f"{session}:train:{body.get('model_seq_id', 0)}"
-            self.futures.submit(owner, self.creation(owner, session, body.get("model_seq_id", 0), saved["lora"], saved["rank"]))
+            sequence = sequence_number(body, "model_seq_id")
+            model_id = f"{session}:train:{sequence}"
+            self.futures.submit(owner, self.creation(owner, session, sequence, saved["lora"], saved["rank"]))
         else:
             model_id = body["model_id"]
             self.model(owner, model_id)
@@ -304,7 +325,7 @@ class TinkerService:
             raise RequestError(f"save_weights_for_sampler: path {name!r} must be a name of letters, digits, '_', '-' and '.'")
         if name is None:
             session = self.models[model_id].session
-            sampler = f"{session}:sample:{body.get('sampling_session_seq_id', 0)}"
+            sampler = f"{session}:sample:{sequence_number(body, 'sampling_session_seq_id')}"
             snapshot = f"tinker://{model_id}/sampler_weights/{sampler.replace(':', '_')}"
         else:
             sampler, snapshot = None, f"tinker://{model_id}/sampler_weights/{name}"
@@ -335,7 +356,7 @@ class TinkerService:
         if self.snapshots.get(path) != owner:
             raise RequestError(f"no sampler weights {path!r} (saved with save_weights_for_sampler; the service keeps the newest "
                                f"{self.max_snapshots})", status=404)
-        sampler = f"{session}:sample:{body.get('sampling_session_seq_id', 0)}"
+        sampler = f"{session}:sample:{sequence_number(body, 'sampling_session_seq_id')}"
         self.samplers[sampler] = (owner, path)
         return {"sampling_session_id": sampler, "type": "create_sampling_session"}
 
@@ -351,17 +372,17 @@ class TinkerService:
             raise RequestError(f"no sampling session {body.get('sampling_session_id')!r}: sample from a client that "
                                "save_weights_and_get_sampling_client or create_sampling_client made", status=404)
         snapshot = entry[1]
-        prompt = []
-        for chunk in (body.get("prompt") or {}).get("chunks") or []:
-            if chunk.get("type", "encoded_text") != "encoded_text":
-                raise RequestError(f"prompt: only encoded_text chunks are served, got {chunk.get('type')!r}")
-            prompt.extend(int(token) for token in chunk.get("tokens", []))
-        if not prompt:
-            raise RequestError("prompt has no tokens")
+        prompt = self.prompt_tokens(body.get("prompt"))
         count = body.get("num_samples", 1)
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise RequestError(f"num_samples must be an integer >= 1, got {count!r}")
-        sampling = sampling_params(body.get("sampling_params") or {}, count)
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_SAMPLES:
+            raise RequestError(f"num_samples must be an integer from 1 to {MAX_SAMPLES}, got {count!r}")
+        params = body.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            raise RequestError("sampling_params must be an object")
+        sampling = sampling_params(params, count)
+        if self.max_context and len(prompt) + sampling.max_new_tokens > self.max_context:
+            raise RequestError(f"the prompt's {len(prompt)} tokens and max_tokens {sampling.max_new_tokens} exceed the model's "
+                               f"context of {self.max_context} positions")
         with_prompt_logprobs = bool(body.get("prompt_logprobs"))
         if body.get("topk_prompt_logprobs") or body.get("topk_sample_logprobs") or body.get("prompt_alt_tokens_k") or \
                 body.get("target_prompt_logprobs") is not None:
@@ -372,6 +393,26 @@ class TinkerService:
             self.pending.append(PendingSample(snapshot, prompt, sampling, with_prompt_logprobs, future))
         self.futures.submit(owner, self.drain_samples)
         return self.futures.add(owner, future), [f"seq-{index}" for index in range(count)]
+
+    def prompt_tokens(self, prompt: Any) -> list[int]:
+        """A ``ModelInput``'s token ids: encoded_text chunks of integers within the vocabulary."""
+        chunks = prompt.get("chunks") if isinstance(prompt, dict) else None
+        if not isinstance(chunks, list):
+            raise RequestError("prompt must be a ModelInput: an object with a list of chunks")
+        tokens: list[int] = []
+        for chunk in chunks:
+            if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+                raise RequestError(f"prompt: only encoded_text chunks are served, got {chunk.get('type') if isinstance(chunk, dict) else chunk!r}")
+            given = chunk.get("tokens", [])
+            if not isinstance(given, list) or any(isinstance(token, bool) or not isinstance(token, int) for token in given):
+                raise RequestError("prompt: a chunk's tokens must be a list of integers")
+            tokens.extend(given)
+        if not tokens:
+            raise RequestError("prompt has no tokens")
+        outside = [token for token in tokens if token < 0 or (self.vocab_size and token >= self.vocab_size)]
+        if outside:
+            raise RequestError(f"prompt: token ids {outside[:5]} are outside the vocabulary (0 to {(self.vocab_size or 0) - 1})")
+        return tokens
 
     def drain_samples(self) -> None:
         """Every sample request waiting, in batches: requests without a seed that share sampler weights and
@@ -437,11 +478,13 @@ def sampling_params(params: dict, count: int) -> SamplingParams:
     max_tokens = params.get("max_tokens")
     if max_tokens is None:
         raise RequestError("sampling_params.max_tokens is required")
-    temperature = float(params.get("temperature", 1.0))
-    top_k = int(params.get("top_k", -1))
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise RequestError(f"sampling_params.max_tokens must be an integer >= 1, got {max_tokens!r}")
     try:
+        temperature = float(params.get("temperature", 1.0))
+        top_k = int(params.get("top_k", -1))
         return SamplingParams(n=count, temperature=temperature if temperature > 0 else 1.0, greedy=temperature <= 0,
                               top_p=float(params.get("top_p", 1.0)), top_k=0 if top_k < 0 else top_k, max_new_tokens=int(max_tokens),
                               stop_token_ids=tuple(stop or ()), seed=params.get("seed"))
-    except ValueError as error:
+    except (TypeError, ValueError) as error:
         raise RequestError(f"sampling_params: {error}") from None

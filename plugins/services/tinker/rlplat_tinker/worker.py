@@ -158,6 +158,7 @@ class TinkerWorker(Worker):
         sampled = None
         if self.rank == 0:
             self.snapshots[name] = self.kept_weights(named)
+            self.loaded = None  # the name may be one the rollout holds older weights of
             self.load_snapshot(name)
             prompt = torch.arange(1, PROBE_PROMPT_TOKENS + 1).unsqueeze(0)
             prompts = DataProto.from_dict({"input_ids": prompt, "attention_mask": torch.ones_like(prompt),
@@ -197,6 +198,8 @@ class TinkerWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def drop_snapshot(self, name: str) -> None:
         self.snapshots.pop(name, None)
+        if self.loaded == name:
+            self.loaded = None
 
     @register(Dispatch.ONE_TO_ALL)
     def sample(self, name: str, prompts: List[List[int]], sampling: SamplingParams) -> Optional[DataProto]:

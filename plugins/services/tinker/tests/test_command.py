@@ -36,6 +36,12 @@ def test_a_missing_model_a_bad_override_and_an_open_bind_without_a_key_are_refus
         (["--model", str(tmp_path / "nowhere")], "is not a local Hugging Face folder"),
         (["--model", model_dir, "optimizer.lr=1"], "is not engine.KEY=VALUE or rollout.KEY=VALUE"),
         (["--model", model_dir, "--host", "0.0.0.0"], "needs an API key"),
+        (["--model", model_dir, "--port", "70000"], "--port must be from 0"),
+        (["--model", model_dir, "--max-snapshots", "0"], "--max-snapshots must be >= 1"),
+        # engine and rollout names and build keys are checked before anything starts, not at a client's first call
+        (["--model", model_dir, "--engine", "nosuch"], "unknown engine 'nosuch'"),
+        (["--model", model_dir, "--rollout", "nosuch"], "unknown rollout 'nosuch'"),
+        (["--model", model_dir, "engine.micro_batch_size=2"], "unknown config key 'engine.micro_batch_size'"),
     ]
     for arguments, reason in cases:
         result = rlplat("serve", *arguments)

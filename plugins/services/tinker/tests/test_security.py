@@ -79,6 +79,10 @@ def test_bad_requests_get_a_4xx_with_the_reason_and_change_nothing(keyed):
         check_bad_requests(keyed, alice.create_lora_training_client(base_model=keyed.service.base_model, rank=2).result())
 
 
+def session(keyed) -> str:
+    return post(keyed.base_url, "/api/v1/create_session", {}, "tml-alice")[1]["session_id"]
+
+
 def check_bad_requests(keyed, client) -> None:
     model_id = client.model_id
     probe = [types.Datum(model_input=types.ModelInput.from_ints([1, 5, 6]), loss_fn_inputs={"target_tokens": [5, 6, 7], "weights": [1.0] * 3})]
@@ -92,6 +96,15 @@ def check_bad_requests(keyed, client) -> None:
         ("/api/v1/create_model", {"session_id": "nope", "lora_config": {"rank": 2}}, "application/json", 404, "no session"),
         ("/api/v1/asample", {"sampling_session_id": "nope", "prompt": {"chunks": []}}, "application/json", 404, "no sampling session"),
         ("/api/v1/get_info", [1, 2], "application/json", 400, "not a JSON object"),
+        # fields of the wrong type or shape: 400 with the reason, not a 500 the SDK retries for minutes
+        ("/api/v1/get_info", {"model_id": ["a list"]}, "application/json", 400, "malformed request"),
+        ("/api/v1/create_model", {"session_id": {"a": 1}}, "application/json", 400, "malformed request"),
+        ("/api/v1/retrieve_future", {"request_id": [1]}, "application/json", 400, "malformed request"),
+        ("/api/v1/create_model", {"session_id": session(keyed), "lora_config": "rank 2"}, "application/json", 400, "malformed request"),
+        # ids become folder names: only integers
+        ("/api/v1/create_model", {"session_id": session(keyed), "model_seq_id": "x/../../../../tmp/out", "lora_config": {"rank": 2}},
+         "application/json", 400, "model_seq_id must be an integer"),
+        ("/api/v1/load_weights", {"session_id": session(keyed), "path": "tinker://../weights/x"}, "application/json", 404, "no saved state"),
     ]
     for path, body, content_type, expected, reason in cases:
         status, answer = post(keyed.base_url, path, body, "tml-alice", content_type)
@@ -106,4 +119,24 @@ def check_bad_requests(keyed, client) -> None:
                                              loss_fn_inputs={"target_tokens": [5, 6], "logprobs": [0.0, 0.0]})], "ppo").result()
     with pytest.raises(Exception, match="needs loss_fn_config"):
         client.forward_backward(probe, "dro").result()
+    with pytest.raises(Exception, match="exists for"):  # a 400 at once (a 409 the SDK would retry for minutes)
+        client.save_state("twice").result()
+        client.save_state("twice").result()
+    sampler = client.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints([1, 5, 6])
+    for tokens, reason in (([1, 500], "outside the vocabulary"), ([1, -3], "outside the vocabulary")):
+        with pytest.raises(Exception, match=reason):
+            sampler.sample(prompt=types.ModelInput.from_ints(tokens), num_samples=1, sampling_params=types.SamplingParams(max_tokens=2)).result()
+    with pytest.raises(Exception, match="exceed the model's context"):
+        sampler.sample(prompt=prompt, num_samples=1, sampling_params=types.SamplingParams(max_tokens=10**6)).result()
+    with pytest.raises(Exception, match="num_samples must be"):
+        sampler.sample(prompt=prompt, num_samples=10**6, sampling_params=types.SamplingParams(max_tokens=2)).result()
     assert client.forward(probe, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist() == before
+
+
+def test_a_saved_state_records_a_hash_of_its_owners_key_not_the_key(keyed):
+    with tinker.ServiceClient(base_url=keyed.base_url, api_key="tml-alice") as alice:
+        client = alice.create_lora_training_client(base_model=keyed.service.base_model, rank=2).result()
+        client.save_state("owned").result()
+    owners = [path.read_text() for path in keyed.state_dir.rglob("OWNER")]
+    assert owners and not any("tml-alice" in owner for owner in owners)

@@ -167,6 +167,20 @@ def test_snapshots_hold_a_lora_clients_frozen_weights_once_and_each_samples_its_
     assert before.compute_logprobs(prompt).result() == first  # the older snapshot is intact
 
 
+def test_sampler_weights_saved_again_under_their_name_are_the_new_weights(service_client, running):
+    """A loop that saves its sampler weights under one name every step samples the newest weights each time."""
+    client = new_client(service_client, running)
+    prompt = types.ModelInput.from_ints([1, 5, 6, 7])
+    path = client.save_weights_for_sampler("latest").result().path
+    first = service_client.create_sampling_client(model_path=path).result().compute_logprobs(prompt).result()
+    client.forward_backward(BATCHES["importance_sampling"], "importance_sampling").result()
+    client.optim_step(types.AdamParams(**ADAM)).result()
+    assert client.save_weights_for_sampler("latest").result().path == path
+    again = service_client.create_sampling_client(model_path=path).result().compute_logprobs(prompt).result()
+    fresh = client.save_weights_and_get_sampling_client().result().compute_logprobs(prompt).result()
+    assert again == fresh and largest([again[1:]], [first[1:]]) > 1e-6
+
+
 def test_save_state_then_load_state_resumes_bit_for_bit(service_client, running):
     first, second = BATCHES["importance_sampling"], BATCHES["ppo"]
     adam = types.AdamParams(**ADAM)
