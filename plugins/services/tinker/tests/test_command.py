@@ -36,16 +36,35 @@ def test_a_missing_model_a_bad_override_and_an_open_bind_without_a_key_are_refus
         (["--model", str(tmp_path / "nowhere")], "is not a local Hugging Face folder"),
         (["--model", model_dir, "optimizer.lr=1"], "is not engine.KEY=VALUE or rollout.KEY=VALUE"),
         (["--model", model_dir, "--host", "0.0.0.0"], "needs an API key"),
-        (["--model", model_dir, "--port", "70000"], "--port must be from 0"),
-        (["--model", model_dir, "--max-snapshots", "0"], "--max-snapshots must be >= 1"),
-        # engine and rollout names and build keys are checked before anything starts, not at a client's first call
-        (["--model", model_dir, "--engine", "nosuch"], "unknown engine 'nosuch'"),
-        (["--model", model_dir, "--rollout", "nosuch"], "unknown rollout 'nosuch'"),
-        (["--model", model_dir, "engine.micro_batch_size=2"], "unknown config key 'engine.micro_batch_size'"),
     ]
     for arguments, reason in cases:
         result = rlplat("serve", *arguments)
         assert result.returncode == 2 and reason in result.stderr, result.stderr
+
+
+def test_what_start_checks_before_anything_starts(model_dir):
+    """Engine and rollout names, the engine's features, build keys, the port and the snapshot count are refused
+    before a worker or a server starts (not at a client's first call), and an address in use names itself."""
+    import socket
+
+    from rlplat_tinker.serve import start
+
+    cases = [
+        (dict(port=70000), "--port must be from 0"),
+        (dict(max_snapshots=0), "--max-snapshots must be >= 1"),
+        (dict(engine="nosuch"), "unknown engine 'nosuch'"),
+        (dict(rollout="nosuch"), "unknown rollout 'nosuch'"),
+        (dict(rollout_config={"temprature": 1.0}), "unknown config key 'rollout.temprature'"),
+        (dict(engine_config={"micro_batch_size": 2}), "unknown config key 'engine.micro_batch_size'"),
+    ]
+    for settings, reason in cases:
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            start(model_dir, **settings)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ValueError, match="cannot listen on 127.0.0.1"):
+            start(model_dir, port=taken.getsockname()[1])
 
 
 @pytest.mark.slow
