@@ -88,19 +88,15 @@ def check_build(kind: str, name: str, config: Mapping[str, Any]) -> None:
     which would otherwise be where a typo surfaced)."""
     from rlplat import registry
     from rlplat.config_node import read_config_node, resolve_schema
+    from rlplat.registry import EngineRegistry
+    from rlplat_tinker.worker import REQUIRED_FEATURES, check_engine_features
 
-    try:
-        entry = registry.entry(kind, name)
-    except registry.RegistryError as error:
-        raise ValueError(f"rlplat serve: --{kind} {name!r}: {error}") from None
-    if entry.status != "ok":
-        raise ValueError(f"rlplat serve: --{kind} {name!r}: {entry.status}")
-    if kind == "engine":
-        features = getattr(entry.load(), "features", None)
-        missing = {"split_step", "trainable_state"} - set(features if features is not None else {"split_step", "trainable_state"})
-        if missing:
-            raise ValueError(f"rlplat serve: engine {name!r} lacks {', '.join(sorted(missing))} (TrainingEngine.features), which "
-                             "the service needs to run each client's step as the client asks and to keep clients apart")
+    reason = EngineRegistry(kind).why_unavailable(name)
+    if reason is not None:
+        raise ValueError(f"rlplat serve: --{kind} {name!r}: {reason}")
+    entry = registry.entry(kind, name)
+    if kind == "engine":  # a factory that is not the engine's class says nothing: the worker checks the engine it builds
+        check_engine_features(name, getattr(entry.load(), "features", REQUIRED_FEATURES))
     schema = resolve_schema(entry.config_schema)
     if schema is not None:
         read_config_node(dict(config), schema, f"{kind}")

@@ -56,6 +56,17 @@ def lora_key(lora: Optional[Dict[str, Any]]) -> str:
     return "full" if not lora else "lora:" + ",".join(f"{key}={lora[key]}" for key in sorted(lora))
 
 
+#: What the service needs of an engine: each client's step run as the client asks, clients kept apart.
+REQUIRED_FEATURES = frozenset({"split_step", "trainable_state"})
+
+
+def check_engine_features(name: str, features: Any) -> None:
+    missing = REQUIRED_FEATURES - set(features)
+    if missing:
+        raise ValueError(f"engine {name!r} lacks {', '.join(sorted(missing))} (TrainingEngine.features), which the "
+                         "service needs to run each client's step as the client asks and to keep clients apart")
+
+
 class TinkerWorker(Worker):
     def __init__(self, config: Any):
         super().__init__()
@@ -78,10 +89,7 @@ class TinkerWorker(Worker):
         if key not in self.engines:
             engine = EngineRegistry("engine").build(self.config.engine, {**self.config.engine_config, "lora": lora})
             engine.init_model()
-            missing = {"split_step", "trainable_state"} - set(getattr(engine, "features", ()))
-            if missing:
-                raise ValueError(f"engine {self.config.engine!r} lacks {', '.join(sorted(missing))} (TrainingEngine.features), which the "
-                                 "service needs to run each client's step as the client asks and to keep clients apart")
+            check_engine_features(self.config.engine, getattr(engine, "features", ()))
             self.engines[key], self.fresh[key], self.active[key] = engine, engine.trainable_state(), None
             self.set_dispatch_info(*engine.data_parallel_info())
         self.clients[client] = key
