@@ -16,19 +16,27 @@ from rlplat_rollout_hf.adapters import AdapterError
 from rlplat_rollout_hf.rollout import HFRollout
 
 TOLERANCE = 1e-5
+#: standard deviation of the random adapters (see :func:`peft_lora`)
+ADAPTER_SCALE = 0.1
 SAMPLING = SamplingParams(n=2, max_new_tokens=6, seed=4)
 
 
 def peft_lora(model_seed: int = 0, adapter_seed: int = 1, **settings):
     """peft's LoRA on the tiny model of ``model_seed`` (the conftest's model for 0), lora_B random and
-    nonzero (peft starts it at zero, which would leave the model unchanged)."""
+    nonzero (peft starts it at zero, which would leave the model unchanged).
+
+    The adapter's entries are ``N(0, 0.1^2)``: it moves the sampled log-probs by about 0.6 nats, and the
+    float32 forwards compared here (the rollout's merged weights, peft's separate adapter path) stay within
+    1e-6 of a float64 forward (measured over 8 adapter seeds, with AVX-512 and with the default kernels).
+    At ``N(0, 0.5^2)`` the merged weights were about 50x the model's own and those float32 errors reached
+    5e-5 to 8e-5, depending on which kernels the CPU picks: a difference of 1.55e-5 on one Intel Xeon."""
     settings = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", **settings}
     model = peft.get_peft_model(tiny_causal_lm(model_seed), peft.LoraConfig(**settings))
     generator = torch.Generator().manual_seed(adapter_seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "lora_" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * ADAPTER_SCALE)
     return model.eval()
 
 
