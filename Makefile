@@ -1,4 +1,4 @@
-# make setup | make dist | make demo | make demo-tools | make test | make test-fast | make test-matrix | make test-gpu | make bench | make test-vllm-cpu | make test-vllm | make test-sglang
+# make setup | make dist | make demo | make demo-tools | make test | make test-fast | make test-matrix | make test-gpu | make bench | make test-vllm-cpu | make test-sglang-cpu | make test-vllm | make test-sglang
 # Every target creates .venv (idempotently) and installs what it needs; nothing is assumed installed.
 
 PYTHON ?= python3
@@ -13,6 +13,11 @@ STAMP := $(VENV)/.rlplat-installed
 VLLM_CPU_VENV := .venv-vllm-cpu
 VLLM_CPU_PY := $(VLLM_CPU_VENV)/bin/python
 VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.rlplat-installed
+# SGLang's CPU engine (sglang 0.5.23 without its CUDA dependencies) in an environment of its own: it pins transformers 5.19.0.
+SGLANG_CPU_VENV := .venv-sglang-cpu
+SGLANG_CPU_PY := $(SGLANG_CPU_VENV)/bin/python
+SGLANG_CPU_STAMP := $(SGLANG_CPU_VENV)/.rlplat-installed
+SGLANG_CPU_FILES := plugins/rollout/sglang/cpu
 BENCH_VENV := .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.rlplat-bench-installed
 PYTEST_ARGS ?=
@@ -21,7 +26,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup dist vllm-cpu-env test-vllm-cpu test-vllm-cpu-avx2 demo demo-tools test test-fast test-matrix test-gpu bench clean test-vllm test-sglang test-vllm-gpu test-sglang-gpu gpu-check-vllm gpu-check-sglang test-verl-compat gpu-check gpu-check-wheels
+.PHONY: setup dist vllm-cpu-env test-vllm-cpu test-vllm-cpu-avx2 sglang-cpu-env test-sglang-cpu demo demo-tools test test-fast test-matrix test-gpu bench clean test-vllm test-sglang test-vllm-gpu test-sglang-gpu gpu-check-vllm gpu-check-sglang test-verl-compat gpu-check gpu-check-wheels
 
 setup: $(STAMP)
 
@@ -66,15 +71,17 @@ demo-tools: setup
 # rather than compute, so two workers on two cores cut the wall time by about a third (1480 -> 1070 s).
 # PYTEST_WORKERS=0 runs it in one process. --durations: the slowest tests, printed at the end, to keep
 # `make test` within 25 minutes on 2 cores. Then the vllm rollout's tests on a real vLLM engine, in the
-# vLLM-on-CPU environment (make test-vllm-cpu). The two environments are independent: they are built side
+# vLLM-on-CPU environment (make test-vllm-cpu), and the sglang rollout's on a real SGLang engine, in the
+# SGLang-on-CPU environment (make test-sglang-cpu). The three environments are independent: they are built side
 # by side (pip waits on the network and the disk).
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 test:
-	$(MAKE) --no-print-directory -j2 setup vllm-cpu-env
+	$(MAKE) --no-print-directory -j3 setup vllm-cpu-env sglang-cpu-env
 	$(PY) -m pytest -m "not gpu" $(XDIST) --durations=30 $(PYTEST_ARGS)
 	$(VLLM_CPU_PY) -m pytest -m "not gpu" --durations=15 plugins/rollout/vllm/tests $(PYTEST_ARGS)
+	$(SGLANG_CPU_PY) -m pytest -m "not gpu" --durations=15 plugins/rollout/sglang/tests $(PYTEST_ARGS)
 
 # The quick loop while developing: everything but the tests marked slow (clusters, training runs, subprocess suites).
 test-fast: setup
@@ -178,6 +185,33 @@ test-vllm-cpu-avx2: $(VLLM_CPU_STAMP)
 	PYTHONPATH="$(CURDIR)/plugins/rollout/vllm/tests/avx2" ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
 		$(VLLM_CPU_PY) -m pytest -m "not gpu" plugins/rollout/vllm/tests $(PYTEST_ARGS)
 
+# The SGLang-on-CPU environment: the packages SGLang 0.5.23 imports and its server needs, with the project's CPU torch
+# (constraints/sglang-cpu.txt, read as requirements), rlplat and the plugins a run needs (as for vLLM-on-CPU), then
+# sglang itself without its dependency list (torch 2.14.1 and CUDA packages: sglang-kernel, flashinfer, cuda-python).
+# Two gaps closed by files the project ships (plugins/rollout/sglang/cpu/README.md): PyPI has no CPU build of
+# sgl-kernel, of which SGLang's CPU engine imports a few functions (rlplat-sgl-kernel-cpu provides the two a text
+# model calls, in plain torch), and PyPI's torchvision (a CUDA build, imported by SGLang) fails to import beside a CPU
+# torch until two of its registrations are guarded (close_torchvision_gap.py). `pip check` fails here by construction.
+SGLANG_CPU_PLUGINS := $(filter-out plugins/engines/megatron plugins/rollout/vllm plugins/agents/verifiers plugins/agents/openenv plugins/services/tinker,$(PLUGIN_DIRS))
+
+$(SGLANG_CPU_STAMP): pyproject.toml constraints/common.txt constraints/sglang-cpu.txt Makefile $(addsuffix /pyproject.toml,$(PLUGIN_DIRS)) \
+		$(SGLANG_CPU_FILES)/sgl_kernel_cpu/pyproject.toml $(SGLANG_CPU_FILES)/close_torchvision_gap.py
+	test -x $(SGLANG_CPU_PY) || $(PYTHON) -m venv $(SGLANG_CPU_VENV)
+	$(SGLANG_CPU_PY) -m pip install --quiet --upgrade pip
+	$(SGLANG_CPU_PY) -m pip install --quiet -c constraints/sglang-cpu.txt setuptools wheel
+	$(SGLANG_CPU_PY) -m pip install --quiet $(FAST_INSTALL) -r constraints/sglang-cpu.txt -c constraints/sglang-cpu.txt -e '.[test]' \
+		$(addprefix -e ,$(SGLANG_CPU_PLUGINS)) -e $(SGLANG_CPU_FILES)/sgl_kernel_cpu
+	$(SGLANG_CPU_PY) -m pip install --quiet --no-deps sglang==0.5.23
+	$(SGLANG_CPU_PY) $(SGLANG_CPU_FILES)/close_torchvision_gap.py
+	touch $@
+
+sglang-cpu-env: $(SGLANG_CPU_STAMP)
+
+# The sglang rollout's tests in the SGLang-on-CPU environment: the conformance suite on a real engine (hybrid and
+# server), the CPU gaps' files, API compatibility with 0.5.23, and GRPO, agent-loop, gateway and separate-pool runs.
+test-sglang-cpu: $(SGLANG_CPU_STAMP)
+	$(SGLANG_CPU_PY) -m pytest -m "not gpu" --durations=15 plugins/rollout/sglang/tests $(PYTEST_ARGS)
+
 # Every built-in plugin but the two backend rollouts (each lives in its own environment).
 BACKEND_COMMON_PLUGINS := $(filter-out plugins/rollout/vllm plugins/rollout/sglang,$(PLUGIN_DIRS))
 
@@ -235,4 +269,4 @@ gpu-check-wheels:
 	du -sh $(GPU_WHEELS)
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_CPU_VENV) .venv-vllm .venv-sglang $(VERL_COMPAT)
+	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_CPU_VENV) $(SGLANG_CPU_VENV) .venv-vllm .venv-sglang $(VERL_COMPAT)

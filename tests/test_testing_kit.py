@@ -542,6 +542,61 @@ def test_agent_loop_suite(suite_runs):
     assert broken.ret != 0
 
 
+ROLLOUT_SUITE = """
+    import dataclasses
+    import pytest
+    from rlplat.testing import RolloutEngineConformance, TinyModelRolloutFixtures
+    from rlplat.testing.tiny_models import save_tiny_model
+    from rlplat_rollout_hf.rollout import HFRollout
+
+    class Unseeded(HFRollout):
+        # samples from its own generator whatever the seed, and says so
+        honours_seeds = False
+
+        def generate(self, prompts, sampling):
+            return super().generate(prompts, dataclasses.replace(sampling, seed=None))
+
+        async def generate_tokens(self, prompt_ids, sampling):
+            return await super().generate_tokens(prompt_ids, dataclasses.replace(sampling, seed=None))
+
+    class ClaimsSeeds(Unseeded):
+        honours_seeds = True
+
+    class Stuck(Unseeded):
+        # says it does not honour seeds, and samples greedily whatever it is asked
+        def generate(self, prompts, sampling):
+            return super().generate(prompts, dataclasses.replace(sampling, greedy=True))
+
+    @pytest.fixture(scope="module")
+    def built(tmp_path_factory):
+        return IMPLEMENTATION({"model_path": save_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)})
+
+    class TestRollout(TinyModelRolloutFixtures, RolloutEngineConformance):
+        @pytest.fixture
+        def rollout(self, built):
+            return built
+
+        @pytest.fixture
+        def plugin_api(self):
+            return PLUGIN_API
+"""
+ROLLOUT_SUITE_UNSEEDED = suite_run(ROLLOUT_SUITE, "Unseeded")
+ROLLOUT_SUITE_CLAIMS_SEEDS = suite_run(ROLLOUT_SUITE, "ClaimsSeeds")
+ROLLOUT_SUITE_STUCK = suite_run(ROLLOUT_SUITE, "Stuck")
+
+
+def test_the_rollout_suite_holds_a_rollout_without_seeds_to_greedy_repeats_and_sampling_that_varies(suite_runs):
+    """A rollout that cannot honour seeds passes when it says so (``honours_seeds = False``), fails the seed test
+    when it claims it can, and fails when it never samples (greedy whatever it is asked)."""
+    suite_runs[ROLLOUT_SUITE_UNSEEDED].assert_outcomes(passed=20)
+    claims = suite_runs[ROLLOUT_SUITE_CLAIMS_SEEDS]
+    claims.fnmatch_lines(["*test_the_same_seed_gives_the_same_samples_and_another_seed_others*"])
+    assert claims.ret != 0
+    stuck = suite_runs[ROLLOUT_SUITE_STUCK]
+    stuck.fnmatch_lines(["*two sampled calls drew the same tokens*"])
+    assert stuck.ret != 0
+
+
 JUDGE_PARSER_SUITE = """
     import re
     import pytest

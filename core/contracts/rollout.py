@@ -128,6 +128,12 @@ class RolloutEngine(abc.ABC):
         are served as usual. Required of rollouts with :attr:`partial_rollout_modes`; the default, for
         the others, does nothing (their generations are waited for)."""
 
+    honours_seeds: bool = True
+    """Whether ``SamplingParams.seed`` reproduces samples: the same seed on the same weights gives the same
+    tokens, another seed others. False where the engine cannot on this platform or with these settings
+    (SGLang outside its deterministic mode, and on CPUs): a seeded call then samples as an unseeded one,
+    and a run with it cannot replay its samples. An instance may set it from its settings."""
+
     scores_tokens: ClassVar[bool] = False
     """Whether :meth:`score_tokens` is implemented (a distillation teacher can be served by this rollout)."""
     scores_at_any_temperature: ClassVar[bool] = True

@@ -274,6 +274,30 @@ def fraction_rollout_estimate(name: str, shape: ModelShape, dtype: str, fraction
     return MemoryEstimate((weights, reserve, kv, bucket), notes, problems)
 
 
+def host_rollout_estimate(name: str, shape: ModelShape, dtype: str, kv_cache_gib: float, kv_key: str, context: MemoryContext,
+                          batched_tokens: int, sequences: int) -> MemoryEstimate:
+    """What a rollout on CPUs holds in host memory (vLLM's CPU backend, SGLang's CPU engine): its weights, the
+    activation reserve of one scheduler step (``batched_tokens`` through a layer, ``sequences`` rows of float32
+    logits), a KV cache of a fixed ``kv_cache_gib`` (the setting ``kv_key``), one bucket of the weight sync; all
+    resident (neither frees memory between phases on CPUs)."""
+    b = dtype_bytes(dtype, f"rollout.config.dtype of {name}")
+    parameters = shape.parameters("lm")
+    reserve = batched_tokens * b * (4 * shape.hidden_size + 3 * shape.active_intermediate()) + sequences * shape.vocab_size * 4 * 2
+    kv_bytes = int(kv_cache_gib * GIB)
+    held = int(kv_bytes // shape.kv_cache_bytes_per_token(b))
+    items = (
+        MemoryItem("weights", parameters * b, ("resident",), f"{parameters:,} x {b} B ({dtype})"),
+        MemoryItem("activation reserve", reserve, ("resident",), f"{batched_tokens:,} batched tokens through a layer + logits of {sequences} sequences"),
+        MemoryItem("KV cache", kv_bytes, ("resident",), f"{kv_key}={kv_cache_gib}: {held:,} tokens"),
+        MemoryItem("weight-update buffer", context.weight_bucket_bytes, ("wake_up",), "one bucket of the weight sync"),
+    )
+    problems: tuple[str, ...] = ()
+    if held < context.sequence_length:
+        problems = (f"{name}: {kv_key}={kv_cache_gib} holds {held:,} tokens, less than one sequence ({context.sequence_length}); raise it",)
+    notes = (f"{name} on CPU: the KV cache is {kv_key.rsplit('.', 1)[-1]} of host memory; nothing is freed between phases",)
+    return MemoryEstimate(items, notes, problems)
+
+
 def training_state_items(parameters: int, *, trainable: Optional[int] = None, data_parallel: int = 1, tensor_parallel: int = 1,
                          pipeline_parallel: int = 1, weight_dtype: str = "bfloat16", master_dtype: Optional[str] = "float32",
                          gradient_dtype: str = "float32", optimizer_bytes_per_parameter: int = 8,

@@ -16,7 +16,7 @@ import torch
 from rlplat.kits.rollout_batch import RequestBatcher
 from rlplat.kits.rollout_server import ServerError, request_json
 from rlplat_rollout_sglang.config import SGLangRolloutConfig
-from rlplat_rollout_sglang.translate import generate_request, server_args_kwargs, server_argv
+from rlplat_rollout_sglang.translate import generate_request, server_argv
 
 # GET /health answers 200 once the server left its "Starting" state (http_server.health_generate).
 HEALTH_PATH = "/health"
@@ -51,12 +51,28 @@ def share_by_device_uuid(named_tensors: list[tuple[str, torch.Tensor]]) -> None:
 def serialized_named_tensors(named_tensors: list[tuple[str, torch.Tensor]] | dict[str, torch.Tensor], tp_size: int) -> list[str]:
     """``serialized_named_tensors`` of ``UpdateWeightsFromTensorReqInput`` (a list of pairs) or
     ``LoadLoRAAdapterFromTensorsReqInput`` (a dict) for HTTP: pickled by SGLang's
-    ``MultiprocessingSerializer`` (CUDA IPC handles, not the data) once per TP rank, each as base64 text
-    because JSON has no bytes (the routes decode it with ``Base64Bytes``)."""
+    ``MultiprocessingSerializer`` (handles, not the data: CUDA IPC handles, or the shared-memory files of CPU
+    tensors) once per TP rank, each as base64 text because JSON has no bytes (the routes decode it with
+    ``Base64Bytes``).
+
+    CPU tensors are pickled with torch's ``file_system`` sharing strategy: with the default
+    (``file_descriptor``) the server's scheduler cannot open them (``AuthenticationError: digest sent was
+    rejected``) and exits. Pickling moves a CPU tensor's storage into shared memory, so CPU tensors are sent
+    as copies of their own: never a training engine's live parameter."""
     from sglang.srt.utils import MultiprocessingSerializer
 
-    share_by_device_uuid(list(named_tensors.items()) if isinstance(named_tensors, Mapping) else named_tensors)
-    return [MultiprocessingSerializer.serialize(named_tensors, output_str=True) for _ in range(tp_size)]
+    pairs = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
+    share_by_device_uuid(pairs)
+    if not any(not tensor.is_cuda for _, tensor in pairs):
+        return [MultiprocessingSerializer.serialize(named_tensors, output_str=True) for _ in range(tp_size)]
+    copies = [(name, tensor if tensor.is_cuda else tensor.clone()) for name, tensor in pairs]
+    payload = dict(copies) if isinstance(named_tensors, Mapping) else copies
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        return [MultiprocessingSerializer.serialize(payload, output_str=True) for _ in range(tp_size)]
+    finally:
+        torch.multiprocessing.set_sharing_strategy(previous)
 
 
 class InProcessBackend:
@@ -64,14 +80,14 @@ class InProcessBackend:
     ``Engine`` runs its own event loop on the calling thread, so calls are serialised by a lock and
     concurrent :meth:`generate_one` calls (agent loops) are gathered into one ``Engine.generate`` batch."""
 
-    def __init__(self, config: SGLangRolloutConfig):
+    def __init__(self, config: SGLangRolloutConfig, engine_kwargs: Mapping[str, Any]):
         import multiprocessing
 
         import sglang
 
         self.config = config
-        kwargs = server_args_kwargs(config)
-        if torch.cuda.is_available():
+        kwargs = dict(engine_kwargs)
+        if kwargs.get("device") != "cpu" and torch.cuda.is_available():
             kwargs.setdefault("base_gpu_id", torch.cuda.current_device())  # the worker's GPU, not always 0
         # Engine() sets NCCL and CUDA variables and the spawn start method for its own processes; the
         # training engine's later NCCL groups and data loaders must not inherit them
@@ -172,15 +188,15 @@ class InProcessBackend:
 
 class ServerBackend:
     """An SGLang HTTP server: started here (``python -m sglang.launch_server`` with this environment's
-    Python, on loopback) or attached to at ``server_url``. Weight updates pass CUDA IPC handles, so the
-    server must run on this node's GPUs."""
+    Python, on loopback) or attached to at ``server_url``. Weight updates pass CUDA IPC handles, or the
+    shared-memory files of CPU tensors, so the server must run on this node (on its GPUs, or its CPUs)."""
 
-    def __init__(self, config: SGLangRolloutConfig):
+    def __init__(self, config: SGLangRolloutConfig, engine_kwargs: Mapping[str, Any]):
         self.config = config
         self.owner_pid = os.getpid()
         self.adapter: str | None = None  # the loaded LoRA adapter every request uses
         self.base_url, self.server = config.start_or_attach(
-            "sglang.launch_server", lambda host, port: server_argv(config, host, port), health_path=HEALTH_PATH, name="sglang server",
+            "sglang.launch_server", lambda host, port: server_argv(engine_kwargs, host, port), health_path=HEALTH_PATH, name="sglang server",
         )
 
     def post(self, path: str, payload: Any = None) -> Any:

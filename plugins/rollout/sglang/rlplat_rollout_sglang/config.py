@@ -37,7 +37,13 @@ class SGLangRolloutConfig(ServerSettings):
     mem_fraction_static: float | None = 0.5
     """Fraction of the GPU memory that is free when SGLang starts (after the training engine took its
     share, in hybrid mode) that SGLang takes for weights and KV cache (None: SGLang chooses, which
-    assumes it has the GPU to itself)."""
+    assumes it has the GPU to itself). Not used by SGLang's CPU engine (see ``cpu_kv_cache_gib``)."""
+
+    cpu_kv_cache_gib: float = 1.0
+    """On SGLang's CPU engine (:mod:`rlplat_rollout_sglang.platform`): the KV cache's size in GiB of host memory,
+    passed to SGLang as ``max_total_tokens`` (this size over the model's KV bytes per token, from its
+    ``config.json``; an ``engine_kwargs`` ``max_total_tokens`` wins). Without it SGLang would take
+    ``mem_fraction_static`` of the host's free memory. 1 GiB holds about 87k tokens of a 0.5B Qwen2 in bfloat16."""
 
     context_length: int | None = None
     """Prompt plus response tokens per sequence (None: from the model config)."""
@@ -45,9 +51,11 @@ class SGLangRolloutConfig(ServerSettings):
     max_running_requests: int | None = None
     """Sequences decoded together (None: SGLang's default)."""
 
-    enable_memory_saver: bool = True
+    enable_memory_saver: bool | None = None
     """Allocate weights, KV cache and CUDA graphs through ``torch_memory_saver`` so that ``sleep`` can
-    give their GPU memory back. Without it ``sleep`` frees nothing (the state rules still apply)."""
+    give their GPU memory back. Without it ``sleep`` frees nothing (the state rules still apply). None: on
+    GPUs, on CPUs off (``torch_memory_saver`` is CUDA-only: SGLang's CPU engine does not start with it, so
+    True is refused there)."""
 
     disable_radix_cache: bool = False
     """Turn off SGLang's prefix (radix) cache. With it on, the ``n`` samples of one prompt share the
@@ -55,12 +63,14 @@ class SGLangRolloutConfig(ServerSettings):
 
     disable_cuda_graph: bool = False
     """Run decode and prefill without CUDA graphs (slower, starts faster, less memory); SGLang's
-    ``disable_decode_cuda_graph`` and ``disable_prefill_cuda_graph``."""
+    ``disable_decode_cuda_graph`` and ``disable_prefill_cuda_graph``. Always on for the CPU engine."""
 
     enable_deterministic_inference: bool = False
     """SGLang's batch-invariant deterministic mode. Only in this mode does SGLang honour a request's
     ``sampling_seed``: turn it on when ``SamplingParams.seed`` must reproduce samples. It costs speed
-    and forces SGLang's pytorch sampling backend."""
+    and forces SGLang's pytorch sampling backend. GPU only: SGLang refuses it with the CPU engine's
+    ``torch_native`` attention (and its seeded sampler needs CUDA or XPU), so it is refused there; the CPU
+    engine's samples are not reproducible from a seed (the rollout's ``honours_seeds`` is False)."""
 
     seed: int = 0
     """SGLang ``random_seed``; also seeds the per-sample seeds drawn when a call gives no seed."""
@@ -97,6 +107,8 @@ class SGLangRolloutConfig(ServerSettings):
             problems.append(f"hybrid mode runs one SGLang engine per GPU worker: tp_size must be 1 (use mode=server for more), got {self.tp_size}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             problems.append(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+        if not self.cpu_kv_cache_gib > 0:
+            problems.append(f"cpu_kv_cache_gib must be above 0, got {self.cpu_kv_cache_gib}")
         if isinstance(self.max_lora_rank, bool) or not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 0:
             problems.append(f"max_lora_rank must be an int >= 0 (0: no LoRA), got {self.max_lora_rank!r}")
         if not self.lora_target_modules:

@@ -11,9 +11,11 @@ def register_rollouts(register):
     register(
         "sglang",
         "rlplat_rollout_sglang.rollout:SGLangRollout",
-        description="SGLang 0.5.23 generation: in-process beside the training engine (hybrid) or an HTTP server",
+        description="SGLang 0.5.23 generation (on GPUs, or its CPU engine): beside the training engine (hybrid) or an HTTP server",
         requires=("sglang",),
-        install_hint="pip install 'rlplat-rollout-sglang[sglang]'; sglang pins torch 2.14.1, so give it an environment of its own",
-        metadata={"needs_gpu": True, "estimate_memory": "rlplat_rollout_sglang.memory:estimate"},  # the plan's estimate without importing the rollout
+        install_hint="pip install 'rlplat-rollout-sglang[sglang]' (GPUs; sglang pins torch 2.14.1) in an environment of its own; "
+                     "on CPUs, `make sglang-cpu-env` builds one (.venv-sglang-cpu)",
+        # needs a GPU unless SGLang runs its CPU engine here; the plan's estimate without importing the rollout
+        metadata={"needs_gpu": "rlplat_rollout_sglang.platform:needs_gpu", "estimate_memory": "rlplat_rollout_sglang.memory:estimate"},
         config_schema="rlplat_rollout_sglang.config:SGLangRolloutConfig",
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -23,20 +24,27 @@ import torch
 from rlplat.config_node import read_config_node
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
 from rlplat.protocol import DataProto
-from rlplat.kits.rollout_batch import BackendRolloutEngine, assemble_rollout, check_single_request, pad_and_eos_token_ids, prompt_token_lists, transfer_copy
+from rlplat.kits.rollout_batch import (BackendRolloutEngine, assemble_rollout, check_single_request, pad_and_eos_token_ids, prompt_token_lists,
+                                       tied_weight_aliases, transfer_copy)
 from rlplat_rollout_sglang.backends import InProcessBackend, ServerBackend
 from rlplat_rollout_sglang.config import SGLangRolloutConfig
+from rlplat_rollout_sglang.platform import use_cpu_engine
+from rlplat_rollout_sglang.weights import check_bucket, expected_shapes
 from rlplat_rollout_sglang.translate import (
     ALL_MEMORY_TAGS,
     KV_CACHE_TAGS,
     SEED_RANGE,
     WEIGHTS,
     adapter_tensors,
+    cpu_engine_problems,
     json_value,
+    kv_cache_tokens,
+    read_model_config,
     per_sample_params,
     sample_from_output,
     sample_seed,
     samples_from_outputs,
+    server_args_kwargs,
 )
 
 AWAKE, WEIGHTS_ONLY, ASLEEP = "awake", "weights only", "asleep"
@@ -64,14 +72,32 @@ class SGLangRollout(BackendRolloutEngine):
 
     def __init__(self, config: Any = None, **_: Any):
         self.config = read_config_node(config, SGLangRolloutConfig, "rollout.config")
+        self.cpu = use_cpu_engine()
+        if self.cpu and (problems := cpu_engine_problems(self.config)):  # refused before an engine starts
+            raise ValueError("sglang rollout on SGLang's CPU engine: " + "; ".join(problems))
+        self.honours_seeds = self.config.enable_deterministic_inference
         self.pad_token_id, self.eos_token_ids = pad_and_eos_token_ids(self.config.model_path, self.config.pad_token_id, self.config.eos_token_ids, "sglang")
-        self.backend = InProcessBackend(self.config) if self.config.mode == "hybrid" else ServerBackend(self.config)
+        engine_kwargs = server_args_kwargs(self.config, self.cpu, self.cpu_kv_cache_tokens() if self.cpu else None)
+        # an attached server (no model_path) is taken at its word
+        self.weight_shapes = expected_shapes(self.config.model_path) if self.config.model_path is not None else None
+        # what a full update names (a tied output layer comes once, under the embedding's name)
+        aliases = {alias for names in tied_weight_aliases(self.config.model_path).values() for alias in names}
+        self.required_names = None if self.weight_shapes is None else set(self.weight_shapes) - aliases
+        self.session_names: set[str] = set()  # sent in the open weight-update session
+        self.session_lock = threading.Lock()
+        self.backend = (InProcessBackend if self.config.mode == "hybrid" else ServerBackend)(self.config, engine_kwargs)
         self.seeds = random.Random(self.config.seed)
         self.state = AWAKE
         self.needs_weights = False
         self.cache_stale = False
         self.session_open = False
         self.adapters_loaded = 0
+
+    def cpu_kv_cache_tokens(self) -> int | None:
+        """The CPU engine's KV cache in tokens (``cpu_kv_cache_gib``); None for an attached server (its own)."""
+        if self.config.model_path is None:
+            return None
+        return kv_cache_tokens(self.config, read_model_config(self.config.model_path))
 
     # -- generation ------------------------------------------------------------------------------------
 
@@ -107,11 +133,7 @@ class SGLangRollout(BackendRolloutEngine):
             raise RuntimeError(f"sglang rollout is {self.state}: call {step} before generating")
         if self.needs_weights:
             raise RuntimeError("sglang rollout woke up without its weights: call update_weights() with the full weights before generating")
-        self.end_weight_update()
-        if self.cache_stale:
-            # radix-cache entries were computed with the previous weights
-            self.backend.flush_cache()
-            self.cache_stale = False
+        self.end_weight_update()  # flushes the radix-cache entries of the previous weights
 
     # -- weights ---------------------------------------------------------------------------------------
 
@@ -121,19 +143,30 @@ class SGLangRollout(BackendRolloutEngine):
         bucket = [(name, self.for_transfer(tensor)) for name, tensor in named_tensors]
         if not bucket:
             return
+        if self.weight_shapes is not None:
+            try:
+                check_bucket(bucket, self.weight_shapes)
+            except ValueError:
+                # nothing of this bucket was sent; earlier buckets of the same sync were: partly new weights
+                self.needs_weights = self.needs_weights or self.session_open
+                raise
         if not self.session_open:
             self.backend.drop_adapter()  # full weights are a new base: the adapter is off until loaded again
             # SGLang 0.5.23 loads tensors only inside a weight-update session
             self.backend.begin_weight_update()
             self.session_open = True
+            self.session_names = set()
         try:
             # no flush per bucket: one flush before the next generation (and none while the KV cache is released)
             self.backend.update_weights(bucket, flush_cache=False)
         except BaseException:
             self.needs_weights = True  # partly loaded: only a full update makes the engine usable again
             raise
-        self.needs_weights = False
-        self.cache_stale = self.state == AWAKE and not self.config.disable_radix_cache
+        self.session_names.update(name for name, _ in bucket)
+        if self.needs_weights and (self.required_names is None or self.required_names <= self.session_names):
+            self.needs_weights = False
+        # a released KV cache (asleep on GPUs) comes back flushed; the CPU engine's is kept
+        self.cache_stale = (self.state == AWAKE or self.cpu) and not self.config.disable_radix_cache
 
     def load_adapter(self, config: Mapping[str, Any], named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Serve the base weights with this LoRA adapter (see the module docstring); SGLang checks the
@@ -148,21 +181,32 @@ class SGLangRollout(BackendRolloutEngine):
                              f"{self.config.max_lora_rank}]")
         if self.state == ASLEEP:
             raise RuntimeError("sglang rollout is asleep: call wake_up() and update_weights() before load_adapter()")
-        tensors = adapter_tensors(named_tensors)
+        tensors = {name: own_copy(tensor, tensor) if not tensor.is_cuda else tensor for name, tensor in adapter_tensors(named_tensors).items()}
         self.end_weight_update()
         self.adapters_loaded += 1
         self.backend.load_adapter(f"rlplat-adapter-{self.adapters_loaded}", json_value(dict(config)), tensors)
 
     def end_weight_update(self) -> None:
-        """Close the weight-update session the last :meth:`update_weights` opened (if any)."""
-        if self.session_open:
-            self.session_open = False
-            self.backend.end_weight_update()
+        """Close the weight-update session the last :meth:`update_weights` opened (if any). The radix-cache
+        entries computed with the old weights are flushed first, by an update of no tensors with
+        ``flush_cache``: SGLang's ``flush_cache`` call also runs a garbage-collection pass of its scheduler on
+        CPUs (0.4-0.6 s a sync, measured), the update's flush does not (3 ms)."""
+        with self.session_lock:  # concurrent generate_tokens calls each check that the session is closed
+            if self.session_open:
+                if self.cache_stale:
+                    self.backend.update_weights([], flush_cache=True)
+                    self.cache_stale = False
+                self.session_open = False
+                self.backend.end_weight_update()
 
     def for_transfer(self, tensor: torch.Tensor) -> torch.Tensor:
         """Floating-point tensors in the rollout's dtype (half the bytes of float32 masters), on this
-        worker's GPU when it has one: CUDA tensors travel as IPC handles, CPU ones through shared memory."""
-        return transfer_copy(tensor, self.config.dtype, torch.cuda.current_device() if torch.cuda.is_available() else None)
+        worker's GPU when it has one: CUDA tensors travel as IPC handles. CPU tensors (the CPU engine) travel
+        through shared memory, into which pickling moves their storage: each is a copy of its own, never the
+        training engine's parameter."""
+        if self.cpu or not torch.cuda.is_available():
+            return own_copy(transfer_copy(tensor, self.config.dtype, None), tensor)
+        return transfer_copy(tensor, self.config.dtype, torch.cuda.current_device())
 
     # -- memory ----------------------------------------------------------------------------------------
 
@@ -170,37 +214,44 @@ class SGLangRollout(BackendRolloutEngine):
         if self.state == ASLEEP:
             return
         self.end_weight_update()
-        # releasing the KV cache flushes the radix cache too
-        self.backend.release_memory(list(ALL_MEMORY_TAGS) if self.state == AWAKE else [WEIGHTS])
+        if not self.cpu:  # the CPU engine has no memory saver: its memory stays where it is
+            # releasing the KV cache flushes the radix cache too
+            self.backend.release_memory(list(ALL_MEMORY_TAGS) if self.state == AWAKE else [WEIGHTS])
         self.state = ASLEEP
         self.cache_stale = False
 
     def wake_up_weights(self) -> None:
         if self.state != ASLEEP:
             return
-        self.backend.resume_memory([WEIGHTS])
+        if not self.cpu:
+            self.backend.resume_memory([WEIGHTS])
         self.state = WEIGHTS_ONLY
-        self.needs_weights = True
+        self.needs_weights = not self.cpu  # released weights come back uninitialised; kept ones are intact
 
     def wake_up_kv_cache(self) -> None:
-        self.end_weight_update()
+        self.end_weight_update()  # flushes the entries of the previous weights from a KV cache that was kept
         if self.state == ASLEEP:
             self.wake_up_weights()
         if self.state == WEIGHTS_ONLY:
-            self.backend.resume_memory(list(KV_CACHE_TAGS))
+            if not self.cpu:
+                self.backend.resume_memory(list(KV_CACHE_TAGS))
+                self.backend.flush_cache()  # the radix tree must not point into the resumed, uninitialised cache
             self.state = AWAKE
-            self.backend.flush_cache()
-            self.cache_stale = False
-        elif self.cache_stale:
-            self.backend.flush_cache()
-            self.cache_stale = False
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # drop the IPC-shared buckets the scheduler has let go of
 
     def close(self) -> None:
         """Shut the engine down (hybrid) or stop the server this engine started (server mode); an open
         weight-update session is closed first (an attached server outlives this engine)."""
+        self.cache_stale = False  # nothing generates after this: no flush
         try:
             self.end_weight_update()
         finally:
             super().close()
+
+
+def own_copy(tensor: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (made from ``source``), cloned when it still shares ``source``'s storage."""
+    if tensor.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+        return tensor.clone()
+    return tensor

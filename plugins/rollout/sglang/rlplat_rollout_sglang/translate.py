@@ -6,6 +6,8 @@ Every key below is checked against the installed SGLang by ``tests/test_api_comp
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from rlplat.contracts.rollout import SamplingParams, TokenOutput
@@ -81,10 +83,12 @@ def generate_request(token_lists: Sequence[Sequence[int]], params: Sequence[Mapp
     return request
 
 
-def server_args_kwargs(config: SGLangRolloutConfig) -> dict[str, Any]:
+def server_args_kwargs(config: SGLangRolloutConfig, cpu: bool = False, kv_cache_tokens: int | None = None) -> dict[str, Any]:
     """``ServerArgs`` fields (the keyword arguments of ``sglang.Engine``), ``engine_kwargs`` last so it wins.
 
     The tokenizer is never loaded (``skip_tokenizer_init``): prompts go in as ids and only ids come out.
+    ``cpu``: for SGLang's CPU engine (:data:`CPU_ENGINE_SETTINGS`, the KV cache of ``kv_cache_tokens`` tokens
+    instead of a fraction of free memory, no memory saver).
     """
     values: dict[str, Any] = {
         "model_path": config.model_path,
@@ -92,28 +96,66 @@ def server_args_kwargs(config: SGLangRolloutConfig) -> dict[str, Any]:
         "load_format": "auto" if config.load_weights else "dummy",
         "dtype": config.dtype,
         "tp_size": config.tp_size,
-        "mem_fraction_static": config.mem_fraction_static,
+        "mem_fraction_static": None if cpu else config.mem_fraction_static,
         "context_length": config.context_length,
         "max_running_requests": config.max_running_requests,
-        "enable_memory_saver": config.enable_memory_saver,
+        "enable_memory_saver": memory_saver(config, cpu),
         "disable_radix_cache": config.disable_radix_cache,
         "enable_deterministic_inference": config.enable_deterministic_inference,
         "random_seed": config.seed,
     }
     if config.max_lora_rank:
         values.update(enable_lora=True, max_lora_rank=config.max_lora_rank, lora_target_modules=list(config.lora_target_modules))
-    if config.disable_cuda_graph:
+    if config.disable_cuda_graph or cpu:
         # `disable_cuda_graph` is a deprecated, command-line-less field in 0.5.23; these are its successors
         values["disable_decode_cuda_graph"] = True
         values["disable_prefill_cuda_graph"] = True
+    if cpu:
+        values.update(CPU_ENGINE_SETTINGS, max_total_tokens=kv_cache_tokens)
     values = {key: value for key, value in values.items() if value is not None}
     return {**values, **dict(config.engine_kwargs)}
 
 
-def server_argv(config: SGLangRolloutConfig, host: str, port: int) -> list[str]:
-    """Arguments of ``python -m sglang.launch_server``: one flag per ``ServerArgs`` field. SGLang's boolean
-    flags are ``store_true``, so a False one is left out (every boolean here defaults to False)."""
-    values = {**server_args_kwargs(config), "host": host, "port": port}
+#: ``ServerArgs`` of SGLang's CPU engine without Intel AMX (measured with 0.5.23): its pure-torch attention and
+#: sampler; what runs on CUDA only (memory saver, CUDA graphs, deterministic mode) is off or refused.
+CPU_ENGINE_SETTINGS = {"device": "cpu", "attention_backend": "torch_native", "sampling_backend": "pytorch"}
+
+
+def memory_saver(config: SGLangRolloutConfig, cpu: bool) -> bool:
+    """``enable_memory_saver``: the config's, else on for GPUs and off for the CPU engine."""
+    return (not cpu) if config.enable_memory_saver is None else config.enable_memory_saver
+
+
+def cpu_engine_problems(config: SGLangRolloutConfig) -> list[str]:
+    """What SGLang's CPU engine cannot do of what ``config`` asks, as sentences (empty: nothing)."""
+    problems = []
+    if config.enable_memory_saver:
+        problems.append("enable_memory_saver=true needs torch_memory_saver, which is CUDA-only: SGLang's CPU engine does "
+                        "not start with it (leave it unset; sleep() then frees no memory)")
+    if config.enable_deterministic_inference:
+        problems.append("enable_deterministic_inference=true is refused by SGLang with the CPU engine's torch_native "
+                        "attention, and its seeded sampler needs CUDA or XPU: samples on CPU are not reproducible from a seed")
+    if config.tp_size != 1:
+        problems.append(f"tp_size={config.tp_size}: the CPU engine runs one process per engine here (tp_size=1)")
+    return problems
+
+
+def kv_cache_tokens(config: SGLangRolloutConfig, model_config: Mapping[str, Any]) -> int:
+    """The CPU engine's ``max_total_tokens``: ``cpu_kv_cache_gib`` over the KV-cache bytes per token (every
+    layer's keys and values in the rollout's dtype) of the model whose ``config.json`` is ``model_config``."""
+    from rlplat.plan.estimate import ModelShape, dtype_bytes
+
+    dtype = config.dtype if config.dtype != "auto" else str(model_config.get("torch_dtype") or model_config.get("dtype") or "bfloat16")
+    per_token = ModelShape.from_config(model_config, f"{config.model_path}/config.json").kv_cache_bytes_per_token(
+        dtype_bytes(dtype, "rollout.config.dtype of sglang"))
+    return max(1, int(config.cpu_kv_cache_gib * 2**30 // per_token))
+
+
+def server_argv(engine_kwargs: Mapping[str, Any], host: str, port: int) -> list[str]:
+    """Arguments of ``python -m sglang.launch_server`` for the ``ServerArgs`` fields ``engine_kwargs``
+    (:func:`server_args_kwargs`): one flag per field. SGLang's boolean flags are ``store_true``, so a False
+    one is left out (every boolean here defaults to False)."""
+    values = {**engine_kwargs, "host": host, "port": port}
     return cli_flags(values, boolean_style="store_true", list_style="separate")
 
 
@@ -173,3 +215,14 @@ def adapter_tensors(named_tensors: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     if not tensors:
         raise ValueError("sglang rollout: load_adapter got no adapter tensors")
     return tensors
+
+
+def read_model_config(model_path: str) -> dict[str, Any]:
+    """The ``config.json`` of the local model directory ``model_path``, as a dict."""
+    file = Path(model_path) / "config.json"
+    try:
+        return json.loads(file.read_text())
+    except OSError as error:
+        raise FileNotFoundError(f"sglang rollout: model_path {model_path!r} has no readable config.json ({error})") from None
+    except ValueError as error:
+        raise ValueError(f"sglang rollout: {file} is not valid JSON ({error})") from None

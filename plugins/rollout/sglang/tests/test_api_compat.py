@@ -28,6 +28,7 @@ from rlplat.contracts.rollout import SamplingParams  # noqa: E402
 from rlplat.testing.rollouts import left_padded_prompts  # noqa: E402
 from rlplat.testing.tiny_models import save_tiny_model, tiny_causal_lm  # noqa: E402
 from rlplat_rollout_sglang import backends, translate  # noqa: E402
+from rlplat_rollout_sglang import rollout as rollout_module  # noqa: E402
 from rlplat_rollout_sglang.config import SGLangRolloutConfig  # noqa: E402
 from rlplat_rollout_sglang.rollout import SGLangRollout  # noqa: E402
 
@@ -102,10 +103,26 @@ class RecordingEngine:
 
 
 @pytest.fixture
-def hybrid(monkeypatch, model_dir):
+def on_gpus(monkeypatch):
+    """The rollout takes its GPU path (as with a CUDA build of SGLang), whatever this environment's SGLang runs on."""
+    monkeypatch.setattr(rollout_module, "use_cpu_engine", lambda: False)
+
+
+@pytest.fixture
+def hybrid(monkeypatch, model_dir, on_gpus):
     RecordingEngine.created = []
     monkeypatch.setattr(sglang, "Engine", RecordingEngine)
     rollout = SGLangRollout({"model_path": model_dir, "load_weights": False, "enable_deterministic_inference": True})
+    yield rollout, RecordingEngine.created[0]
+
+
+@pytest.fixture
+def cpu_hybrid(monkeypatch, model_dir):
+    """The rollout on SGLang's CPU engine, over the recording stand-in."""
+    RecordingEngine.created = []
+    monkeypatch.setattr(rollout_module, "use_cpu_engine", lambda: True)
+    monkeypatch.setattr(sglang, "Engine", RecordingEngine)
+    rollout = SGLangRollout({"model_path": model_dir, "load_weights": False, "cpu_kv_cache_gib": 0.01})
     yield rollout, RecordingEngine.created[0]
 
 
@@ -158,6 +175,45 @@ def test_the_engine_keywords_are_server_args_fields_and_build_server_args(hybrid
     assert (server_args.load_format, server_args.skip_tokenizer_init, server_args.enable_memory_saver) == ("dummy", True, True)
 
 
+def test_the_cpu_engines_keywords_build_server_args_for_the_cpu_device(cpu_hybrid):
+    """SGLang's CPU engine: device cpu, its pure-torch attention and sampler, no memory saver, no CUDA graphs,
+    and a KV cache of cpu_kv_cache_gib (0.01 GiB of the tiny model's float32... here bfloat16 keys and values:
+    2 layers x 2 x 4 heads x 32 x 2 bytes = 1,024 bytes a token: 10,485 tokens)."""
+    _, engine = cpu_hybrid
+    server_args = ServerArgs(**engine.kwargs)
+    assert (server_args.device, server_args.attention_backend, server_args.sampling_backend) == ("cpu", "torch_native", "pytorch")
+    assert (server_args.enable_memory_saver, server_args.enable_deterministic_inference) == (False, False)
+    assert server_args.disable_decode_cuda_graph and server_args.disable_prefill_cuda_graph
+    assert server_args.max_total_tokens == 10_485 and "mem_fraction_static" not in engine.kwargs
+
+
+def test_on_the_cpu_engine_sleep_and_wake_leave_sglangs_memory_alone(cpu_hybrid, named_weights):
+    """The CPU engine has no memory saver: sleep and wake-up keep their state rules, and SGLang is not asked to
+    release or resume memory; its weights stay, so a wake-up needs no update before it samples."""
+    rollout, engine = cpu_hybrid
+    prompts = left_padded_prompts(PROMPTS, 0)
+    rollout.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        rollout.generate(prompts, SamplingParams())
+    rollout.wake_up()
+    rollout.generate(prompts, SamplingParams(max_new_tokens=2))
+    assert not [name for name, _, _ in engine.calls if name.endswith("memory_occupation")]
+    assert rollout.honours_seeds is False
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"enable_memory_saver": True}, "torch_memory_saver, which is CUDA-only"),
+    ({"enable_deterministic_inference": True}, "samples on CPU are not reproducible from a seed"),
+])
+def test_what_the_cpu_engine_cannot_do_is_refused_before_an_engine_starts(monkeypatch, model_dir, setting, message):
+    RecordingEngine.created = []
+    monkeypatch.setattr(rollout_module, "use_cpu_engine", lambda: True)
+    monkeypatch.setattr(sglang, "Engine", RecordingEngine)
+    with pytest.raises(ValueError, match=message):
+        SGLangRollout({"model_path": model_dir, **setting})
+    assert RecordingEngine.created == []
+
+
 def test_the_engine_call_sequence_follows_the_staged_wake_up(hybrid, named_weights):
     rollout, engine = hybrid
     drive(rollout, named_weights)
@@ -175,10 +231,12 @@ def test_the_engine_call_sequence_follows_the_staged_wake_up(hybrid, named_weigh
     sequence = [name for name, _, _ in engine.calls]
     first_update = sequence.index("update_weights_from_tensor")
     assert sequence[first_update - 1] == "begin_weight_update"
-    # the session closes, then the stale radix cache is dropped once, before the next generation
-    assert sequence[first_update + 1 : first_update + 4] == ["end_weight_update", "flush_cache", "generate"]
+    # the stale radix cache is dropped once, by an update of no tensors, and the session closes before the next generation
+    assert sequence[first_update + 1 : first_update + 4] == ["update_weights_from_tensor", "end_weight_update", "generate"]
+    flushes = [kwargs for name, _, kwargs in engine.calls if name == "update_weights_from_tensor" and kwargs["flush_cache"]]
+    assert flushes == [{"named_tensors": [], "flush_cache": True}]  # the first sync; the next loads asleep, the last precedes close()
     assert sequence.count("begin_weight_update") == sequence.count("end_weight_update") == 3  # one per sync, buckets inside
-    assert all(kwargs["flush_cache"] is False for name, _, kwargs in engine.calls if name == "update_weights_from_tensor")
+    assert sequence.count("flush_cache") == 2  # after each wake-up of the KV cache
 
 
 def test_memory_tags_are_sglangs():
@@ -262,14 +320,17 @@ def test_every_server_args_keyword_is_a_real_field():
     ServerArgs(**kwargs)
 
 
-def test_server_argv_parses_with_sglangs_own_parser_to_the_same_values():
-    config = SGLangRolloutConfig(model_path="/m", **FULL_CONFIG)
+@pytest.mark.parametrize("cpu", [False, True], ids=["gpu", "cpu-engine"])
+def test_server_argv_parses_with_sglangs_own_parser_to_the_same_values(cpu):
+    settings = {**FULL_CONFIG, "tp_size": 1, "enable_deterministic_inference": False} if cpu else FULL_CONFIG
+    kwargs = translate.server_args_kwargs(SGLangRolloutConfig(model_path="/m", **settings), cpu, 4096 if cpu else None)
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    parsed = parser.parse_args(translate.server_argv(config, "127.0.0.1", 30123))
-    for key, value in translate.server_args_kwargs(config).items():
+    parsed = parser.parse_args(translate.server_argv(kwargs, "127.0.0.1", 30123))
+    for key, value in kwargs.items():
         assert getattr(parsed, key) == value, key
     assert (parsed.host, parsed.port) == ("127.0.0.1", 30123)
+    assert (parsed.device == "cpu") == cpu
 
 
 def test_the_server_module_exists():
@@ -289,7 +350,7 @@ def http_routes():
 
 
 @pytest.fixture
-def server(monkeypatch, model_dir):
+def server(monkeypatch, model_dir, on_gpus):
     calls = []
 
     def request_json(url, payload=None, *, method=None, timeout=600.0):
@@ -375,10 +436,15 @@ def test_memory_bodies_carry_sglangs_tags(server, named_weights):
     assert all(set(t) <= set(GPU_MEMORY_ALL_TYPES) for t in tags)
 
 
-def test_a_run_with_this_rollout_and_no_gpus_is_refused_at_config_validation():
+def test_a_run_on_cpus_is_refused_at_config_validation_only_with_a_cuda_build(monkeypatch):
+    """``needs_gpu`` follows the installed SGLang: this environment's runs on CPUs; a CUDA build (here said by
+    ``SGLANG_USE_CPU_ENGINE=0``) needs ``cluster.use_gpu=true``."""
     from rlplat_demo import overrides as demo_overrides
     from rlplat.config import ConfigError, load_config
 
+    config = load_config(None, demo_overrides(), algo="grpo", engine="fsdp2", rollout="sglang")
+    assert config.rollout.name == "sglang" and not config.cluster.use_gpu
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "0")
     with pytest.raises(ConfigError, match=r"rollout 'sglang' runs on GPUs only: set cluster.use_gpu=true"):
         load_config(None, demo_overrides(), algo="grpo", engine="fsdp2", rollout="sglang")
 
@@ -412,7 +478,7 @@ def drive_adapters(rollout, named_weights) -> None:
 
 
 @pytest.fixture
-def lora_hybrid(monkeypatch, model_dir):
+def lora_hybrid(monkeypatch, model_dir, on_gpus):
     RecordingEngine.created = []
     monkeypatch.setattr(sglang, "Engine", RecordingEngine)
     rollout = SGLangRollout({"model_path": model_dir, "load_weights": False, "max_lora_rank": 8})
@@ -426,7 +492,7 @@ def test_the_lora_server_args_build_server_args(lora_hybrid):
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     config = SGLangRolloutConfig(model_path="/m", mode="server", max_lora_rank=8, lora_target_modules=("q_proj", "v_proj"))
-    parsed = parser.parse_args(translate.server_argv(config, "127.0.0.1", 30123))
+    parsed = parser.parse_args(translate.server_argv(translate.server_args_kwargs(config), "127.0.0.1", 30123))
     assert (parsed.enable_lora, parsed.max_lora_rank, set(parsed.lora_target_modules)) == (True, 8, {"q_proj", "v_proj"})
 
 
@@ -469,7 +535,7 @@ def test_the_adapter_reaches_sglang_as_its_lora_config_and_layer_tensors_read_it
         assert torch.equal(tensor, given[name])
 
 
-def test_the_lora_routes_exist_and_take_the_bodies_sent(monkeypatch, model_dir, named_weights, http_routes):
+def test_the_lora_routes_exist_and_take_the_bodies_sent(monkeypatch, model_dir, named_weights, http_routes, on_gpus):
     import pydantic
 
     calls = []

@@ -11,8 +11,10 @@ from rlplat_rollout_sglang.config import SGLangRolloutConfig
 from rlplat_rollout_sglang.translate import (
     TOP_K_ALL,
     adapter_tensors,
+    cpu_engine_problems,
     generate_request,
     json_value,
+    kv_cache_tokens,
     per_sample_params,
     sample_from_output,
     sample_seed,
@@ -117,10 +119,36 @@ def test_disable_cuda_graph_sets_both_phase_switches_and_engine_kwargs_win():
 
 
 def test_server_argv_writes_flags_and_leaves_false_booleans_out():
-    argv = server_argv(SGLangRolloutConfig(model_path="/m", enable_memory_saver=False), "127.0.0.1", 30001)
+    argv = server_argv(server_args_kwargs(SGLangRolloutConfig(model_path="/m", enable_memory_saver=False)), "127.0.0.1", 30001)
     assert argv[:2] == ["--model-path", "/m"]
     assert "--skip-tokenizer-init" in argv and "--enable-memory-saver" not in argv
     assert argv[-4:] == ["--host", "127.0.0.1", "--port", "30001"]
+
+
+def test_the_cpu_engine_runs_on_the_cpu_device_with_its_pure_torch_kernels_and_a_kv_cache_in_tokens():
+    """SGLang's CPU engine: device cpu, ``torch_native`` attention, the ``pytorch`` sampler, no CUDA graphs, no
+    memory saver, and ``max_total_tokens`` instead of a fraction of free memory; engine_kwargs still win."""
+    kwargs = server_args_kwargs(SGLangRolloutConfig(model_path="/m", engine_kwargs={"chunked_prefill_size": 256}), cpu=True, kv_cache_tokens=4096)
+    assert {key: kwargs[key] for key in ("device", "attention_backend", "sampling_backend", "max_total_tokens", "enable_memory_saver")} == {
+        "device": "cpu", "attention_backend": "torch_native", "sampling_backend": "pytorch", "max_total_tokens": 4096, "enable_memory_saver": False}
+    assert kwargs["disable_decode_cuda_graph"] and kwargs["disable_prefill_cuda_graph"] and "mem_fraction_static" not in kwargs
+    assert kwargs["chunked_prefill_size"] == 256
+    assert server_args_kwargs(SGLangRolloutConfig(model_path="/m", engine_kwargs={"max_total_tokens": 64}), cpu=True, kv_cache_tokens=4096)["max_total_tokens"] == 64
+
+
+def test_the_cpu_kv_cache_in_tokens_is_its_size_over_the_models_bytes_a_token():
+    """0.5B Qwen2 (24 layers, 2 KV heads of 64): 12,288 bytes a token in bfloat16, 24,576 in float32."""
+    qwen = {"vocab_size": 151936, "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2}
+    assert kv_cache_tokens(SGLangRolloutConfig(model_path="/m", cpu_kv_cache_gib=1.0), qwen) == 2**30 // 12_288
+    assert kv_cache_tokens(SGLangRolloutConfig(model_path="/m", cpu_kv_cache_gib=1.0, dtype="float32"), qwen) == 2**30 // 24_576
+    assert kv_cache_tokens(SGLangRolloutConfig(model_path="/m", dtype="auto"), {**qwen, "torch_dtype": "float32"}) == 2**30 // 24_576
+
+
+def test_what_the_cpu_engine_cannot_do_is_named():
+    assert cpu_engine_problems(SGLangRolloutConfig(model_path="/m")) == []
+    problems = cpu_engine_problems(SGLangRolloutConfig(model_path="/m", mode="server", enable_memory_saver=True,
+                                                       enable_deterministic_inference=True, tp_size=2))
+    assert len(problems) == 3 and "CUDA-only" in problems[0] and "not reproducible from a seed" in problems[1] and "tp_size=2" in problems[2]
 
 
 # -- configuration errors ----------------------------------------------------------------------------
@@ -134,7 +162,7 @@ def test_a_max_lora_rank_turns_on_sglangs_lora_for_the_target_modules():
     assert (kwargs["enable_lora"], kwargs["max_lora_rank"], kwargs["lora_target_modules"]) == (True, 8, ["q_proj", "v_proj"])
     assert server_args_kwargs(SGLangRolloutConfig(model_path="/m", max_lora_rank=8))["lora_target_modules"] == ["all"]
     assert "enable_lora" not in server_args_kwargs(SGLangRolloutConfig(model_path="/m"))  # 0: off
-    argv = server_argv(SGLangRolloutConfig(model_path="/m", mode="server", max_lora_rank=8), "127.0.0.1", 30000)
+    argv = server_argv(server_args_kwargs(SGLangRolloutConfig(model_path="/m", mode="server", max_lora_rank=8)), "127.0.0.1", 30000)
     assert "--enable-lora" in argv and argv[argv.index("--lora-target-modules") + 1] == "all"
 
 
@@ -218,3 +246,37 @@ def test_batched_outputs_are_counted():
     assert [s.token_ids for s in samples_from_outputs(outputs, 2, {2}, 4)] == [[2], [4, 2]]
     with pytest.raises(RuntimeError, match="sglang returned 2 results for 3 requests"):
         samples_from_outputs(outputs, 3, {2}, 4)
+
+
+# -- rlplat plan -----------------------------------------------------------------------------------------
+
+
+QWEN2 = {"model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
+
+
+def memory_context(device: str, memory: int | None = None):
+    from rlplat.plan.estimate import MemoryContext
+
+    return MemoryContext(role="rollout", processes=1, device=device, device_memory=memory, prompt_length=16, response_length=16,
+                         sequences_per_process=8, free_between_phases=True)
+
+
+def test_on_cpu_the_plan_counts_a_kv_cache_of_cpu_kv_cache_gib_held_in_every_phase():
+    from rlplat_rollout_sglang.memory import estimate
+
+    plan = estimate({"model_path": "/m", "dtype": "float32", "cpu_kv_cache_gib": 0.5}, QWEN2, memory_context("cpu"))
+    kv = next(item for item in plan.items if item.name == "KV cache")
+    assert kv.bytes == 1 << 29 and kv.calls == ("resident",) and not plan.problems
+    tiny = estimate({"model_path": "/m", "dtype": "float32", "cpu_kv_cache_gib": 1e-6}, QWEN2, memory_context("cpu"))
+    assert "sglang: rollout.config.cpu_kv_cache_gib=1e-06 holds" in tiny.problems[0] and "less than one sequence (32)" in tiny.problems[0]
+
+
+def test_on_gpus_the_plan_takes_mem_fraction_static_and_frees_it_between_phases_with_the_memory_saver():
+    from rlplat_rollout_sglang.memory import estimate
+
+    plan = estimate({"model_path": "/m", "dtype": "bfloat16", "mem_fraction_static": 0.5}, QWEN2, memory_context("cuda", 80 << 30))
+    kv = next(item for item in plan.items if item.name == "KV cache")
+    assert kv.calls == ("generate", "wake_up") and "mem_fraction_static=0.5" in kv.detail
+    kept = estimate({"model_path": "/m", "enable_memory_saver": False}, QWEN2, memory_context("cuda", 80 << 30))
+    assert next(item for item in kept.items if item.name == "KV cache").calls == ("resident",)

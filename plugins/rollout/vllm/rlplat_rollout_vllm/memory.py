@@ -16,10 +16,10 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from rlplat.config_node import read_config_node
-from rlplat.plan.estimate import MemoryContext, MemoryEstimate, MemoryItem, ModelShape, dtype_bytes, fraction_rollout_estimate
+from rlplat.plan.estimate import MemoryContext, MemoryEstimate, ModelShape, fraction_rollout_estimate, host_rollout_estimate
 from rlplat_rollout_vllm.config import VLLMRolloutConfig
 from rlplat_rollout_vllm.platform import cpu_build_installed
-from rlplat_rollout_vllm.translate import CPU_BATCHED_TOKENS, GIB
+from rlplat_rollout_vllm.translate import CPU_BATCHED_TOKENS
 
 #: vLLM 0.33's defaults of max_num_batched_tokens and max_num_seqs for the offline engine.
 DEFAULT_BATCHED_TOKENS, DEFAULT_SEQUENCES = 8192, 256
@@ -38,26 +38,8 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
 
 
 def cpu_estimate(rollout: VLLMRolloutConfig, shape: ModelShape, dtype: str, context: MemoryContext) -> MemoryEstimate:
-    """Host memory of vLLM's CPU backend: the weights, the activation reserve of one scheduler step (prompts
-    prefilled whole: at least :data:`CPU_BATCHED_TOKENS` tokens), a KV cache of ``cpu_kv_cache_gib``, and one
-    bucket of the weight sync; all resident."""
-    b = dtype_bytes(dtype, "rollout.config.dtype of vllm")
-    parameters = shape.parameters("lm")
+    """Host memory of vLLM's CPU backend (no sleep mode there): prompts are prefilled whole, so a scheduler
+    step takes at least :data:`CPU_BATCHED_TOKENS` tokens; the KV cache is ``cpu_kv_cache_gib``."""
     tokens = rollout.max_num_batched_tokens or max(CPU_BATCHED_TOKENS, rollout.max_model_len or 0)
-    sequences = rollout.max_num_seqs or DEFAULT_SEQUENCES
-    reserve = tokens * b * (4 * shape.hidden_size + 3 * shape.active_intermediate()) + sequences * shape.vocab_size * 4 * 2
-    kv_bytes = int(rollout.cpu_kv_cache_gib * GIB)
-    per_token = shape.kv_cache_bytes_per_token(b)
-    held = int(kv_bytes // per_token)
-    items = (
-        MemoryItem("weights", parameters * b, ("resident",), f"{parameters:,} x {b} B ({dtype})"),
-        MemoryItem("activation reserve", reserve, ("resident",), f"{tokens:,} batched tokens through a layer + logits of {sequences} sequences"),
-        MemoryItem("KV cache", kv_bytes, ("resident",), f"rollout.config.cpu_kv_cache_gib={rollout.cpu_kv_cache_gib}: {held:,} tokens"),
-        MemoryItem("weight-update buffer", context.weight_bucket_bytes, ("wake_up",), "one bucket of the weight sync"),
-    )
-    problems: tuple[str, ...] = ()
-    if held < context.sequence_length:
-        problems = (f"vllm: rollout.config.cpu_kv_cache_gib={rollout.cpu_kv_cache_gib} holds {held:,} tokens, less than one "
-                    f"sequence ({context.sequence_length}); raise it",)
-    notes = ("vllm on CPU: the KV cache is cpu_kv_cache_gib of host memory; no sleep mode, so nothing is freed between phases",)
-    return MemoryEstimate(items, notes, problems)
+    return host_rollout_estimate("vllm", shape, dtype, rollout.cpu_kv_cache_gib, "rollout.config.cpu_kv_cache_gib", context,
+                                 tokens, rollout.max_num_seqs or DEFAULT_SEQUENCES)
