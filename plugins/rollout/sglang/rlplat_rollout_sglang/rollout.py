@@ -121,11 +121,11 @@ class SGLangRollout(BackendRolloutEngine):
     def seeds_for(self, sampling: SamplingParams, count: int) -> list[int | None]:
         """One seed per sample: derived from the call's seed, else drawn (SGLang's deterministic mode
         would otherwise give every unseeded request its default seed 42); None when SGLang ignores seeds."""
+        if not self.honours_seeds:
+            return [None] * count
         if sampling.seed is not None:
             return [sample_seed(sampling.seed, index) for index in range(count)]
-        if self.config.enable_deterministic_inference:
-            return [self.seeds.randrange(SEED_RANGE) for _ in range(count)]
-        return [None] * count
+        return [self.seeds.randrange(SEED_RANGE) for _ in range(count)]
 
     def check_ready(self) -> None:
         if self.state != AWAKE:

@@ -137,6 +137,10 @@ def cpu_engine_problems(config: SGLangRolloutConfig) -> list[str]:
                         "attention, and its seeded sampler needs CUDA or XPU: samples on CPU are not reproducible from a seed")
     if config.tp_size != 1:
         problems.append(f"tp_size={config.tp_size}: the CPU engine runs one process per engine here (tp_size=1)")
+    if config.max_lora_rank:
+        problems.append(f"max_lora_rank={config.max_lora_rank}: SGLang 0.5.23's LoRA layers allocate pinned host memory, which "
+                        "needs CUDA, so its CPU engine cannot serve LoRA adapters (measured); train LoRA with "
+                        "actor.lora.sync=merged instead (the merged weights reach the rollout as full updates)")
     return problems
 
 

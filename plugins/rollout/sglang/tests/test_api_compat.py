@@ -201,9 +201,18 @@ def test_on_the_cpu_engine_sleep_and_wake_leave_sglangs_memory_alone(cpu_hybrid,
     assert rollout.honours_seeds is False
 
 
+def test_without_deterministic_mode_no_seed_is_sent(cpu_hybrid):
+    """SGLang ignores ``sampling_seed`` outside its deterministic mode: the rollout sends none, and says so."""
+    rollout, engine = cpu_hybrid
+    rollout.generate(left_padded_prompts(PROMPTS, 0), SamplingParams(n=2, max_new_tokens=4, seed=3))
+    (_, _, request), = [call for call in engine.calls if call[0] == "generate"]
+    assert [params["sampling_seed"] for params in request["sampling_params"]] == [None] * 4 and not rollout.honours_seeds
+
+
 @pytest.mark.parametrize("setting, message", [
     ({"enable_memory_saver": True}, "torch_memory_saver, which is CUDA-only"),
     ({"enable_deterministic_inference": True}, "samples on CPU are not reproducible from a seed"),
+    ({"max_lora_rank": 8}, "its CPU engine cannot serve LoRA adapters"),
 ])
 def test_what_the_cpu_engine_cannot_do_is_refused_before_an_engine_starts(monkeypatch, model_dir, setting, message):
     RecordingEngine.created = []

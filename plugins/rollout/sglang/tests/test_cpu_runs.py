@@ -129,8 +129,8 @@ def test_a_separate_rollout_pool_on_ray_serves_sglang_within_the_staleness_bound
 
 def test_partial_rollouts_are_refused_at_load_with_the_reason(assets, tmp_path):
     """This rollout declares no ``partial_rollout_modes``: ``trainer.partial_rollout`` is refused before any worker starts."""
-    with pytest.raises(ConfigError, match="partial"):
-        load_config(overrides=small_run(assets, tmp_path / "partial", "trainer.mode=separate_async", "trainer.max_staleness=1",
+    with pytest.raises(ConfigError, match="rollout 'sglang' does not list 'keep' in its partial_rollout_modes \\(it cannot carry"):
+        load_config(overrides=small_run(assets, tmp_path / "partial", "trainer.mode=separate_async", "trainer.max_staleness=1", "cluster.backend=ray",
                                         "algorithm.rollout_correction.allow_uncorrected=true", "trainer.partial_rollout=keep"), algo="grpo")
 
 
@@ -140,3 +140,14 @@ def test_ppo_with_a_critic_runs_through_sglang(assets, tmp_path):
     assert [record["step"] for record in records] == [1, 2, 3]
     assert all("critic/vf_loss" in record for record in records)
     assert max(probed(records)) < 1e-5
+
+
+def test_lora_training_reaches_sglang_as_merged_weights(assets, tmp_path):
+    """SGLang's CPU engine cannot serve adapters (its LoRA layers need pinned memory, CUDA-only): with
+    ``actor.lora.sync=merged`` the adapter is merged into the weights the rollout gets at every sync; the probe on
+    every step holds its samples to the trainer's policy at 1e-5."""
+    records = fit_run(load_config(overrides=small_run(assets, tmp_path / "lora", "actor.lora.rank=8", "actor.lora.alpha=16",
+                                                      "actor.lora.sync=merged", "actor.optim.lr=1e-2", "trainer.total_training_steps=3"),
+                                  algo="grpo"))
+    assert [record["step"] for record in records] == [1, 2, 3]
+    assert len(probed(records)) == 3 and max(probed(records)) < 1e-5

@@ -147,8 +147,9 @@ def test_the_cpu_kv_cache_in_tokens_is_its_size_over_the_models_bytes_a_token():
 def test_what_the_cpu_engine_cannot_do_is_named():
     assert cpu_engine_problems(SGLangRolloutConfig(model_path="/m")) == []
     problems = cpu_engine_problems(SGLangRolloutConfig(model_path="/m", mode="server", enable_memory_saver=True,
-                                                       enable_deterministic_inference=True, tp_size=2))
-    assert len(problems) == 3 and "CUDA-only" in problems[0] and "not reproducible from a seed" in problems[1] and "tp_size=2" in problems[2]
+                                                       enable_deterministic_inference=True, tp_size=2, max_lora_rank=8))
+    assert len(problems) == 4 and "CUDA-only" in problems[0] and "not reproducible from a seed" in problems[1] and "tp_size=2" in problems[2]
+    assert "cannot serve LoRA adapters" in problems[3] and "actor.lora.sync=merged" in problems[3]
 
 
 # -- configuration errors ----------------------------------------------------------------------------
