@@ -115,7 +115,7 @@ $(BENCH_STAMP): pyproject.toml constraints.txt constraints/common.txt Makefile $
 	$(BENCH_VENV)/bin/python -m pip install --quiet -c constraints.txt $(TORCH) trl==1.16.0
 	touch $@
 
-bench: $(BENCH_STAMP) $(VLLM_CPU_STAMP)
+bench: $(BENCH_STAMP) $(VLLM_CPU_STAMP) $(SGLANG_CPU_STAMP)
 	$(BENCH_VENV)/bin/python bench/dataproto_vs_verl.py
 	$(BENCH_VENV)/bin/python bench/dispatch_overhead.py
 	$(BENCH_VENV)/bin/python bench/hf_rollout.py
@@ -139,6 +139,7 @@ bench: $(BENCH_STAMP) $(VLLM_CPU_STAMP)
 	$(BENCH_VENV)/bin/python bench/long_context.py --engine megatron
 	$(BENCH_VENV)/bin/python bench/tinker_service.py
 	$(VLLM_CPU_PY) bench/vllm_rollout.py
+	$(BENCH_VENV)/bin/python bench/rollout_backends.py
 
 # verl 0.9.1's own DataProto tests (tests/test_protocol_on_cpu.py, from its wheel) run against rlplat's
 # DataProto. verl comes without its dependencies into .verl-compat/ (rlplat's torch, ray and tensordict serve

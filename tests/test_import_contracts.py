@@ -13,15 +13,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def plugin_packages() -> set[str]:
-    """The packages of the plugin distributions under ``plugins/`` (``[tool.setuptools] packages``)."""
+    """The packages of the plugin distributions under ``plugins/`` (``[tool.setuptools] packages``): those that
+    declare themselves in the ``rlplat`` entry-point group (not a backend's stand-in shipped beside a plugin, such
+    as the sglang rollout's ``sgl_kernel`` for CPUs)."""
     import tomllib
 
     packages = set()
     for pyproject in ROOT.glob("plugins/**/pyproject.toml"):
         if "tests" in pyproject.parts:
             continue
-        declared = tomllib.loads(pyproject.read_text()).get("tool", {}).get("setuptools", {}).get("packages", [])
-        packages.update(name.split(".")[0] for name in declared)
+        config = tomllib.loads(pyproject.read_text())
+        if "rlplat" not in config.get("project", {}).get("entry-points", {}):
+            continue
+        packages.update(name.split(".")[0] for name in config.get("tool", {}).get("setuptools", {}).get("packages", []))
     return packages
 
 

@@ -318,6 +318,15 @@ def new_weights() -> list[tuple[str, torch.Tensor]]:
     return random_weights(trainer_weights(tiny_causal_lm(seed=0)), seed=1)
 
 
+#: Two float32 computations of :func:`new_weights`' log-probs (a recomputed prefix against a fresh call) agree to
+#: this. Those weights are about 25x the tiny model's own (a varied greedy continuation needs a peaked model), and
+#: the float32 log-probs of its greedy tokens stray from a float64 forward's by up to 5.7e-6 with AVX-512 kernels
+#: and 1.3e-5 with torch's default ones (measured with transformers): two float32 computations may differ by twice
+#: that, depending on the CPU, so KERNEL_TOLERANCE (1e-5, for the well-conditioned tiny model) does not hold
+#: everywhere. A stale weight or a wrong prefix moves them by more than 1e-2.
+NEW_WEIGHTS_TOLERANCE = 5e-5
+
+
 def greedy(tokens: int) -> SamplingParams:
     return SamplingParams(greedy=True, max_new_tokens=tokens)
 
@@ -370,7 +379,7 @@ def test_recompute_continues_as_a_fresh_greedy_generation_with_the_new_weights_f
     assert output.versions == [10] * k + [11] * (n - k) and k < n
     fresh = asyncio.run(engine.generate_tokens(PARTIAL_PROMPT + output.token_ids[:k], greedy(PARTIAL_TOKENS - k)))
     assert fresh.token_ids == output.token_ids[k:] and fresh.finish_reason == output.finish_reason
-    assert (torch.tensor(fresh.log_probs) - torch.tensor(output.log_probs[k:])).abs().max() < KERNEL_TOLERANCE
+    assert (torch.tensor(fresh.log_probs) - torch.tensor(output.log_probs[k:])).abs().max() < NEW_WEIGHTS_TOLERANCE
 
 
 def test_recompute_with_unchanged_weights_keeps_a_seeded_calls_random_stream(hybrid_engine):
