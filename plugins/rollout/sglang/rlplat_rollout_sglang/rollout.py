@@ -1,9 +1,11 @@
-"""The ``sglang`` rollout engine: SGLang 0.5.23 in the worker process (hybrid) or behind its HTTP server.
+"""The ``sglang`` rollout engine: SGLang 0.5.23 in the worker process (hybrid) or behind its HTTP server, on
+GPUs or through SGLang's CPU engine (:mod:`rlplat_rollout_sglang.platform`).
 
 Weights move with ``update_weights_from_tensor``: each bucket is pickled as CUDA IPC handles (SGLang's
-``MultiprocessingSerializer``) and loaded by the scheduler straight from the trainer's GPU memory. Memory
-is freed with ``release_memory_occupation`` (torch_memory_saver) and resumed in two stages, weights then
-KV cache and CUDA graphs, so that the buckets load before the KV cache claims its memory.
+``MultiprocessingSerializer``) and loaded by the scheduler straight from the trainer's GPU memory; on CPUs, as
+shared-memory copies. Memory is freed with ``release_memory_occupation`` (torch_memory_saver, GPUs only) and
+resumed in two stages, weights then KV cache and CUDA graphs, so that the buckets load before the KV cache
+claims its memory.
 
 LoRA adapters (``rollout.config.max_lora_rank`` above 0) go through SGLang's LoRA support: each
 :meth:`load_adapter` hands the tensors over with ``load_lora_adapter_from_tensors`` (server: ``POST

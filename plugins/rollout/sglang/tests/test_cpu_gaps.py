@@ -91,3 +91,13 @@ def test_the_torchvision_script_may_run_again_and_refuses_a_file_it_does_not_kno
     assert guarded(once) == once and "_has_ops() else (lambda fn: fn))" in once
     with pytest.raises(ValueError, match="registration of torchvision::qnms is not the one this script knows"):
         guarded(text.replace("qnms", "other"))
+
+
+def test_rlplat_doctor_finds_no_known_bad_combination_in_this_environment():
+    """sglang beside the CPU torch, without its CUDA dependencies, is what this environment is: doctor says so in a
+    note and reports no error."""
+    from rlplat import doctor
+
+    problems = doctor.diagnose(doctor.installed_versions())
+    assert not [problem.message for problem in problems if problem.severity == "error"]
+    assert any("installs sglang without its CUDA dependency list" in problem.message for problem in problems)

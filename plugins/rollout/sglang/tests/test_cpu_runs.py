@@ -69,18 +69,18 @@ def small_run(assets, output_dir, *extra) -> list[str]:
 
 def test_the_demos_grpo_learns_through_sglang_with_the_sync_probe_on_every_step(tmp_path):
     """``rlplat run --algo grpo --engine fsdp2 --rollout sglang`` on the built-in demo, its settings and cosine
-    schedule over 120 steps: greedy validation accuracy rises by at least 0.15 (the README gives the 300-step
-    curve), and every step's weight sync passes the probe at 1e-5."""
+    schedule over 200 steps: greedy validation accuracy rises by at least 0.15 (measured over 300 steps:
+    0.445 -> 0.67 at step 200, 0.745 at 300; over 120: 0.61), and every step's weight sync passes the probe at 1e-5."""
     from rlplat_demo import overrides
 
     config = load_config(overrides=[*overrides(), *SGLANG, *QUIET, f"trainer.output_dir={tmp_path / 'demo'}",
-                                    "trainer.total_training_steps=120", "trainer.test_freq=40"], algo="grpo", engine="fsdp2", rollout="sglang")
+                                    "trainer.total_training_steps=200", "trainer.test_freq=50"], algo="grpo", engine="fsdp2", rollout="sglang")
     records = fit_run(config)
     accuracy = [(record["step"], record["val/arith/acc/mean"]) for record in records if "val/arith/acc/mean" in record]
     differences = probed(records)
     print(f"greedy validation accuracy: {accuracy}; sync probe per token: max {max(differences):.2e} over {len(differences)} steps")
     assert accuracy[0][0] == 0 and max(value for _, value in accuracy[1:]) - accuracy[0][1] >= 0.15, accuracy
-    assert len(differences) == 120 and max(differences) < 1e-5
+    assert len(differences) == 200 and max(differences) < 1e-5
 
 
 def test_the_tool_demo_calls_its_calculator_more_often_through_sglang(tmp_path):
