@@ -30,7 +30,7 @@ from rlplat.kits.rollout_batch import (BackendRolloutEngine, assemble_rollout, c
                                        tied_weight_aliases, transfer_copy)
 from rlplat_rollout_sglang.backends import InProcessBackend, ServerBackend
 from rlplat_rollout_sglang.config import SGLangRolloutConfig
-from rlplat_rollout_sglang.platform import use_cpu_engine
+from rlplat_rollout_sglang.platform import cpu_engine, use_cpu_engine
 from rlplat_rollout_sglang.weights import check_bucket, expected_shapes
 from rlplat_rollout_sglang.translate import (
     ALL_MEMORY_TAGS,
@@ -63,7 +63,9 @@ class SGLangRollout(BackendRolloutEngine):
     top-k / top-p renormalisation (greedy, and so ``top_k=1``: ``log_softmax(logits)``).
     """
 
-    supports_adapters = True
+    # SGLang 0.5.23's LoRA layers pin host memory (CUDA-only): its CPU engine serves no adapters, which a run's
+    # actor.lora.sync=adapter learns at load (read where the rollout is looked up; no sglang import)
+    supports_adapters = not cpu_engine()
 
     @classmethod
     def estimate_memory(cls, config: Any, model_config: Mapping[str, Any], context: Any) -> Any:

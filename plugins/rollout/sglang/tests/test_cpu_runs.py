@@ -134,6 +134,14 @@ def test_partial_rollouts_are_refused_at_load_with_the_reason(assets, tmp_path):
                                         "algorithm.rollout_correction.allow_uncorrected=true", "trainer.partial_rollout=keep"), algo="grpo")
 
 
+def test_lora_adapters_are_refused_at_load_on_the_cpu_engine(assets, tmp_path):
+    """``actor.lora.sync=adapter`` needs a rollout that loads adapters: SGLang's CPU engine cannot (its LoRA layers
+    pin host memory), so the run is refused before any worker starts, pointing at ``merged``."""
+    with pytest.raises(ConfigError, match=r"rollout 'sglang' cannot load adapters .*use actor.lora.sync=merged"):
+        load_config(overrides=small_run(assets, tmp_path / "adapter", "actor.lora.rank=8", "actor.lora.sync=adapter",
+                                        "rollout.config.max_lora_rank=8"), algo="grpo")
+
+
 def test_ppo_with_a_critic_runs_through_sglang(assets, tmp_path):
     records = fit_run(load_config(overrides=small_run(assets, tmp_path / "ppo", "critic.ppo_mini_batch_size=4", "critic.micro_batch_size_per_gpu=8",
                                                       "trainer.total_training_steps=3"), algo="ppo"))
