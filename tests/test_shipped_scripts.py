@@ -57,7 +57,8 @@ def top_level_names(path: Path) -> set[str]:
             names.add(node.name)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names.update(target.id for target in targets if isinstance(target, ast.Name))
+            for target in targets:  # a name, or names unpacked (``A, B = 1, 2``)
+                names.update(element.id for element in ast.walk(target) if isinstance(element, ast.Name))
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
     return names
