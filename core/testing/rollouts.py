@@ -376,6 +376,28 @@ class RolloutEngineConformance:
         assert_same_samples(before, rollout.generate(prompts, sampling))
 
 
+def log_probs_after_syncs(rollout, trainer, prompts: DataProto, sampling: SamplingParams, loss_fn, steps: int = 3,
+                          bucket_bytes: int = 100_000) -> list[float]:
+    """For each of ``steps`` steps: ``rollout`` samples ``prompts``, ``trainer`` (a training engine on the same
+    model, its ``init_model`` done) takes one step of ``loss_fn`` on the samples and syncs its weights into the
+    rollout in buckets of ``bucket_bytes`` (as the trainer does), and the rollout samples again: the largest
+    difference per token between the rollout's log-probs of those samples and the engine's forward of them. The
+    rollout keeps the last weights."""
+    differences = []
+    for _ in range(steps):
+        out = rollout.generate(prompts, sampling)
+        batch = out.select(batch_keys=["input_ids", "attention_mask", "position_ids", "responses", "response_mask"])
+        batch.meta_info.update(temperature=sampling.temperature, global_token_count=int(out.batch["response_mask"].sum()))
+        trainer.train_batch(batch, loss_fn)
+        for bucket in trainer.named_weights(bucket_bytes=bucket_bytes):
+            rollout.update_weights(bucket)
+        synced = rollout.generate(prompts, sampling)
+        expected = trainer.forward(synced.select(batch_keys=["input_ids", "attention_mask", "position_ids", "responses"]))
+        mask = synced.batch["response_mask"]
+        differences.append(float(((expected.batch["log_probs"] - synced.batch["rollout_log_probs"]) * mask).abs().max()))
+    return differences
+
+
 TINY_MODEL_PROMPTS = [[1, 5, 6, 14, 7, 8, 15], [1, 9, 14, 10, 15], [1, 4, 15]]
 
 

@@ -1,5 +1,6 @@
-"""Whole training runs from tests: :func:`fit_run`, :func:`fit_overrides`, and a tiny task for short runs
-(:func:`doubling_assets`, :func:`doubling_overrides`)."""
+"""Whole training runs from tests: :func:`fit_run`, :func:`fit_overrides`, tiny tasks for short runs
+(:func:`doubling_assets`, :func:`doubling_overrides`; :func:`sums_assets`, :func:`sums_overrides`, which the
+backend rollouts' run tests share), and :func:`probed` (the sync probe's figures of a run)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,27 @@ def doubling_overrides(assets: dict[str, str], run: Any, *extra: str) -> list[st
             "actor.micro_batch_size_per_gpu=4", "reward.scorer=exact_match", "cluster.backend=local",
             "cluster.threads_per_process=1", f"trainer.output_dir={run}", "trainer.logger=[jsonl]",
             "trainer.val_before_train=false", "trainer.total_training_steps=4", *extra]
+
+
+def probed(records: list[dict]) -> list[float]:
+    """The weight-sync probe's mean absolute log-prob difference per token, of every step of ``records`` that ran it."""
+    return [record["sync_probe/mean_abs_diff"] for record in records if "sync_probe/mean_abs_diff" in record]
+
+
+def sums_assets(root: Path) -> dict[str, str]:
+    """A tiny random model and twelve "a+b=" prompts under ``root``: ``{"model", "train"}``."""
+    from rlplat.data import write_parquet
+    from rlplat.testing.tiny_models import save_tiny_model
+
+    rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+             "reward_model": {"ground_truth": str(a + b)}} for a, b in [(i, 3 * i % 7) for i in range(12)]]
+    return {"model": save_tiny_model(Path(root) / "model", seed=0), "train": write_parquet(rows, Path(root) / "train.parquet")}
+
+
+def sums_overrides(assets: dict[str, str], run: Any, *extra: str) -> list[str]:
+    """A short GRPO run on :func:`sums_assets` in this process (4 prompts x 2 samples of 3 tokens a step), writing
+    metrics only (JSONL) to ``run``, no validation, no checkpoints; ``extra`` (the rollout, the steps) comes last."""
+    return [f"model.path={assets['model']}", f"data.train_files=[{assets['train']}]", "data.train_batch_size=4",
+            "actor.ppo_mini_batch_size=4", "rollout.n=2", "rollout.response_length=3", "actor.optim.lr=1e-3",
+            "actor.micro_batch_size_per_gpu=8", "reward.scorer=exact_match", "cluster.backend=local", "cluster.threads_per_process=1",
+            f"trainer.output_dir={run}", "trainer.val_before_train=false", "trainer.logger=[jsonl]", "trainer.save_freq=0", *extra]

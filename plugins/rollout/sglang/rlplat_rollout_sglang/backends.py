@@ -183,6 +183,14 @@ class InProcessBackend:
             return
         with self.lock:
             self.engine.shutdown()
+            # the engine's event loop still holds its request-handling tasks, which asyncio would report as
+            # "destroyed but pending" at exit (to streams that may be closed by then): end them here
+            loop = getattr(self.engine, "loop", None)
+            if isinstance(loop, asyncio.AbstractEventLoop) and not loop.is_closed() and not loop.is_running():
+                pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+                for task in pending:
+                    task.cancel()
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.closed = True
 
 

@@ -22,9 +22,7 @@ if not cpu_engine():
     pytest.skip("the installed SGLang is a CUDA build: `make gpu-check-sglang` runs a GRPO run through it", allow_module_level=True)
 
 from rlplat.config import ConfigError, load_config  # noqa: E402
-from rlplat.data import write_parquet  # noqa: E402
-from rlplat.testing.runs import fit_run  # noqa: E402
-from rlplat.testing.tiny_models import save_tiny_model  # noqa: E402
+from rlplat.testing.runs import fit_run, probed, sums_assets, sums_overrides  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -32,10 +30,6 @@ pytestmark = pytest.mark.slow
 SGLANG = ["rollout.name=sglang", "rollout.config.dtype=float32", "rollout.config.cpu_kv_cache_gib=0.1",
           "rollout.sync_probe.freq=1", "rollout.sync_probe.tolerance=1e-5"]
 QUIET = ["trainer.logger=[jsonl]", "trainer.save_freq=0"]
-
-
-def probed(records: list[dict]) -> list[float]:
-    return [record["sync_probe/mean_abs_diff"] for record in records if "sync_probe/mean_abs_diff" in record]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,20 +45,11 @@ def no_ray_left_running():
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sglang_run_assets")
-    model = save_tiny_model(root / "model", seed=0)
-    rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{a}+{b}="}],
-             "reward_model": {"ground_truth": str(a + b)}} for a, b in [(i, 3 * i % 7) for i in range(12)]]
-    return {"model": model, "train": write_parquet(rows, root / "train.parquet")}
+    return sums_assets(tmp_path_factory.mktemp("sglang_run_assets"))
 
 
 def small_run(assets, output_dir, *extra) -> list[str]:
-    return [
-        f"model.path={assets['model']}", f"data.train_files=[{assets['train']}]", "data.train_batch_size=4",
-        "actor.ppo_mini_batch_size=4", "rollout.n=2", "rollout.response_length=3", "actor.optim.lr=1e-3",
-        "actor.micro_batch_size_per_gpu=8", "reward.scorer=exact_match", "cluster.backend=local", "cluster.threads_per_process=1",
-        f"trainer.output_dir={output_dir}", "trainer.val_before_train=false", *QUIET, *SGLANG, *extra,
-    ]
+    return sums_overrides(assets, output_dir, *SGLANG, *extra)
 
 
 def test_the_demos_grpo_learns_through_sglang_with_the_sync_probe_on_every_step(tmp_path):

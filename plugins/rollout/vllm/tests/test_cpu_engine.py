@@ -28,7 +28,7 @@ from rlplat.contracts.rollout import SamplingParams  # noqa: E402
 from rlplat.protocol import DataProto  # noqa: E402
 from rlplat.testing import RolloutEngineConformance, TinyModelRolloutFixtures, left_padded_prompts  # noqa: E402
 from rlplat.testing.engines import TokenMeanNLL  # noqa: E402
-from rlplat.testing.rollouts import TINY_MODEL_PROMPTS as PROMPTS  # noqa: E402
+from rlplat.testing.rollouts import TINY_MODEL_PROMPTS as PROMPTS, log_probs_after_syncs  # noqa: E402
 from rlplat.testing.tiny_models import tiny_causal_lm  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -178,23 +178,9 @@ def test_log_probs_after_every_sync_from_the_fsdp2_engine_equal_the_engines(engi
 
     trainer = FSDP2Engine({"model_path": model_dir, "dtype": "float32", "lr": 3e-2, "seed": 7, "micro_batch_size_per_gpu": 8})
     trainer.init_model()
-    prompts, sampling = left_padded_prompts(PROMPTS, 0), SamplingParams(n=2, max_new_tokens=6, seed=21)
-    differences = []
+    assert "lm_head.weight" not in {name for bucket in trainer.named_weights() for name, _ in bucket}  # tied: sent once, as the embedding
     try:
-        for step in range(3):
-            out = engine.generate(prompts, sampling)
-            batch = out.select(batch_keys=["input_ids", "attention_mask", "position_ids", "responses", "response_mask"])
-            batch.meta_info.update(temperature=1.0, global_token_count=int(out.batch["response_mask"].sum()))
-            trainer.train_batch(batch, TokenMeanNLL())
-            names = []
-            for bucket in trainer.named_weights(bucket_bytes=100_000):
-                names += [name for name, _ in bucket]
-                engine.update_weights(bucket)
-            assert "lm_head.weight" not in names  # tied: sent once
-            synced = engine.generate(prompts, sampling)
-            expected = trainer.forward(synced.select(batch_keys=["input_ids", "attention_mask", "position_ids", "responses"]))
-            mask = synced.batch["response_mask"]
-            differences.append(float(((expected.batch["log_probs"] - synced.batch["rollout_log_probs"]) * mask).abs().max()))
+        differences = log_probs_after_syncs(engine, trainer, left_padded_prompts(PROMPTS, 0), SamplingParams(n=2, max_new_tokens=6, seed=21), TokenMeanNLL())
     finally:
         engine.update_weights(trainer_weights(tiny_causal_lm(seed=0)))
     print(f"rollout vs fsdp2 log-probs after each sync: {differences}")
