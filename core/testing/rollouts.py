@@ -376,6 +376,41 @@ class RolloutEngineConformance:
         assert_same_samples(before, rollout.generate(prompts, sampling))
 
 
+def trainer_weights(model) -> list[tuple[str, torch.Tensor]]:
+    """A transformers model's weights as a training engine sends them (copies; a tied output layer once, under
+    the embedding's name)."""
+    return [(name, tensor.detach().clone()) for name, tensor in model.state_dict().items() if name != "lm_head.weight"]
+
+
+def transformers_log_probs(model, out: DataProto, temperature: float = 1.0) -> torch.Tensor:
+    """``[B, R]`` log-probs of the responses of a rollout's output ``out`` under the transformers ``model`` (one
+    float32 forward of the padded rows, ``log softmax(logits / temperature)``), 0 where masked."""
+    with torch.no_grad():
+        logits = model(input_ids=out.batch["input_ids"], attention_mask=out.batch["attention_mask"],
+                       position_ids=out.batch["position_ids"]).logits.float()
+    prompt_length = out.batch["prompts"].shape[1]
+    expected = torch.log_softmax(logits[:, prompt_length - 1 : -1] / temperature, -1)
+    return expected.gather(-1, out.batch["responses"][..., None]).squeeze(-1) * out.batch["response_mask"]
+
+
+def concurrent_calls_difference(rollout, model, prompts: list[list[int]], calls: int = 6, seeded: bool = True) -> float:
+    """``calls`` concurrent ``generate_tokens`` calls (4 new tokens, over ``prompts`` in turn; seeded with their
+    index when ``seeded``): the largest difference between a call's log-probs and the transformers ``model``'s
+    of the same tokens."""
+    async def all_at_once():
+        return await asyncio.gather(*(rollout.generate_tokens(prompts[index % len(prompts)], SamplingParams(
+            max_new_tokens=4, seed=index if seeded else None)) for index in range(calls)))
+
+    largest = 0.0
+    for index, output in enumerate(asyncio.run(all_at_once())):
+        prompt = prompts[index % len(prompts)]
+        with torch.no_grad():
+            log_probs = torch.log_softmax(model(torch.tensor([prompt + output.token_ids])).logits[0, len(prompt) - 1 : -1].float(), -1)
+        expected = log_probs.gather(-1, torch.tensor(output.token_ids)[:, None]).squeeze(-1)
+        largest = max(largest, float((expected - torch.tensor(output.log_probs)).abs().max()))
+    return largest
+
+
 def log_probs_after_syncs(rollout, trainer, prompts: DataProto, sampling: SamplingParams, loss_fn, steps: int = 3,
                           bucket_bytes: int = 100_000) -> list[float]:
     """For each of ``steps`` steps: ``rollout`` samples ``prompts``, ``trainer`` (a training engine on the same

@@ -16,7 +16,6 @@ tensor moves them by more than 1e-2.
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 import torch
@@ -30,7 +29,8 @@ if not cpu_engine():
 from rlplat.contracts.rollout import SamplingParams  # noqa: E402
 from rlplat.testing import RolloutEngineConformance, TinyModelRolloutFixtures, left_padded_prompts  # noqa: E402
 from rlplat.testing.engines import TokenMeanNLL  # noqa: E402
-from rlplat.testing.rollouts import TINY_MODEL_PROMPTS as PROMPTS, log_probs_after_syncs  # noqa: E402
+from rlplat.testing.rollouts import TINY_MODEL_PROMPTS as PROMPTS  # noqa: E402
+from rlplat.testing.rollouts import concurrent_calls_difference, log_probs_after_syncs, trainer_weights, transformers_log_probs  # noqa: E402
 from rlplat.testing.tiny_models import tiny_causal_lm  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -43,24 +43,9 @@ SYNC_TOLERANCE = 1e-5
 GREEDY = SamplingParams(n=2, max_new_tokens=6, greedy=True)
 
 
-def trainer_weights(model) -> list[tuple[str, torch.Tensor]]:
-    """The model's weights as a training engine sends them: a tied output layer once, under the
-    embedding's name."""
-    return [(name, tensor.detach().clone()) for name, tensor in model.state_dict().items() if name != "lm_head.weight"]
-
-
 def other_weights(seed: int) -> list[tuple[str, torch.Tensor]]:
     """The weights of another tiny model (the same initialisation, another seed): samples change."""
     return trainer_weights(tiny_causal_lm(seed=seed))
-
-
-def transformers_log_probs(model, out, temperature: float = 1.0) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(input_ids=out.batch["input_ids"], attention_mask=out.batch["attention_mask"],
-                       position_ids=out.batch["position_ids"]).logits.float()
-    prompt_length = out.batch["prompts"].shape[1]
-    expected = torch.log_softmax(logits[:, prompt_length - 1 : -1] / temperature, -1)
-    return expected.gather(-1, out.batch["responses"][..., None]).squeeze(-1) * out.batch["response_mask"]
 
 
 def difference_to(model, out, temperature: float = 1.0) -> float:
@@ -204,23 +189,12 @@ def test_the_training_engines_parameters_are_sent_as_copies(hybrid_engine):
 
 
 def test_concurrent_agent_calls_after_an_update_see_the_new_weights(hybrid_engine):
-    own = trainer_weights(tiny_causal_lm(seed=0))
     model = tiny_causal_lm(seed=3).eval()
     try:
         hybrid_engine.update_weights(trainer_weights(model))
-
-        async def calls():
-            return await asyncio.gather(*(hybrid_engine.generate_tokens(PROMPTS[i % 3], SamplingParams(max_new_tokens=4)) for i in range(6)))
-
-        for index, output in enumerate(asyncio.run(calls())):
-            prompt = PROMPTS[index % 3]
-            ids = torch.tensor([prompt + output.token_ids])
-            with torch.no_grad():
-                log_probs = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
-            expected = log_probs.gather(-1, torch.tensor(output.token_ids)[:, None]).squeeze(-1)
-            assert (expected - torch.tensor(output.log_probs)).abs().max() < KERNEL_TOLERANCE
+        assert concurrent_calls_difference(hybrid_engine, model, PROMPTS, seeded=False) < KERNEL_TOLERANCE
     finally:
-        hybrid_engine.update_weights(own)
+        hybrid_engine.update_weights(trainer_weights(tiny_causal_lm(seed=0)))
 
 
 def test_log_probs_after_every_sync_from_the_fsdp2_engine_equal_the_engines(engine, model_dir):

@@ -28,7 +28,8 @@ from rlplat.contracts.rollout import SamplingParams  # noqa: E402
 from rlplat.protocol import DataProto  # noqa: E402
 from rlplat.testing import RolloutEngineConformance, TinyModelRolloutFixtures, left_padded_prompts  # noqa: E402
 from rlplat.testing.engines import TokenMeanNLL  # noqa: E402
-from rlplat.testing.rollouts import TINY_MODEL_PROMPTS as PROMPTS, log_probs_after_syncs  # noqa: E402
+from rlplat.testing.rollouts import TINY_MODEL_PROMPTS as PROMPTS  # noqa: E402
+from rlplat.testing.rollouts import concurrent_calls_difference, log_probs_after_syncs, trainer_weights, transformers_log_probs  # noqa: E402
 from rlplat.testing.tiny_models import tiny_causal_lm  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -42,24 +43,9 @@ KERNEL_TOLERANCE = 1e-5
 SYNC_TOLERANCE = 1e-5
 
 
-def trainer_weights(model) -> list[tuple[str, torch.Tensor]]:
-    """The model's weights as a training engine sends them: a tied output layer once, under the
-    embedding's name."""
-    return [(name, tensor.detach().clone()) for name, tensor in model.state_dict().items() if name != "lm_head.weight"]
-
-
 def random_weights(like: list[tuple[str, torch.Tensor]], seed: int) -> list[tuple[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     return [(name, torch.randn(tensor.shape, generator=generator) * 0.5) for name, tensor in like]
-
-
-def transformers_log_probs(model, out, temperature: float = 1.0) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(input_ids=out.batch["input_ids"], attention_mask=out.batch["attention_mask"],
-                       position_ids=out.batch["position_ids"]).logits.float()
-    prompt_length = out.batch["prompts"].shape[1]
-    expected = torch.log_softmax(logits[:, prompt_length - 1 : -1] / temperature, -1)
-    return expected.gather(-1, out.batch["responses"][..., None]).squeeze(-1) * out.batch["response_mask"]
 
 
 # model_dir, hybrid_engine and server_engine (built with SETTINGS): conftest.py
@@ -151,23 +137,12 @@ def test_seeded_prompts_beyond_one_steps_token_budget_are_sampled(engine):
 
 
 def test_concurrent_agent_calls_after_an_update_see_the_new_weights(hybrid_engine):
-    own = trainer_weights(tiny_causal_lm(seed=0))
     model = tiny_causal_lm(seed=3).eval()
     try:
         hybrid_engine.update_weights(trainer_weights(model))
-
-        async def calls():
-            return await asyncio.gather(*(hybrid_engine.generate_tokens(PROMPTS[i % 3], SamplingParams(max_new_tokens=4, seed=i)) for i in range(6)))
-
-        for index, output in enumerate(asyncio.run(calls())):
-            prompt = PROMPTS[index % 3]
-            ids = torch.tensor([prompt + output.token_ids])
-            with torch.no_grad():
-                log_probs = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
-            expected = log_probs.gather(-1, torch.tensor(output.token_ids)[:, None]).squeeze(-1)
-            assert (expected - torch.tensor(output.log_probs)).abs().max() < KERNEL_TOLERANCE
+        assert concurrent_calls_difference(hybrid_engine, model, PROMPTS) < KERNEL_TOLERANCE
     finally:
-        hybrid_engine.update_weights(own)
+        hybrid_engine.update_weights(trainer_weights(tiny_causal_lm(seed=0)))
 
 
 def test_log_probs_after_every_sync_from_the_fsdp2_engine_equal_the_engines(engine, model_dir):
