@@ -8,7 +8,7 @@ per-row advantages drawn from a seeded normal. The update, both sides: the PPO c
 clipped at 1.0, AdamW lr 1e-4 (betas 0.9/0.999, eps 1e-8, no weight decay), float32.
 
 - ``engine``: ``FSDP2Engine`` on ``rlplat_demo.model_dir()`` (one rank, gloo) configured as a demo run
-  configures the actor (``core/config.py`` ``engine_node`` with the demo's overrides: one mini-batch, one
+  configures the actor (``core/rlplat/config/`` ``engine_node`` with the demo's overrides: one mini-batch, one
   micro-batch of 256 rows, packing on), ``train_batch`` with the grpo algorithm's ``ActorLoss``
   (token-mean, no KL) wrapped in ``OldLogProbsFromForward``, as ``update_actor`` runs it;
 - ``plain``: ``AutoModelForCausalLM`` + ``torch.optim.AdamW``, ``bench/plain_grpo.py``'s ``grpo_step``.
@@ -75,7 +75,7 @@ def demo_batch(seed: int = 0):
 
 
 def engine_config(options: list[str]) -> dict:
-    """The actor's engine node of a demo run (``core/config.py`` ``engine_node``), then ``options``."""
+    """The actor's engine node of a demo run (``core/rlplat/config/`` ``engine_node``), then ``options``."""
     import ast
 
     import rlplat_demo as demo

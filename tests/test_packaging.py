@@ -1,4 +1,4 @@
-"""The root distribution maps core/ to rlplat and cli/ to rlplat.cli and ships every subpackage."""
+"""The root distribution ships core/rlplat/ (the CLI at core/rlplat/cli/) with every subpackage."""
 
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_every_python_package_folder_is_listed_in_pyproject():
+def test_core_is_one_package_folder_and_every_python_folder_in_it_is_a_package():
+    """Like every plugin, core keeps its package in a folder of its own (core/rlplat/, the CLI at core/rlplat/cli/);
+    setuptools finds the subpackages, so a folder of Python files without ``__init__.py`` would be left out."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert config["package-dir"] == {"rlplat": "core", "rlplat.cli": "cli"}
-    found = set()
-    for top, folder in (("rlplat", ROOT / "core"), ("rlplat.cli", ROOT / "cli")):
-        for init in folder.rglob("__init__.py"):
-            relative = init.parent.relative_to(folder).parts
-            found.add(".".join((top, *relative)))
-    assert found == set(config["packages"])
+    assert config["package-dir"] == {"": "core"}
+    assert config["packages"]["find"] == {"where": ["core"], "include": ["rlplat*"]}
+    assert sorted(path.name for path in (ROOT / "core").iterdir() if path.name != "__pycache__") == ["rlplat"]
+    for folder in (ROOT / "core" / "rlplat").rglob("*"):
+        if folder.is_dir() and "__pycache__" not in folder.parts and any(folder.glob("*.py")):
+            assert (folder / "__init__.py").exists(), f"{folder} holds Python files but no __init__.py"
 
 
 def test_console_script_and_pytest_plugin_are_declared():

@@ -105,12 +105,12 @@ def test_a_file_of_a_package_folder_missing_from_its_wheel_is_named_with_where_i
                      "rlplat/cli/__init__.py"):
             archive.writestr(name, "")
     tree = [PurePosixPath(name) for name in (
-        "README.md", "core/__init__.py", "core/demo/__init__.py", "core/demo/assets/model/config.json",
-        "core/demo/assets/model/model.safetensors", "core/demo/__pycache__/x.pyc", "cli/__init__.py", "cli/run.py",
-        "tests/test_x.py")]
-    missing = build_script.files_missing_from_wheel(wheel, PurePosixPath("."), tree, {"rlplat": "core", "rlplat.cli": "cli"})
-    assert missing == ["core/demo/assets/model/model.safetensors (expected as rlplat/demo/assets/model/model.safetensors)",
-                       "cli/run.py (expected as rlplat/cli/run.py)"]
+        "README.md", "core/rlplat/__init__.py", "core/rlplat/demo/__init__.py", "core/rlplat/demo/assets/model/config.json",
+        "core/rlplat/demo/assets/model/model.safetensors", "core/rlplat/demo/__pycache__/x.pyc", "core/rlplat/cli/__init__.py",
+        "core/rlplat/cli/run.py", "tests/test_x.py")]
+    missing = build_script.files_missing_from_wheel(wheel, PurePosixPath("."), tree, {"": "core"})
+    assert missing == ["core/rlplat/demo/assets/model/model.safetensors (expected as rlplat/demo/assets/model/model.safetensors)",
+                       "core/rlplat/cli/run.py (expected as rlplat/cli/run.py)"]
 
 
 @pytest.fixture(scope="module")
