@@ -28,6 +28,13 @@ calls the same Hugging Face module either way, so every forward path is the same
 :meth:`export_hf` give the weights with the adapter merged in, computed as they are read; checkpoints
 hold the adapter and its optimizer state only.
 
+Optional features live in modules of their own, the engine's methods for them in base classes there:
+:mod:`~rlplat_engine_fsdp2.lora` (:class:`~rlplat_engine_fsdp2.lora.LoraMethods`),
+:mod:`~rlplat_engine_fsdp2.offload` (``param_offload``, ``optimizer_offload``),
+:mod:`~rlplat_engine_fsdp2.data_parallel` (the ``shard`` and ``replicate`` layouts), :mod:`~rlplat_engine_fsdp2.moe`
+(routing replay and router losses), :mod:`~rlplat_engine_fsdp2.ulysses` (sequence parallelism) and
+:mod:`~rlplat_engine_fsdp2.checkpoint` (checkpoints and the Hugging Face export).
+
 Every collective-bearing method (``init_model``, ``forward``, ``train_batch``, ``named_weights``,
 ``adapter_weights``, ``save``, ``load``, ``export_hf``, ``export_adapter``) must be called on every rank
 of the group, with batches of the same number of rows (the worker group's data-parallel dispatch
@@ -36,35 +43,33 @@ guarantees both).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
-import os
 import warnings
 from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rlplat.contracts.engine import DataParallelInfo, LossFunction, TrainingEngine
 from rlplat.kits.engine import WarmupSchedule, check_optimizer_settings, fixed_size_partition, token_budget_partition, tokenizer_folder, weight_buckets
 from rlplat.lora import LoraConfig, read_lora
 from rlplat.protocol import DataProto
-from rlplat.config.moe import MoEConfig, read_moe
-from rlplat.kits.moe import ROUTES, find_routers
-from rlplat_engine_fsdp2 import checkpoint, lora, modeling, ulysses
-from rlplat_engine_fsdp2.moe import EngineRouting
-from rlplat_engine_fsdp2.config import REDUCE_BUCKET_BYTES, FSDP2EngineConfig, read_engine_config
+from rlplat.kits.moe import ROUTES
+from rlplat_engine_fsdp2 import checkpoint, data_parallel, lora, modeling, ulysses
+from rlplat_engine_fsdp2.config import FSDP2EngineConfig, read_engine_config
+from rlplat_engine_fsdp2.data_parallel import full_tensor
+from rlplat_engine_fsdp2.lora import LoraMethods
+from rlplat_engine_fsdp2.moe import EngineRouting, build_routing
+from rlplat_engine_fsdp2.offload import Offload
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "responses")
 REWARD_MODEL_INPUTS = ("input_ids", "attention_mask")
 
 
-class FSDP2Engine(TrainingEngine):
+class FSDP2Engine(LoraMethods, Offload, TrainingEngine):
     """See the module docstring. ``FSDP2Engine(config, **overrides)``: ``config`` is an
     :class:`~rlplat_engine_fsdp2.config.FSDP2EngineConfig`, a mapping or an OmegaConf node; keyword
     arguments override its fields (``FSDP2Engine(config, lr=1e-5)``)."""
@@ -127,7 +132,7 @@ class FSDP2Engine(TrainingEngine):
         if self.lora is not None:
             # peft changes the Hugging Face module in place; the PeftModel around it is kept for its switches.
             self.peft_model = lora.attach_adapter(model, self.lora, config.seed, config.model_path)
-        self.routing = self.build_routing(model)
+        self.routing = build_routing(model, config.moe)
         reduce_dtype = modeling.TORCH_DTYPES[config.reduce_dtype]
         full_precision = (self.compute_dtype(), reduce_dtype) == (torch.float32, torch.float32)
         replicate = config.data_parallel == "replicate"
@@ -138,15 +143,11 @@ class FSDP2Engine(TrainingEngine):
         # every rank holds the whole model; gradients are all-reduced once per optimizer step
         self.replicated = not self.sharded and self.world_size > 1
         if self.sharded:
-            mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
-            policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype(), reduce_dtype=reduce_dtype)
-            for layer in modeling.decoder_layers(model):
-                fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
-            fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+            data_parallel.shard(model, self.device.type, self.world_size, self.compute_dtype(), reduce_dtype, config.reshard_after_forward)
         else:
             model.to(self.device)
             if self.replicated:  # the ranks built the same weights from the same seed or files; rank 0's are the truth
-                self.broadcast_from_rank0([*model.parameters(), *model.buffers()])
+                data_parallel.broadcast_from_rank0([*model.parameters(), *model.buffers()])
         self.module = model
         self.persistent_buffer_names: set[str] | None = None
         # The parameters the optimizer updates (FSDP2's shards, or the plain module's own); between a forward
@@ -166,23 +167,6 @@ class FSDP2Engine(TrainingEngine):
         torch.manual_seed(config.seed + self.rank)
         if config.param_offload:
             self.offload_parameters()
-
-    def build_routing(self, model: torch.nn.Module) -> EngineRouting | None:
-        """The MoE routing of ``model`` (None for a dense model; refused with ``moe`` set)."""
-        moe = read_moe(self.config.moe, "moe") if self.config.moe is not None else MoEConfig()
-        if find_routers(model):
-            return EngineRouting(model, moe)
-        if not moe.default:
-            raise ValueError(f"fsdp2 engine: actor.moe is set ({self.config.moe}), but {type(model).__name__} has no "
-                             "mixture-of-experts routers (router replay and router losses are for MoE models)")
-        return None
-
-    def require_lora(self, method: str) -> Any:
-        self.require_model(method)
-        if self.peft_model is None:
-            raise RuntimeError(f"FSDP2Engine.{method}(): this engine trains full weights (its config has no lora); "
-                               "LoRA adapters exist only with actor.lora.rank > 0")
-        return self.peft_model
 
     def data_parallel_info(self) -> DataParallelInfo:
         """``(dp_rank, dp_size, collect)``: with Ulysses the ``sp`` consecutive ranks of a group share the rows, the
@@ -234,22 +218,6 @@ class FSDP2Engine(TrainingEngine):
         keys += [ROUTES] if pieces and ROUTES in pieces[0] else []
         columns = {key: torch.cat([piece[key] for piece in pieces])[restore].cpu() for key in keys}
         return DataProto.from_dict(columns)
-
-    @contextlib.contextmanager
-    def adapter_disabled(self) -> Iterator[None]:
-        """Inside, :meth:`forward` runs the base model with the adapter switched off (peft's
-        ``disable_adapter``): the reference policy of a LoRA run. Training inside is refused. Raises
-        without LoRA."""
-        peft_model = self.require_lora("adapter_disabled")
-        if self.adapter_off:
-            yield
-            return
-        with peft_model.disable_adapter():
-            self.adapter_off = True
-            try:
-                yield
-            finally:
-                self.adapter_off = False
 
     def model_inputs(self) -> tuple[str, ...]:
         return REWARD_MODEL_INPUTS if self.config.reward_model else MODEL_INPUTS
@@ -447,7 +415,7 @@ class FSDP2Engine(TrainingEngine):
         update only."""
         settings = check_optimizer_settings(settings)
         if self.replicated:
-            self.all_reduce_gradients()
+            data_parallel.all_reduce_gradients(self.module, self.world_size)
         grad_norm = self.clip_gradients(settings.get("grad_clip", self.config.grad_clip))
         group = self.optimizer.param_groups[0]
         kept = {key: group[key] for key in ("lr", "betas", "eps", "weight_decay")}
@@ -516,47 +484,6 @@ class FSDP2Engine(TrainingEngine):
         response_length = batch.batch["responses"].shape[1]
         return batch.batch["attention_mask"][:, -response_length:]
 
-    def flat_buckets(self, tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-        """``tensors`` in consecutive groups of at most :data:`REDUCE_BUCKET_BYTES` (one tensor may exceed it)."""
-        bucket, size = [], 0
-        for tensor in tensors:
-            if bucket and size + tensor.numel() * tensor.element_size() > REDUCE_BUCKET_BYTES:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append(tensor)
-            size += tensor.numel() * tensor.element_size()
-        if bucket:
-            yield bucket
-
-    def all_reduce_gradients(self) -> None:
-        """``replicate``: every trainable parameter's gradient summed over the ranks and divided by their number
-        (what FSDP2's averaging reduce-scatter gives), flattened into buckets. A parameter this rank's forward
-        did not reach gets a zero gradient, so every rank reduces the same layout."""
-        for parameter in self.module.parameters():
-            if parameter.requires_grad and parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
-        gradients = [parameter.grad for parameter in self.module.parameters() if parameter.requires_grad]
-        for bucket in self.flat_buckets(gradients):
-            flat = torch.cat([gradient.reshape(-1) for gradient in bucket])
-            dist.all_reduce(flat)
-            flat.div_(self.world_size)
-            offset = 0
-            for gradient in bucket:
-                gradient.copy_(flat[offset : offset + gradient.numel()].view_as(gradient))
-                offset += gradient.numel()
-
-    def broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
-        """Rank 0's values of ``tensors`` on every rank (flattened into buckets per dtype)."""
-        with torch.no_grad():
-            for dtype in sorted({tensor.dtype for tensor in tensors}, key=str):
-                for bucket in self.flat_buckets([tensor for tensor in tensors if tensor.dtype == dtype]):
-                    flat = torch.cat([tensor.reshape(-1) for tensor in bucket])
-                    dist.broadcast(flat, src=0)
-                    offset = 0
-                    for tensor in bucket:
-                        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-                        offset += tensor.numel()
-
     def clip_gradients(self, grad_clip: float | None) -> float:
         max_norm = grad_clip if grad_clip is not None else math.inf
         parameters = [p for p in self.module.parameters() if p.grad is not None]
@@ -593,42 +520,12 @@ class FSDP2Engine(TrainingEngine):
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(Hugging Face name, full detached tensor)`` of every parameter and persistent buffer, one at a
         time (LoRA: merged unless the adapter is off, see :meth:`named_weights`). A collective."""
-        model = self.module
-        named = list(model.named_parameters()) + self.persistent_buffers()
-        layers = lora.adapter_layers(model) if self.peft_model is not None else {}
+        named = list(self.module.named_parameters()) + self.persistent_buffers()
+        if self.peft_model is not None:
+            yield from lora.merged_weights(named, lora.adapter_layers(self.module), merge=not self.adapter_off)
+            return
         for name, tensor in named:
-            if layers and lora.is_adapter_parameter(name):
-                continue
-            full = full_tensor(tensor).detach()
-            owner = lora.base_weight_owner(name) if layers else None
-            if owner in layers and not self.adapter_off:
-                layer = layers[owner]
-                full = lora.merged_weight(
-                    full, full_tensor(layer.lora_A[lora.ADAPTER].weight).detach(), full_tensor(layer.lora_B[lora.ADAPTER].weight).detach(),
-                    layer.scaling[lora.ADAPTER], layer.fan_in_fan_out,
-                )
-            yield (lora.hf_name(name) if layers else name), full
-
-    def adapter_weights(self) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]] | None:
-        """``(the adapter's peft config as JSON values, [(peft state-dict name, full tensor)])``; None
-        without LoRA. A collective."""
-        if self.lora is None:
-            return None
-        self.require_model("adapter_weights")
-        self.onload_parameters()
-        tensors = [(lora.peft_name(name), full_tensor(parameter).detach())
-                   for name, parameter in self.module.named_parameters() if lora.is_adapter_parameter(name)]
-        self.offload_parameters_if_configured()
-        return lora.adapter_config_dict(self.peft_model), tensors
-
-    def export_adapter(self, path: str) -> None:
-        """Write ``adapter_config.json`` and ``adapter_model.safetensors`` (rank 0), the folder
-        ``peft.PeftModel.from_pretrained(base, path)`` loads. A collective; raises without LoRA."""
-        self.require_lora("export_adapter")
-        config, tensors = self.adapter_weights()
-        if self.rank == 0:
-            lora.write_adapter(path, config, tensors)
-        dist.barrier()
+            yield name, full_tensor(tensor).detach()
 
     def shared_weights(self) -> list[tuple[str, torch.Tensor]] | None:
         """The model's full weights under the names :meth:`named_weights` gives (tied parameters once,
@@ -700,48 +597,6 @@ class FSDP2Engine(TrainingEngine):
     def tokenizer_path(self) -> str | None:
         return tokenizer_folder(self.config.tokenizer_path, self.config.model_path)
 
-    # -- offload -----------------------------------------------------------------------------------
-
-    def offload(self) -> None:
-        self.offload_parameters()
-        self.offload_optimizer()
-
-    def onload(self) -> None:
-        self.onload_parameters()
-        self.onload_optimizer()
-
-    def offload_parameters(self) -> None:
-        if self.device.type == "cpu" or self.params_offloaded:
-            return
-        self.module.to("cpu")
-        self.params_offloaded = True
-        torch.cuda.empty_cache()
-
-    def onload_parameters(self) -> None:
-        if self.params_offloaded:
-            self.module.to(self.device)
-            self.params_offloaded = False
-
-    def offload_optimizer(self) -> None:
-        if self.device.type == "cpu" or self.optimizer_offloaded:
-            return
-        move_optimizer_state(self.optimizer, torch.device("cpu"))
-        self.optimizer_offloaded = True
-        torch.cuda.empty_cache()
-
-    def onload_optimizer(self) -> None:
-        if self.optimizer_offloaded:
-            move_optimizer_state(self.optimizer, self.device)
-            self.optimizer_offloaded = False
-
-    def offload_parameters_if_configured(self) -> None:
-        if self.config.param_offload:
-            self.offload_parameters()
-
-    def offload_optimizer_if_configured(self) -> None:
-        if self.config.optimizer_offload:
-            self.offload_optimizer()
-
     # -- facts -------------------------------------------------------------------------------------
 
     @classmethod
@@ -783,16 +638,3 @@ def mask_counts(mask: torch.Tensor) -> tuple[float, float]:
     """Valid tokens of ``mask`` and its rows with one."""
     return float(mask.sum()), float((mask.sum(-1) > 0).sum())
 
-
-def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole of ``tensor``: gathered from every rank when it is FSDP2's DTensor (a collective), else itself."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and key != "step":
-                state[key] = value.to(device, non_blocking=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize()

@@ -14,17 +14,24 @@ the merged weights carry; :func:`peft_name` gives an adapter parameter's name in
 Merging. The rollout and the Hugging Face export get ``W + (B @ A) * scale`` computed from the full
 tensors as they are read (:func:`merged_weight`, peft's own formula and order of operations, so it
 equals ``merge_and_unload`` bit for bit); the training model is never merged in place.
+
+:class:`LoraMethods`, a base class of :class:`~rlplat_engine_fsdp2.engine.FSDP2Engine`, holds the engine's
+methods that exist for LoRA only: :meth:`~LoraMethods.adapter_disabled` (the base model, for the reference
+policy), :meth:`~LoraMethods.adapter_weights` and :meth:`~LoraMethods.export_adapter`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
 from rlplat.lora import LoraConfig
+from rlplat_engine_fsdp2.data_parallel import full_tensor
 
 #: peft's name for the one adapter the engine trains.
 ADAPTER = "default"
@@ -128,6 +135,25 @@ def merged_weight(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tens
     return weight + delta.to(weight.dtype)
 
 
+def merged_weights(named: list[tuple[str, torch.Tensor]], layers: dict[str, torch.nn.Module],
+                   merge: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(Hugging Face name, full detached tensor)`` of ``named`` (a LoRA model's parameters and buffers)
+    without the adapter's own, one at a time: the base weight of each of ``layers`` (:func:`adapter_layers`)
+    with its adapter merged in when ``merge``, else as it is. A collective (sharded tensors are gathered)."""
+    for name, tensor in named:
+        if is_adapter_parameter(name):
+            continue
+        full = full_tensor(tensor).detach()
+        owner = base_weight_owner(name)
+        if owner in layers and merge:
+            layer = layers[owner]
+            full = merged_weight(
+                full, full_tensor(layer.lora_A[ADAPTER].weight).detach(), full_tensor(layer.lora_B[ADAPTER].weight).detach(),
+                layer.scaling[ADAPTER], layer.fan_in_fan_out,
+            )
+        yield hf_name(name), full
+
+
 def adapter_config_dict(peft_model: Any) -> dict[str, Any]:
     """The adapter's ``peft.LoraConfig.to_dict()`` as JSON values (sets as sorted lists, enums as their
     strings), with ``inference_mode`` True as peft writes it to ``adapter_config.json``."""
@@ -146,3 +172,52 @@ def write_adapter(path: str, config: dict[str, Any], tensors: list[tuple[str, to
     (target / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file({name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors}, str(target / ADAPTER_WEIGHTS_FILE),
               metadata={"format": "pt"})
+
+
+class LoraMethods:
+    """The engine's methods for LoRA; they read the engine's ``lora`` (its :class:`LoraConfig`, None without
+    LoRA), ``peft_model``, ``adapter_off``, ``module`` and ``rank``."""
+
+    def require_lora(self, method: str) -> Any:
+        self.require_model(method)
+        if self.peft_model is None:
+            raise RuntimeError(f"FSDP2Engine.{method}(): this engine trains full weights (its config has no lora); "
+                               "LoRA adapters exist only with actor.lora.rank > 0")
+        return self.peft_model
+
+    @contextlib.contextmanager
+    def adapter_disabled(self) -> Iterator[None]:
+        """Inside, :meth:`forward` runs the base model with the adapter switched off (peft's
+        ``disable_adapter``): the reference policy of a LoRA run. Training inside is refused. Raises
+        without LoRA."""
+        peft_model = self.require_lora("adapter_disabled")
+        if self.adapter_off:
+            yield
+            return
+        with peft_model.disable_adapter():
+            self.adapter_off = True
+            try:
+                yield
+            finally:
+                self.adapter_off = False
+
+    def adapter_weights(self) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]] | None:
+        """``(the adapter's peft config as JSON values, [(peft state-dict name, full tensor)])``; None
+        without LoRA. A collective."""
+        if self.lora is None:
+            return None
+        self.require_model("adapter_weights")
+        self.onload_parameters()
+        tensors = [(peft_name(name), full_tensor(parameter).detach())
+                   for name, parameter in self.module.named_parameters() if is_adapter_parameter(name)]
+        self.offload_parameters_if_configured()
+        return adapter_config_dict(self.peft_model), tensors
+
+    def export_adapter(self, path: str) -> None:
+        """Write ``adapter_config.json`` and ``adapter_model.safetensors`` (rank 0), the folder
+        ``peft.PeftModel.from_pretrained(base, path)`` loads. A collective; raises without LoRA."""
+        self.require_lora("export_adapter")
+        config, tensors = self.adapter_weights()
+        if self.rank == 0:
+            write_adapter(path, config, tensors)
+        dist.barrier()

@@ -29,8 +29,8 @@ from typing import Any, Callable
 
 import torch
 
-from rlplat.config.moe import MoEConfig
-from rlplat.kits.moe import ROUTES, RouteHooks, RoutingCall, routing_metrics
+from rlplat.config.moe import MoEConfig, read_moe
+from rlplat.kits.moe import ROUTES, RouteHooks, RoutingCall, find_routers, routing_metrics
 from rlplat_engine_fsdp2 import ulysses
 
 
@@ -47,6 +47,18 @@ class EngineCall(RoutingCall):
         self.sequence_parallel = sequence_parallel  # ulysses.SequenceParallel: the routers see this rank's slice
         self.pack_tokens = pack_tokens  # the whole pack's tokens, under sequence parallelism
         self.terms: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def build_routing(model: torch.nn.Module, moe_node: Any) -> EngineRouting | None:
+    """The routing of ``model`` under ``moe_node`` (the engine config's ``moe``: None for the defaults); None for a
+    dense model, which is refused with ``moe`` set."""
+    moe = read_moe(moe_node, "moe") if moe_node is not None else MoEConfig()
+    if find_routers(model):
+        return EngineRouting(model, moe)
+    if not moe.default:
+        raise ValueError(f"fsdp2 engine: actor.moe is set ({moe_node}), but {type(model).__name__} has no "
+                         "mixture-of-experts routers (router replay and router losses are for MoE models)")
+    return None
 
 
 class EngineRouting:

@@ -1,0 +1,82 @@
+"""The two data-parallel layouts of the engine's parameters (``data_parallel``) and the collectives each needs.
+
+``shard`` (the default): :func:`shard` wraps every decoder layer and the root in FSDP2's ``fully_shard`` over one
+mesh of the whole process group; parameters are ``DTensor`` shards, gathered for each forward and reduce-scattered
+(averaged) in backward. :func:`full_tensor` reads the whole of one.
+
+``replicate`` (DDP's layout, float32 only): every rank holds the plain module. Rank 0's weights are copied to the
+others at start (:func:`broadcast_from_rank0`) and gradients are averaged once per optimizer step
+(:func:`all_reduce_gradients`), in flat buckets of at most :data:`~rlplat_engine_fsdp2.config.REDUCE_BUCKET_BYTES`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from rlplat_engine_fsdp2 import modeling
+from rlplat_engine_fsdp2.config import REDUCE_BUCKET_BYTES
+
+
+def shard(model: torch.nn.Module, device_type: str, world_size: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+          reshard_after_forward: bool) -> None:
+    """``fully_shard`` on each decoder layer of ``model``, then on ``model`` itself, over ``world_size`` ranks."""
+    mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for layer in modeling.decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of ``tensor``: gathered from every rank when it is FSDP2's DTensor (a collective), else itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def flat_buckets(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """``tensors`` in consecutive groups of at most :data:`REDUCE_BUCKET_BYTES` (one tensor may exceed it)."""
+    bucket, size = [], 0
+    for tensor in tensors:
+        if bucket and size + tensor.numel() * tensor.element_size() > REDUCE_BUCKET_BYTES:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(tensor)
+        size += tensor.numel() * tensor.element_size()
+    if bucket:
+        yield bucket
+
+
+def all_reduce_gradients(module: torch.nn.Module, world_size: int) -> None:
+    """``replicate``: every trainable parameter's gradient summed over the ranks and divided by their number
+    (what FSDP2's averaging reduce-scatter gives), flattened into buckets. A parameter this rank's forward
+    did not reach gets a zero gradient, so every rank reduces the same layout."""
+    for parameter in module.parameters():
+        if parameter.requires_grad and parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+    gradients = [parameter.grad for parameter in module.parameters() if parameter.requires_grad]
+    for bucket in flat_buckets(gradients):
+        flat = torch.cat([gradient.reshape(-1) for gradient in bucket])
+        dist.all_reduce(flat)
+        flat.div_(world_size)
+        offset = 0
+        for gradient in bucket:
+            gradient.copy_(flat[offset : offset + gradient.numel()].view_as(gradient))
+            offset += gradient.numel()
+
+
+def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
+    """Rank 0's values of ``tensors`` on every rank (flattened into buckets per dtype)."""
+    with torch.no_grad():
+        for dtype in sorted({tensor.dtype for tensor in tensors}, key=str):
+            for bucket in flat_buckets([tensor for tensor in tensors if tensor.dtype == dtype]):
+                flat = torch.cat([tensor.reshape(-1) for tensor in bucket])
+                dist.broadcast(flat, src=0)
+                offset = 0
+                for tensor in bucket:
+                    tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                    offset += tensor.numel()
