@@ -23,6 +23,11 @@ data-parallel ranks (per-token loss accounting, so neither the schedule nor DDP 
 gradient finaliser is given no token count), which is the fsdp2 engine's rule: the gradient of the
 unsplit mini-batch, however it was split.
 
+Optional features live in modules of their own, the engine's methods for them in base classes there:
+:mod:`~rlplat_engine_megatron.weights` (the full weights gathered for ``named_weights`` and ``export_hf``),
+:mod:`~rlplat_engine_megatron.checkpoint` (``save`` and ``load``), :mod:`~rlplat_engine_megatron.moe` (expert
+parallelism, routing replay and router losses) and :mod:`~rlplat_engine_megatron.context_parallel`.
+
 On a CPU build of torch every call into megatron runs inside :func:`rlplat_engine_megatron.cpu.cpu_substitutes`
 (gloo, CPU RNG states, CUDA device arguments answered by the CPU), a scoped context that is undone when
 the call returns. Every method that touches the model is a collective: call it on every rank.
@@ -33,9 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import math
-import os
 import tempfile
 from typing import Any, Iterator, Mapping
 
@@ -44,20 +47,21 @@ import torch.distributed as dist
 
 from rlplat.config.moe import MoEConfig, read_moe
 from rlplat.contracts.engine import DataParallelInfo, LossFunction, TrainingEngine
-from rlplat.kits.engine import WarmupSchedule, fixed_size_partition, token_budget_partition, tokenizer_folder, weight_buckets
+from rlplat.kits.engine import WarmupSchedule, fixed_size_partition, token_budget_partition
 from rlplat.kits.moe import ROUTES
 from rlplat.protocol import DataProto
 from rlplat_engine_megatron import bridge as hf_bridge
 from rlplat_engine_megatron import context_parallel, cpu, vocab_parallel
+from rlplat_engine_megatron.checkpoint import Checkpoints
 from rlplat_engine_megatron.config import MegatronEngineConfig, check_layout, read_engine_config
-from rlplat_engine_megatron.moe import MegatronCall, MegatronRouting, aligned_routes, moe_shape, original_routes
+from rlplat_engine_megatron.moe import MegatronCall, MegatronRouting, aligned_routes, moe_overrides, moe_shape, original_routes
+from rlplat_engine_megatron.weights import FullWeights
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "responses")
-CHECKPOINT_MARKER = "rlplat_megatron_checkpoint.json"
 STAND_IN = "megatron_stand_in"
 
 
-class MegatronEngine(TrainingEngine):
+class MegatronEngine(FullWeights, Checkpoints, TrainingEngine):
     """See the module docstring. ``MegatronEngine(config, **overrides)``: ``config`` is a
     :class:`~rlplat_engine_megatron.config.MegatronEngineConfig`, a mapping or an OmegaConf node."""
 
@@ -162,17 +166,7 @@ class MegatronEngine(TrainingEngine):
             deallocate_pipeline_outputs=False, context_parallel_size=config.context_parallel_size,
         )
         if self.moe_shape is not None:
-            # megatron's own router losses and replay stay off: the engine's (rlplat_engine_megatron.moe) follow actor.moe
-            dispatcher = "allgather" if self.on_cpu else "alltoall"
-            overrides.update(
-                num_moe_experts=self.moe_shape["experts"], moe_router_topk=self.moe_shape["top_k"], moe_grouped_gemm=False,
-                moe_router_pre_softmax=not self.moe_shape["renormalize"], moe_router_score_function="softmax",
-                moe_shared_expert_gate=bool(self.moe_shape["shared"]), moe_shared_expert_overlap=False,
-                moe_token_dispatcher_type=dispatcher, variable_seq_lengths=dispatcher == "alltoall",
-                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
-                moe_enable_routing_replay=False, moe_permute_fusion=False, moe_router_fusion=False,
-                moe_expert_capacity_factor=None, expert_model_parallel_size=config.expert_model_parallel_size,
-            )
+            overrides.update(moe_overrides(self.moe_shape, self.on_cpu, config.expert_model_parallel_size))
         if config.recompute_granularity == "full":
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         elif config.recompute_granularity == "selective":
@@ -597,160 +591,6 @@ class MegatronEngine(TrainingEngine):
                 for key, value in entry.items():
                     totals[key] = totals.get(key, 0.0) + float(value)
         return totals
-
-    # -- weights -----------------------------------------------------------------------------------
-
-    def parameter_table(self) -> list[tuple[int, int, str, str, tuple[int, ...], str, bool, int, int]]:
-        """Every (pipeline stage, chunk, local name, global name, local shape, dtype, tensor-parallel, partition
-        dim, expert-parallel owner) of the model, over all stages and experts: a routed expert's row names the
-        expert-parallel rank holding it (-1 for every other parameter, which each expert-parallel rank of a
-        stage holds). Each stage's table is all-gathered over the expert-parallel ranks, then the pipeline."""
-        from megatron.core import parallel_state
-
-        local = []
-        for index, chunk in enumerate(self.chunks):
-            module = chunk.module
-            mapping = hf_bridge.global_names(self.bridge, module, self.ep_rank, self.ep_size)
-            for name, parameter in module.named_parameters():
-                owner = self.ep_rank if hf_bridge.is_expert(name) else -1
-                local.append((self.pp_rank, index, name, mapping.get(name, name), tuple(parameter.shape), str(parameter.dtype).replace("torch.", ""),
-                              bool(getattr(parameter, "tensor_model_parallel", False)), int(getattr(parameter, "partition_dim", -1)), owner))
-        if self.ep_size > 1:
-            tables: list[Any] = [None] * self.ep_size
-            dist.all_gather_object(tables, [row for row in local if row[-1] >= 0], group=parallel_state.get_expert_model_parallel_group())
-            local = [row for row in local if row[-1] < 0] + [row for table in tables for row in table]
-        if self.pp_size == 1:
-            return local
-        stages: list[Any] = [None] * self.pp_size
-        dist.all_gather_object(stages, local, group=parallel_state.get_pipeline_model_parallel_group())
-        return [row for table in stages for row in table]
-
-    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(HF name, full tensor)`` one parameter at a time: its tensor-parallel shards all-gathered
-        within its stage (an expert's over the expert-tensor-parallel ranks) and merged, an expert broadcast
-        from the expert-parallel rank holding it, the result broadcast to the other stages and converted by
-        the bridge. A collective."""
-        from megatron.core import parallel_state
-
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
-        ep_group = parallel_state.get_expert_model_parallel_group() if self.ep_size > 1 else None
-        seen: set[str] = set()
-        for stage, index, local_name, global_name, shape, dtype, parallel, partition_dim, owner in self.parameter_table():
-            torch_dtype = getattr(torch, dtype)
-            expert = owner >= 0
-            tp_size = self.etp_size if expert else self.tp_size
-            tp_group = parallel_state.get_expert_tensor_parallel_group() if expert else parallel_state.get_tensor_model_parallel_group()
-            full_shape = list(shape)
-            if parallel and tp_size > 1:
-                full_shape[partition_dim] *= tp_size
-            with self.megatron():
-                if stage == self.pp_rank:
-                    if not expert or owner == self.ep_rank:
-                        held = dict(self.chunks[index].module.named_parameters())[local_name]
-                        parameter = held.detach()
-                        if parallel and tp_size > 1:
-                            shards = [torch.empty_like(parameter) for _ in range(tp_size)]
-                            dist.all_gather(shards, parameter.contiguous(), group=tp_group)
-                            merged = self.bridge._weight_merge_across_tp(global_name, shards, held)
-                        else:
-                            merged = parameter.clone()
-                    else:
-                        merged = torch.empty(full_shape, dtype=torch_dtype, device="cpu" if self.on_cpu else "cuda")
-                    if expert and ep_group is not None:
-                        dist.broadcast(merged, src=dist.get_global_rank(ep_group, owner), group=ep_group)
-                else:
-                    merged = torch.empty(full_shape, dtype=torch_dtype, device="cpu" if self.on_cpu else "cuda")
-                if self.pp_size > 1:
-                    dist.broadcast(merged, src=dist.get_global_rank(pp_group, stage), group=pp_group)
-            if self.config.value_model and global_name in hf_bridge.VALUE_HEAD_NAMES:
-                pairs = [(hf_bridge.VALUE_HEAD_NAMES[global_name], merged)]
-            else:
-                names, tensors = self.bridge._weight_to_hf_format(global_name, merged)
-                pairs = list(zip(names, tensors))
-            for name, tensor in pairs:
-                if name in seen:  # a tied output layer on the last stage repeats the embedding
-                    continue
-                seen.add(name)
-                yield name, tensor
-
-    def named_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full weights in HF naming, in buckets of at most ``bucket_bytes`` (a larger tensor alone):
-        gathered one parameter at a time, so a rank holds at most one bucket beyond its own shards. A
-        collective: every rank must consume the whole generator."""
-        self.require_model("named_weights")
-        yield from weight_buckets(self.full_weights(), bucket_bytes)
-
-    def export_hf(self, path: str) -> None:
-        """Write a HF directory (rank 0): ``*ForCausalLM`` or, for a value model, ``*ForTokenClassification``."""
-        self.require_model("export_hf")
-        tensors = {}
-        for name, tensor in self.full_weights():
-            if self.rank == 0:
-                tensors[name] = tensor.detach().cpu()
-        if self.rank == 0:
-            hf_bridge.write_hf(path, tensors, self.hf_config, self.config.value_model, self.tokenizer_path())
-        dist.barrier()
-
-    def tokenizer_path(self) -> str | None:
-        return tokenizer_folder(self.config.tokenizer_path, self.config.model_path)
-
-    # -- checkpoints -------------------------------------------------------------------------------
-
-    def sharded_state(self) -> dict[str, Any]:
-        return {"model" if len(self.chunks) == 1 else f"model{index}": chunk.module.sharded_state_dict() for index, chunk in enumerate(self.chunks)}
-
-    def save(self, path: str) -> None:
-        """megatron's distributed checkpoint (``dist_checkpointing``, torch_dist format) of the model and
-        optimizer in ``path``, and the engine's step and RNG states beside it."""
-        from megatron.core import dist_checkpointing
-
-        self.require_model("save")
-        if self.global_step == 0:
-            raise RuntimeError(
-                f"MegatronEngine.save({path!r}) before the first optimizer step: megatron's optimizer creates its state "
-                "in that step, so there is nothing resumable to write yet (export_hf writes the weights)"
-            )
-        if self.rank == 0:
-            os.makedirs(path, exist_ok=True)
-        dist.barrier()
-        with self.megatron():
-            state = self.sharded_state()
-            state["optimizer"] = self.optimizer.sharded_state_dict(state if len(self.chunks) > 1 else state["model"])
-            dist_checkpointing.save(state, path)
-        rng = {"global_step": self.global_step, "tracker": self.tracker.get_states(), "cpu_rng": torch.get_rng_state()}
-        torch.save(rng, os.path.join(path, f"engine_rank{self.rank}.pt"))
-        dist.barrier()
-        if self.rank == 0:
-            with open(os.path.join(path, CHECKPOINT_MARKER), "w") as handle:
-                json.dump({"engine": "megatron", "world_size": self.world_size, "global_step": self.global_step,
-                           "config": dataclasses.asdict(self.config)}, handle, default=str)
-        dist.barrier()
-
-    def load(self, path: str) -> None:
-        from megatron.core import dist_checkpointing
-
-        self.require_model("load")
-        if not os.path.isfile(os.path.join(path, CHECKPOINT_MARKER)):
-            raise FileNotFoundError(f"{path} is not a complete megatron engine checkpoint (no {CHECKPOINT_MARKER} there)")
-        with self.megatron():
-            state = self.sharded_state()
-            state["optimizer"] = self.optimizer.sharded_state_dict(state if len(self.chunks) > 1 else state["model"], is_loading=True)
-            loaded = dist_checkpointing.load(state, path)
-            for index, chunk in enumerate(self.chunks):
-                key = "model" if len(self.chunks) == 1 else f"model{index}"
-                chunk.module.load_state_dict(loaded[key], strict=False)
-            self.optimizer.load_state_dict(loaded["optimizer"])
-        engine_file = os.path.join(path, f"engine_rank{self.rank}.pt")
-        if os.path.isfile(engine_file):
-            rng = torch.load(engine_file, weights_only=True)
-            self.tracker.set_states(rng["tracker"])
-            torch.set_rng_state(rng["cpu_rng"])
-            self.global_step = int(rng["global_step"])
-        else:
-            with open(os.path.join(path, CHECKPOINT_MARKER)) as handle:
-                marker = json.load(handle)
-            raise ValueError(f"{path} was written by {marker.get('world_size')} ranks; this engine has {self.world_size} (rank {self.rank} finds no state)")
-        self.set_lr(self.schedule(self.global_step) * self.config.lr)
 
     # -- offload -----------------------------------------------------------------------------------
 

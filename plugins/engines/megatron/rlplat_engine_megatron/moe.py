@@ -66,6 +66,22 @@ def moe_shape(hf_config: Any) -> dict[str, Any] | None:
             "shared": int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)}
 
 
+def moe_overrides(shape: dict[str, Any], on_cpu: bool, expert_model_parallel_size: int) -> dict[str, Any]:
+    """megatron's ``TransformerConfig`` settings for a model of MoE ``shape`` (:func:`moe_shape`): experts through
+    the all-gather token dispatcher on CPU (its all-to-all one creates CUDA streams), all-to-all on GPU. megatron's
+    own router losses and replay stay off: the engine's (:class:`MegatronRouting`) follow ``actor.moe``."""
+    dispatcher = "allgather" if on_cpu else "alltoall"
+    return dict(
+        num_moe_experts=shape["experts"], moe_router_topk=shape["top_k"], moe_grouped_gemm=False,
+        moe_router_pre_softmax=not shape["renormalize"], moe_router_score_function="softmax",
+        moe_shared_expert_gate=bool(shape["shared"]), moe_shared_expert_overlap=False,
+        moe_token_dispatcher_type=dispatcher, variable_seq_lengths=dispatcher == "alltoall",
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
+        moe_enable_routing_replay=False, moe_permute_fusion=False, moe_router_fusion=False,
+        moe_expert_capacity_factor=None, expert_model_parallel_size=expert_model_parallel_size,
+    )
+
+
 class MegatronCall:
     """One model call's routing: ``tokens`` in megatron's order, ``valid`` [tokens] (bool), ``replay``
     [tokens, layers, k] or None, ``record``, ``share`` (the call's weight in the mini-batch's router losses;
