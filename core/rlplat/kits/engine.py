@@ -8,7 +8,9 @@
 * :func:`weight_buckets`: named tensors gathered into buckets of at most a byte budget, the shape of
   :meth:`rlplat.contracts.TrainingEngine.named_weights`;
 * :func:`check_optimizer_settings`: the settings one :meth:`~rlplat.contracts.TrainingEngine.optimizer_step`
-  takes, checked the same way for every engine.
+  takes, checked the same way for every engine;
+* :func:`engine_config_problems`: the checks of the keys every engine config shares, which an engine's config
+  runs before its own.
 
 The partitions only plan (lists of row indices) and are deterministic, so every rank of a model replica
 plans the same groups; an engine whose collectives need every rank to run the same number of forwards
@@ -21,6 +23,9 @@ import dataclasses
 import heapq
 import math
 from typing import Any, Iterable, Iterator, Sequence
+
+LR_SCHEDULES = ("constant", "cosine")
+"""The kinds of :class:`WarmupSchedule` (an engine config's ``lr_scheduler_type``)."""
 
 
 @dataclasses.dataclass
@@ -155,3 +160,44 @@ def check_optimizer_settings(settings: Any) -> dict[str, Any]:
     if problems:
         raise ValueError("invalid optimizer settings: " + "; ".join(problems))
     return checked
+
+
+def engine_config_problems(config: Any, dtypes: Sequence[str], counts: Sequence[str] = (),
+                           optional_counts: Sequence[str] = ()) -> list[str]:
+    """What is wrong with the keys every engine config shares, one entry per problem naming its key (empty
+    when nothing is): the model source (exactly one of ``model_path`` and ``model_config``, the latter with a
+    ``model_type``), ``dtype`` (one of the engine's ``dtypes``), the learning-rate schedule
+    (``lr_scheduler_type`` one of :data:`LR_SCHEDULES`, ``cosine`` with ``total_training_steps >
+    lr_warmup_steps``), ``betas`` (two values), ``grad_clip`` (positive or None), ``ppo_epochs``,
+    ``micro_batch_size_per_gpu``, ``max_token_len_per_gpu`` and the engine's ``counts`` (each >= 1), and
+    ``ppo_mini_batch_size`` and the engine's ``optional_counts`` (each >= 1 or None).
+
+    ``config`` is an engine's config dataclass: :class:`rlplat.contracts.engine.EngineBuildConfig`'s keys with
+    ``model_config`` and ``dtype`` of its own. Its ``__post_init__`` adds its own problems to these and raises one
+    ``ValueError`` that names the engine and lists them all, so a user sees every mistake of the node at once.
+    """
+    problems = []
+    if (config.model_path is None) == (config.model_config is None):
+        problems.append("give exactly one of model_path (a local Hugging Face directory) and model_config (a config dict)")
+    if config.model_config is not None and "model_type" not in config.model_config:
+        problems.append("model_config needs a 'model_type' key (e.g. 'qwen2')")
+    if config.dtype not in dtypes:
+        problems.append(f"dtype {config.dtype!r} is not one of {list(dtypes)}")
+    if config.lr_scheduler_type not in LR_SCHEDULES:
+        problems.append(f"lr_scheduler_type {config.lr_scheduler_type!r} is not one of {list(LR_SCHEDULES)}")
+    if config.lr_scheduler_type == "cosine" and config.total_training_steps <= config.lr_warmup_steps:
+        problems.append(
+            f"lr_scheduler_type 'cosine' needs total_training_steps > lr_warmup_steps, got "
+            f"{config.total_training_steps} and {config.lr_warmup_steps}"
+        )
+    if len(config.betas) != 2:
+        problems.append(f"betas needs two values, got {list(config.betas)}")
+    for name in ("ppo_epochs", "micro_batch_size_per_gpu", "max_token_len_per_gpu", *counts):
+        if getattr(config, name) < 1:
+            problems.append(f"{name} must be >= 1, got {getattr(config, name)}")
+    for name in ("ppo_mini_batch_size", *optional_counts):
+        if getattr(config, name) is not None and getattr(config, name) < 1:
+            problems.append(f"{name} must be >= 1 or None, got {getattr(config, name)}")
+    if config.grad_clip is not None and config.grad_clip <= 0:
+        problems.append(f"grad_clip must be positive or None, got {config.grad_clip}")
+    return problems

@@ -2,8 +2,8 @@
 
 It extends :class:`rlplat.contracts.engine.EngineBuildConfig` (the keys every engine receives from the
 run config) with the engine's own, which users set under ``actor.engine_config`` / ``critic.engine_config``.
-:func:`read_engine_config` reads it with core's one config reader (strict, typed). This module imports
-no torch, so the registry can point at the class as a config schema cheaply.
+:func:`read_engine_config` reads it with core's one config reader (strict, typed); the checks of the keys
+every engine config shares are core's (:func:`rlplat.kits.engine.engine_config_problems`), the rest are here.
 
 :func:`read_engine_config` accepts the dataclass, a plain ``Mapping`` or an OmegaConf ``DictConfig``.
 Unlike the algorithm plugin's readers it rejects keys it does not know: the node is the engine's own,
@@ -18,9 +18,9 @@ from typing import Any, Dict, Optional
 
 from rlplat.config_node import read_config_node
 from rlplat.contracts.engine import EngineBuildConfig
+from rlplat.kits.engine import engine_config_problems
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-LR_SCHEDULES = ("constant", "cosine")
 OPTIMIZER_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
 DATA_PARALLEL_MODES = ("shard", "replicate")
 REDUCE_BUCKET_BYTES = 64 << 20
@@ -145,39 +145,17 @@ class FSDP2EngineConfig(EngineBuildConfig):
     gloo or a slow network), a full gradient's memory on every rank. Same gradient either way."""
 
     def __post_init__(self) -> None:
-        problems = []
-        if (self.model_path is None) == (self.model_config is None):
-            problems.append("give exactly one of model_path (a local Hugging Face directory) and model_config (a config dict)")
-        if self.model_config is not None and "model_type" not in self.model_config:
-            problems.append("model_config needs a 'model_type' key (e.g. 'qwen2')")
+        problems = engine_config_problems(self, DTYPES, counts=("logprob_chunk_size", "ulysses_sequence_parallel_size"),
+                                          optional_counts=("forward_micro_batch_size_per_gpu", "logprob_vocab_chunk_size"))
         if self.value_model and self.reward_model:
             problems.append("value_model and reward_model are exclusive (a critic or a reward model)")
-        if self.dtype not in DTYPES:
-            problems.append(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
         if self.reduce_dtype not in DTYPES[1:]:
             problems.append(f"reduce_dtype {self.reduce_dtype!r} is not one of {list(DTYPES[1:])}")
         if self.optimizer_implementation not in OPTIMIZER_IMPLEMENTATIONS:
             problems.append(f"optimizer_implementation {self.optimizer_implementation!r} is not one of {list(OPTIMIZER_IMPLEMENTATIONS)}")
-        if self.lr_scheduler_type not in LR_SCHEDULES:
-            problems.append(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of {list(LR_SCHEDULES)}")
-        if self.lr_scheduler_type == "cosine" and self.total_training_steps <= self.lr_warmup_steps:
-            problems.append(
-                f"lr_scheduler_type 'cosine' needs total_training_steps > lr_warmup_steps, got "
-                f"{self.total_training_steps} and {self.lr_warmup_steps}"
-            )
-        if len(self.betas) != 2:
-            problems.append(f"betas needs two values, got {list(self.betas)}")
-        if self.logprob_vocab_chunk_size is not None and self.logprob_vocab_chunk_size < 1:
-            problems.append(f"logprob_vocab_chunk_size must be >= 1 or None, got {self.logprob_vocab_chunk_size}")
         if self.ulysses_sequence_parallel_size > 1 and not self.use_remove_padding:
             problems.append(f"ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size} splits packed micro-batches: "
                             "it needs use_remove_padding=True")
-        for name in ("ppo_epochs", "micro_batch_size_per_gpu", "max_token_len_per_gpu", "logprob_chunk_size", "ulysses_sequence_parallel_size"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("ppo_mini_batch_size", "forward_micro_batch_size_per_gpu"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         if self.data_parallel not in DATA_PARALLEL_MODES:
             problems.append(f"data_parallel must be one of {list(DATA_PARALLEL_MODES)}, got {self.data_parallel!r}")
         elif self.data_parallel == "replicate":
@@ -186,8 +164,6 @@ class FSDP2EngineConfig(EngineBuildConfig):
                                 f"reduce_dtype={self.reduce_dtype!r} (use data_parallel 'shard' for mixed precision)")
             if self.shard_one_rank:
                 problems.append("shard_one_rank wraps the model in fully_shard; data_parallel 'replicate' never does")
-        if self.grad_clip is not None and self.grad_clip <= 0:
-            problems.append(f"grad_clip must be positive or None, got {self.grad_clip}")
         if self.lora is not None:
             problems += lora_problems(self)
         if self.moe is not None:

@@ -3,7 +3,8 @@
 parallel layout (tensor, pipeline, virtual pipeline sizes; the data-parallel size follows from the world
 size), the distributed optimizer, activation recompute and precision.
 
-What can be checked without the model is checked here (values, choices); what needs the world size or
+What can be checked without the model is checked here (values and choices; the keys every engine config
+shares, by core's :func:`rlplat.kits.engine.engine_config_problems`); what needs the world size or
 the model's shape (world size divisible by TP x PP, heads and query groups by TP, layers by PP x VPP, the
 vocabulary by TP) is checked at load by the engine's memory estimate, which ``rlplat run`` computes before
 any worker starts (:func:`rlplat_engine_megatron.memory.layout_problems`), and again by
@@ -17,9 +18,9 @@ from typing import Any, Dict, Optional
 
 from rlplat.config_node import read_config_node
 from rlplat.contracts.engine import EngineBuildConfig
+from rlplat.kits.engine import engine_config_problems
 
 DTYPES = ("auto", "float32", "bfloat16")
-LR_SCHEDULES = ("constant", "cosine")
 RECOMPUTE = (None, "full", "selective")
 
 
@@ -81,11 +82,11 @@ class MegatronEngineConfig(EngineBuildConfig):
     optimizer; needs ``use_distributed_optimizer``)."""
 
     def __post_init__(self) -> None:
-        problems = []
-        if (self.model_path is None) == (self.model_config is None):
-            problems.append("give exactly one of model_path (a local Hugging Face directory) and model_config (a config dict)")
-        if self.model_config is not None and "model_type" not in self.model_config:
-            problems.append("model_config needs a 'model_type' key (e.g. 'qwen2')")
+        problems = engine_config_problems(
+            self, DTYPES, counts=("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+                                  "logprob_chunk_size"),
+            optional_counts=("forward_micro_batch_size_per_gpu", "virtual_pipeline_parallel_size"),
+        )
         if self.reward_model:
             problems.append("reward_model is not supported by the megatron engine (use the fsdp2 engine for a reward model)")
         if self.lora is not None:
@@ -98,32 +99,12 @@ class MegatronEngineConfig(EngineBuildConfig):
                 problems.append("recompute_granularity='full' with moe's router replay or router losses: megatron recomputes each "
                                 "layer's routing in backward, outside the micro-batch's forward where they apply; use "
                                 "recompute_granularity='selective' or None")
-        if self.dtype not in DTYPES:
-            problems.append(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
         if self.recompute_granularity not in RECOMPUTE:
             problems.append(f"recompute_granularity {self.recompute_granularity!r} is not one of {list(RECOMPUTE)}")
-        if self.lr_scheduler_type not in LR_SCHEDULES:
-            problems.append(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of {list(LR_SCHEDULES)}")
-        if self.lr_scheduler_type == "cosine" and self.total_training_steps <= self.lr_warmup_steps:
-            problems.append(
-                f"lr_scheduler_type 'cosine' needs total_training_steps > lr_warmup_steps, got "
-                f"{self.total_training_steps} and {self.lr_warmup_steps}"
-            )
-        if len(self.betas) != 2:
-            problems.append(f"betas needs two values, got {list(self.betas)}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "expert_model_parallel_size", "ppo_epochs",
-                     "micro_batch_size_per_gpu", "max_token_len_per_gpu", "logprob_chunk_size"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("ppo_mini_batch_size", "forward_micro_batch_size_per_gpu", "virtual_pipeline_parallel_size"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         if self.virtual_pipeline_parallel_size not in (None, 1) and self.pipeline_parallel_size < 2:
             problems.append("virtual_pipeline_parallel_size needs pipeline_parallel_size >= 2")
         if self.optimizer_offload and not self.use_distributed_optimizer:
             problems.append("optimizer_offload needs use_distributed_optimizer (megatron offloads the sharded optimizer)")
-        if self.grad_clip is not None and self.grad_clip <= 0:
-            problems.append(f"grad_clip must be positive or None, got {self.grad_clip}")
         if problems:
             raise ValueError("invalid megatron engine config: " + "; ".join(problems))
 

@@ -93,6 +93,9 @@ def test_config_errors_are_raised_at_load():
         MegatronEngineConfig(model_config=dict(TINY_QWEN2), recompute_granularity="some")
     with pytest.raises(ValueError, match="virtual_pipeline_parallel_size needs"):
         MegatronEngineConfig(model_config=dict(TINY_QWEN2), virtual_pipeline_parallel_size=2)
+    # the keys every engine config shares (rlplat.kits.engine.engine_config_problems), then the engine's own, in one error
+    with pytest.raises(ValueError, match=r"invalid megatron engine config: betas needs two values, got \[0.9\]; lora is not supported"):
+        MegatronEngineConfig(model_config=dict(TINY_QWEN2), betas=[0.9], lora={"rank": 4})
     with pytest.raises(Exception, match="tensor_paralel_size|tensor_parallel_size"):
         MegatronEngine(dict(model_config=dict(TINY_QWEN2), tensor_paralel_size=2))
 
