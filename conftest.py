@@ -1,20 +1,23 @@
 """Settings and fixtures for the whole test run: ``tests/`` and every built-in plugin's ``tests/``
-(subprocess runs of this venv's interpreter and ``rlplat`` script, the CLI in process, a local Ray cluster)."""
+(subprocess runs of this venv's interpreter and ``rlplat`` script in the repository's root, a local Ray
+cluster). ``cli_in_process`` and the helpers behind the subprocess runs are rlplat.testing's
+(:mod:`rlplat.testing.cli`)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
+from rlplat.testing import cli as testing_cli
+
 ROOT = Path(__file__).resolve().parent
-VENV_BIN = Path(sys.executable).parent
 
 
 def pytest_configure(config) -> None:
@@ -27,63 +30,18 @@ def pytest_configure(config) -> None:
         torch.set_num_threads(int(threads))
 
 
-def subprocess_environment(pythonpath: Path | None, env: dict[str, str] | None) -> dict[str, str]:
-    environment = dict(os.environ)
-    environment.pop("RLPLAT_PLUGINS", None)
-    environment.pop("RLPLAT_DISABLE_PLUGIN_AUTOLOAD", None)
-    if pythonpath is not None:
-        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), environment.get("PYTHONPATH")]))
-    environment.update(env or {})
-    return environment
-
-
-def run_python(code: str, *, pythonpath: Path | None = None, env: dict[str, str] | None = None, timeout: float = 120):
-    """Run ``code`` in a fresh interpreter of this venv; returns the CompletedProcess (text)."""
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, env=subprocess_environment(pythonpath, env), timeout=timeout, cwd=ROOT,
-    )
-
-
-def run_cli(*args: str, pythonpath: Path | None = None, env: dict[str, str] | None = None, timeout: float = 120):
-    """Run the installed ``rlplat`` console script, as a user would."""
-    script = VENV_BIN / "rlplat"
-    assert script.exists(), f"{script} is missing: install rlplat into this venv first (make setup)"
-    return subprocess.run(
-        [str(script), *args],
-        capture_output=True, text=True, env=subprocess_environment(pythonpath, env), timeout=timeout, cwd=ROOT,
-    )
-
-
 @pytest.fixture
 def python_run():
-    """``python_run(code, pythonpath=None, env=None)``: run code in a fresh interpreter of this venv."""
-    return run_python
+    """``python_run(code, pythonpath=None, env=None, timeout=120)``: run code in a fresh interpreter of this
+    venv, in the repository's root."""
+    return functools.partial(testing_cli.run_python, cwd=ROOT)
 
 
 @pytest.fixture
 def cli_run():
-    """``cli_run(*args, pythonpath=None, env=None)``: run the installed ``rlplat`` console script."""
-    return run_cli
-
-
-@pytest.fixture
-def cli_in_process(capfd):
-    """``cli_in_process(*args)``: ``rlplat <args>`` run by ``rlplat.cli.main.main`` in this process (no new
-    interpreter); returns a CompletedProcess with its exit code and what it wrote to stdout and stderr."""
-    from rlplat.cli.main import main
-
-    def run(*args: str) -> subprocess.CompletedProcess:
-        capfd.readouterr()  # what came before is not the command's output
-        try:
-            main([str(arg) for arg in args])
-            code = 0
-        except SystemExit as exited:
-            code = exited.code if isinstance(exited.code, int) else (0 if exited.code is None else 1)
-        out, err = capfd.readouterr()
-        return subprocess.CompletedProcess(["rlplat", *args], code, out, err)
-
-    return run
+    """``cli_run(*args, pythonpath=None, env=None, timeout=120)``: run the installed ``rlplat`` console script
+    in the repository's root (rlplat.testing's ``cli_run``, which this one overrides, runs it in ``tmp_path``)."""
+    return functools.partial(testing_cli.run_cli, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +113,7 @@ class PluginInstaller:
         tests = site.parent / "source" / "tests"
         return subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(tests)],
-            capture_output=True, text=True, timeout=300, cwd=site, env=subprocess_environment(site, None),
+            capture_output=True, text=True, timeout=300, cwd=site, env=testing_cli.subprocess_environment(site),
         )
 
 

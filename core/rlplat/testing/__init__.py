@@ -19,7 +19,8 @@ declaration and a test class may override it (:mod:`rlplat.testing.api_levels`).
 is skipped, with the reason.
 
 The fixtures of :mod:`rlplat.testing.pytest_plugin` (``register_temporary_plugin``,
-``isolated_registry``) reach every repository that installs rlplat, through a ``pytest11`` entry point.
+``isolated_registry``, ``cli_run`` and ``cli_in_process`` for running the ``rlplat`` command) reach every
+repository that installs rlplat, through a ``pytest11`` entry point.
 Suites for kinds that need torch import it only when their module is imported.
 """
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import subprocess
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -36,3 +39,23 @@ def register_temporary_plugin() -> Iterator[Callable[..., Any]]:
     yield register
     for name in reversed(registered):
         registry.unregister_plugin(name)
+
+
+@pytest.fixture
+def cli_run(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
+    """``cli_run(*args, pythonpath=None, env=None, timeout=120)``: the installed ``rlplat`` console script,
+    run in ``tmp_path`` with the user's plugin switches cleared (:func:`rlplat.testing.cli.run_cli`)."""
+    from rlplat.testing.cli import run_cli
+
+    return functools.partial(run_cli, cwd=tmp_path)
+
+
+@pytest.fixture
+def cli_in_process(capfd: Any) -> Callable[..., subprocess.CompletedProcess]:
+    """``cli_in_process(*args)``: ``rlplat <args>`` run by ``rlplat.cli.main.main`` in this process; a
+    CompletedProcess with its exit code and what it wrote to stdout and stderr
+    (:func:`rlplat.testing.cli.in_process`)."""
+    from rlplat.testing.cli import in_process
+
+    return in_process(capfd)
+
