@@ -19,8 +19,8 @@ declaration and a test class may override it (:mod:`rlplat.testing.api_levels`).
 is skipped, with the reason.
 
 The fixtures of :mod:`rlplat.testing.pytest_plugin` (``register_temporary_plugin``,
-``isolated_registry``, ``cli_run`` and ``cli_in_process`` for running the ``rlplat`` command) reach every
-repository that installs rlplat, through a ``pytest11`` entry point.
+``isolated_registry``, ``cli_run`` and ``cli_in_process`` for running the ``rlplat`` command,
+``scripted_policy``) reach every repository that installs rlplat, through a ``pytest11`` entry point.
 Suites for kinds that need torch import it only when their module is imported.
 """
 
@@ -39,6 +39,7 @@ _LAZY_NAMES = {
     "EnvironmentConformance": "rlplat.testing.agents",
     "EnvironmentCase": "rlplat.testing.agents",
     "ScriptedClient": "rlplat.testing.agents",
+    "ScriptedPolicy": "rlplat.testing.agents",
     "ScorerCase": "rlplat.testing.scorers",
     "AdvantageEstimatorConformance": "rlplat.testing.estimators",
     "PolicyLossConformance": "rlplat.testing.losses",

@@ -5,6 +5,9 @@ test provides (a real rollout engine through :class:`rlplat_agents.manager.Engin
 :class:`ScriptedClient`, which plays given model turns so that tool calls happen on demand) and check
 the invariants every trainer relies on: the trained tokens are the sampled ones, each turn was
 generated after exactly the tokens the trajectory holds before it, masks and log-probs line up.
+
+:class:`ScriptedPolicy` plays the model's side one level up, as an OpenAI-compatible chat endpoint, for
+the environment hubs that talk to the rollout worker's gateway.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import asyncio
 import copy
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, Union
 
 import pytest
 
@@ -61,6 +64,51 @@ class RecordingClient:
         output = await self.client.generate(list(prompt_ids), sampling)
         self.requests.append((list(prompt_ids), sampling, output))
         return output
+
+
+PolicyReply = Union[str, dict]
+"""A reply's text, or ``{"status": 400, "message": ..., "code": ...}`` for an OpenAI error answer."""
+
+
+class ScriptedPolicy:
+    """An OpenAI-compatible chat endpoint on 127.0.0.1 that answers with given replies, standing in for
+    the rollout worker's gateway in an environment hub's tests (no model, no training run). It serves
+    ``POST /v1/chat/completions``: each request gets the next reply; ``requests`` holds their JSON bodies.
+    An ``async with`` block serves it on the running event loop (aiohttp)."""
+
+    def __init__(self, replies: Sequence[PolicyReply]):
+        self.replies, self.requests = list(replies), []
+        self.base_url = ""
+
+    async def __aenter__(self) -> "ScriptedPolicy":
+        from aiohttp import web
+
+        application = web.Application()
+        application.router.add_post("/v1/chat/completions", self.chat)
+        self.runner = web.AppRunner(application)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.runner.cleanup()
+
+    async def chat(self, request: Any) -> Any:
+        from aiohttp import web
+
+        body = await request.json()
+        self.requests.append(body)
+        reply = self.replies.pop(0)
+        if isinstance(reply, dict):
+            error = {"message": reply["message"], "type": "invalid_request_error", "param": None, "code": reply.get("code")}
+            return web.json_response({"error": error}, status=reply["status"])
+        return web.json_response({
+            "id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion", "created": 0, "model": body["model"],
+            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": reply}}],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}})
 
 
 def check_trajectory_against_requests(trajectory: Trajectory, requests: Sequence[tuple[list[int], Any, TokenOutput]],

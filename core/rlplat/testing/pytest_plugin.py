@@ -59,3 +59,11 @@ def cli_in_process(capfd: Any) -> Callable[..., subprocess.CompletedProcess]:
 
     return in_process(capfd)
 
+
+@pytest.fixture
+def scripted_policy() -> type:
+    """``scripted_policy(replies)``: a :class:`rlplat.testing.agents.ScriptedPolicy` (an OpenAI-compatible
+    chat endpoint answering with ``replies``) to serve in an ``async with`` block."""
+    from rlplat.testing.agents import ScriptedPolicy
+
+    return ScriptedPolicy
