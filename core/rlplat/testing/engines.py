@@ -18,6 +18,9 @@ promises: shapes, dtypes and keys of ``forward``, determinism under the seed, me
 ``train_batch``, bucket bounds and coverage of ``named_weights``, an exact save/load round trip, an
 ``export_hf`` directory that ``transformers`` loads and that predicts what the engine predicts, errors
 that name what is wrong, and the optional features an engine lists (``split_step``, ``trainable_state``). Policy engines only: a value model's ``forward`` has no log-probs.
+
+:data:`TINY_QWEN2` (an engine's ``model_config``) and :func:`tiny_engine_batch` are the model and batches the
+built-in engines' tests share, so two engines' numbers can be compared on the same inputs.
 """
 
 from __future__ import annotations
@@ -30,6 +33,49 @@ import torch
 from rlplat.protocol import DataProto
 
 LOG_PROB_TOLERANCE = 1e-5
+
+#: The tiny model of DEMO_NOTES.md as an engine's ``model_config``: vocab 16, hidden 128, intermediate 512,
+#: 2 layers, 4 heads, tied embeddings.
+TINY_QWEN2 = dict(
+    model_type="qwen2",
+    vocab_size=16,
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    tie_word_embeddings=True,
+    max_position_embeddings=64,
+)
+
+PROMPT_LENGTH, RESPONSE_LENGTH = 6, 5
+
+
+def tiny_engine_batch(rows: int = 8, seed: int = 0) -> DataProto:
+    """``rows`` sequences of 6 prompt + 5 response tokens over :data:`TINY_QWEN2`'s vocabulary: row ``r`` has
+    ``r % 3`` left-padding tokens in its prompt and ends ``r % 4`` tokens early (right padding), so rows hold 6
+    to 11 tokens. Carries ``advantages`` and ``returns`` (standard normal) and a ``values`` column of zeros for
+    the losses; the same under the same ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    length = PROMPT_LENGTH + RESPONSE_LENGTH
+    input_ids = torch.randint(4, 16, (rows, length), generator=generator)
+    attention_mask = torch.ones(rows, length, dtype=torch.long)
+    for row in range(rows):
+        attention_mask[row, : row % 3] = 0
+        attention_mask[row, length - row % 4 :] = 0
+    input_ids = input_ids * attention_mask  # padding id 0
+    return DataProto.from_dict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": input_ids[:, PROMPT_LENGTH:],
+            "response_mask": attention_mask[:, PROMPT_LENGTH:].float(),
+            "advantages": torch.randn(rows, RESPONSE_LENGTH, generator=generator),
+            "returns": torch.randn(rows, RESPONSE_LENGTH, generator=generator),
+            "values": torch.zeros(rows, RESPONSE_LENGTH),
+        }
+    )
 
 
 class TokenMeanNLL:

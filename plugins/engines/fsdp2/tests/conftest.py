@@ -1,4 +1,5 @@
-"""Fixtures of the fsdp2 engine's tests: the project's tiny Qwen2 config, small batches, a local Ray cluster."""
+"""Fixtures of the fsdp2 engine's tests: the project's tiny Qwen2 config and small batches (:mod:`rlplat.testing.engines`),
+a local Ray cluster."""
 
 from __future__ import annotations
 
@@ -6,50 +7,9 @@ import os
 from typing import Callable
 
 import pytest
-import torch
 
 from rlplat import DataProto
-
-#: The tiny model of DEMO_NOTES.md: vocab 16, hidden 128, intermediate 512, 2 layers, 4 heads, tied embeddings.
-TINY_QWEN2 = dict(
-    model_type="qwen2",
-    vocab_size=16,
-    hidden_size=128,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    tie_word_embeddings=True,
-    max_position_embeddings=64,
-)
-
-PROMPT_LENGTH, RESPONSE_LENGTH = 6, 5
-
-
-def make_batch(rows: int = 8, seed: int = 0) -> DataProto:
-    """``rows`` sequences of 6 prompt + 5 response tokens: row ``r`` has ``r % 3`` left-padding tokens in
-    its prompt and ends ``r % 4`` tokens early (right padding), so rows hold 6 to 11 tokens. Carries
-    ``advantages`` and ``returns`` (standard normal) and a ``values`` column of zeros for the losses."""
-    generator = torch.Generator().manual_seed(seed)
-    length = PROMPT_LENGTH + RESPONSE_LENGTH
-    input_ids = torch.randint(4, 16, (rows, length), generator=generator)
-    attention_mask = torch.ones(rows, length, dtype=torch.long)
-    for row in range(rows):
-        attention_mask[row, : row % 3] = 0
-        attention_mask[row, length - row % 4 :] = 0
-    input_ids = input_ids * attention_mask  # padding id 0
-    return DataProto.from_dict(
-        {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-            "responses": input_ids[:, PROMPT_LENGTH:],
-            "response_mask": attention_mask[:, PROMPT_LENGTH:].float(),
-            "advantages": torch.randn(rows, RESPONSE_LENGTH, generator=generator),
-            "returns": torch.randn(rows, RESPONSE_LENGTH, generator=generator),
-            "values": torch.zeros(rows, RESPONSE_LENGTH),
-        }
-    )
+from rlplat.testing.engines import TINY_QWEN2, tiny_engine_batch
 
 
 @pytest.fixture
@@ -60,8 +20,8 @@ def tiny_config() -> dict:
 
 @pytest.fixture
 def batch_of() -> Callable[..., DataProto]:
-    """``batch_of(rows=8, seed=0)``: see :func:`make_batch`."""
-    return make_batch
+    """``batch_of(rows=8, seed=0)``: see :func:`rlplat.testing.engines.tiny_engine_batch`."""
+    return tiny_engine_batch
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ import torch
 
 from rlplat import DataProto, Dispatch, LocalWorkerGroup, RayWorkerGroup, ResourcePool, Worker, WorkerError, WorkerSpec, register
 from rlplat.controller.worker import without_padding_weight
+from rlplat.testing.distributed import max_difference
+from rlplat.testing.engines import TINY_QWEN2
 from rlplat_engine_fsdp2.engine import FSDP2Engine, full_tensor
 
 pytestmark = pytest.mark.slow  # starts processes or clusters: left out of `make test-fast`
@@ -23,10 +25,7 @@ pytestmark = pytest.mark.slow  # starts processes or clusters: left out of `make
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 BASE = dict(
-    model_config=dict(
-        model_type="qwen2", vocab_size=16, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, max_position_embeddings=64,
-    ),
+    model_config=dict(TINY_QWEN2),
     seed=7,
     lr=1e-3,
     dtype="float32",
@@ -150,11 +149,6 @@ def one_rank():
     group = LocalWorkerGroup(WorkerSpec(EngineHost), role="actor")
     yield group
     group.shutdown()
-
-
-def max_difference(left: dict, right: dict) -> float:
-    assert left.keys() == right.keys()
-    return max(float((left[key] - right[key]).abs().max()) for key in left)
 
 
 def one_step_batch(batch_of, rows: int = 8) -> DataProto:

@@ -17,6 +17,7 @@ from rlplat_engine_fsdp2.config import FSDP2EngineConfig, read_engine_config
 from rlplat_engine_fsdp2 import modeling
 from rlplat_engine_fsdp2.engine import FSDP2Engine, full_tensor
 from rlplat.kits.engine import WarmupSchedule, balanced_partition, fixed_size_partition, token_budget_partition
+from rlplat.testing.distributed import max_difference
 from rlplat_engine_fsdp2.modeling import response_entropy, response_log_probs
 
 
@@ -257,10 +258,6 @@ def stepped(config: dict, batch_of, steps: int, **overrides) -> dict[str, torch.
     for seed in range(steps):
         engine.train_batch(batch_of(4, seed=seed), SumOfLogProbs())
     return parameters_of(engine)
-
-
-def max_difference(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> float:
-    return max(float((left[name] - right[name]).abs().max()) for name in left)
 
 
 def test_foreach_adamw_updates_bit_for_bit_as_the_for_loop(tiny_config, batch_of):

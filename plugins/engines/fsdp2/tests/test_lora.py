@@ -1,7 +1,7 @@
 """LoRA adapters in the fsdp2 engine (``lora``: the ``actor.lora`` node), on one process; the two-process
 case is in test_lora_distributed.py.
 
-The tiny model (conftest's ``TINY_QWEN2``, the demo's architecture): hidden 128, intermediate 512, 2
+The tiny model (``rlplat.testing.engines.TINY_QWEN2``, the demo's architecture): hidden 128, intermediate 512, 2
 layers, q/k/v/o 128 -> 128, gate/up 128 -> 512, down 512 -> 128, tied embeddings (the output head is
 the embedding). ``all-linear`` puts an adapter on the 7 projections of each layer and not on the head.
 """

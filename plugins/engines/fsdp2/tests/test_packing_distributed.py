@@ -16,6 +16,8 @@ import torch
 
 from rlplat import DataProto, Dispatch, LocalWorkerGroup, RayWorkerGroup, ResourcePool, Worker, WorkerSpec, register
 from rlplat.controller.worker import without_padding_weight
+from rlplat.testing.distributed import max_difference
+from rlplat.testing.engines import TINY_QWEN2
 from rlplat_engine_fsdp2.engine import FSDP2Engine, full_tensor
 
 pytestmark = pytest.mark.slow  # starts processes or clusters: left out of `make test-fast`
@@ -24,10 +26,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 BASE = dict(
-    model_config=dict(
-        model_type="qwen2", vocab_size=16, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=64,
-    ),
+    model_config=dict(TINY_QWEN2, num_key_value_heads=2),
     seed=7,
     lr=1e-3,
     dtype="float32",
@@ -73,11 +72,6 @@ class EngineHost(Worker):
     def shared_weight_names(self, name: str) -> list[str] | None:
         shared = self.engines[name].shared_weights()
         return None if shared is None else [key for key, _ in shared]
-
-
-def max_difference(left: dict, right: dict) -> float:
-    assert left.keys() == right.keys()
-    return max(float((left[key] - right[key]).abs().max()) for key in left)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rlplat import DataProto
+from rlplat.testing.engines import TINY_QWEN2
 from rlplat_engine_fsdp2.engine import FSDP2Engine
 
 
@@ -25,10 +26,6 @@ def reward_model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("reward_model")
     model.save_pretrained(directory)
     return str(directory)
-
-
-TINY_QWEN2 = dict(model_type="qwen2", vocab_size=16, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, max_position_embeddings=64)
 
 
 def direct_scores(path: str, batch: DataProto) -> torch.Tensor:

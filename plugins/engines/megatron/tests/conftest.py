@@ -1,4 +1,4 @@
-"""Fixtures of the megatron engine's tests: the project's tiny Qwen2 config and small batches."""
+"""Fixtures of the megatron engine's tests: the project's tiny Qwen2 config and small batches (:mod:`rlplat.testing.engines`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_testkit import TINY_QWEN2, make_batch  # noqa: E402
+from rlplat import DataProto  # noqa: E402
+from rlplat.testing.engines import TINY_QWEN2, tiny_engine_batch  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +32,7 @@ def tiny_config() -> dict:
 
 @pytest.fixture
 def batch_of() -> Callable[..., DataProto]:
-    return make_batch
+    return tiny_engine_batch
 
 
 @pytest.fixture(scope="module", autouse=True)

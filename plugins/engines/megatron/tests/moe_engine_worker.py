@@ -25,9 +25,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from megatron_testkit import make_batch  # noqa: E402
+from rlplat.testing.engines import tiny_engine_batch
 
 EXPERTS, TOP_K, LAYERS = 8, 2, 2
 MOE = {"router_replay": "r3", "aux_loss_coef": 0.01, "z_loss_coef": 0.001}
@@ -41,8 +39,8 @@ class PolicyGradientLoss:
 
 
 def routed_batch(rows: int = 8):
-    """make_batch's rows with ``routed_experts`` [rows, T, layers, k]: k distinct random experts per token, -1 at padding."""
-    batch = make_batch(rows, seed=3)
+    """tiny_engine_batch's rows with ``routed_experts`` [rows, T, layers, k]: k distinct random experts per token, -1 at padding."""
+    batch = tiny_engine_batch(rows, seed=3)
     mask = batch.batch["attention_mask"].bool()
     generator = torch.Generator().manual_seed(9)
     routes = torch.rand(*mask.shape, LAYERS, EXPERTS, generator=generator).argsort(-1)[..., :TOP_K].to(torch.int16)

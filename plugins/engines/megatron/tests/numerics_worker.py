@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_testkit import make_batch  # noqa: E402
+from rlplat.testing.engines import tiny_engine_batch  # noqa: E402
 
 
 class PolicyGradientLoss:
@@ -61,7 +61,7 @@ def main() -> None:
         peaks = [None] * dist.get_world_size()
         dist.all_gather_object(peaks, measure(spec["memory"]))
         results["memory"] = peaks
-    batch = make_batch(spec.get("rows", 8), seed=3)
+    batch = tiny_engine_batch(spec.get("rows", 8), seed=3)
     rows, width = batch.batch["responses"].shape
     vocabulary = json.load(open(os.path.join(spec["model"], "config.json")))["vocab_size"]
     batch.batch["gather"] = torch.randint(0, vocabulary, (rows, width, 3), generator=torch.Generator().manual_seed(4))

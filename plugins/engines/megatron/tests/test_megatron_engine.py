@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlplat.testing.engines import TINY_QWEN2
 from rlplat_engine_megatron.config import MegatronEngineConfig, check_layout
 from rlplat_engine_megatron.engine import MegatronEngine
-from megatron_testkit import TINY_QWEN2
 
 
 class ValueLoss:
@@ -217,21 +217,13 @@ def test_every_rank_draws_the_same_fresh_weights_from_a_model_config(tmp_path, t
     under the seed (transformers' save_pretrained writes on rank 0 only once torch.distributed is set up), the
     same on both, a tied output layer stored once."""
     import json
-    import os
-    import subprocess
-    import sys
 
     from safetensors.torch import load_file
-    from two_process_launch import free_port
+
+    from rlplat.testing.distributed import launch_ranks
 
     model = dict(TINY_QWEN2, tie_word_embeddings=tied)
-    port = free_port()
-    processes = [subprocess.Popen([sys.executable, "-c", FRESH_WEIGHTS, str(tmp_path), json.dumps(model)],
-                                  env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                       "MASTER_PORT": str(port)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for rank in range(2)]
-    outputs = [process.communicate(timeout=300)[0] for process in processes]
-    assert all(process.returncode == 0 for process in processes), outputs
+    launch_ranks(2, ["-c", FRESH_WEIGHTS, str(tmp_path), json.dumps(model)], timeout=300)
     weights = [load_file(str(tmp_path / str(rank) / "model.safetensors")) for rank in range(2)]
     assert sorted(weights[0]) == sorted(weights[1]) and all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
     assert ("lm_head.weight" in weights[0]) is not tied

@@ -14,7 +14,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_testkit import make_batch  # noqa: E402
+from rlplat.testing.distributed import max_difference  # noqa: E402
+from rlplat.testing.engines import TINY_QWEN2, tiny_engine_batch  # noqa: E402
 from rlplat.testing.tiny_models import save_tiny_moe_model, tiny_moe_config  # noqa: E402
 from rlplat_engine_megatron.config import MegatronEngineConfig  # noqa: E402
 from rlplat_engine_megatron.memory import layout_problems  # noqa: E402
@@ -31,7 +32,7 @@ def test_a_moe_checkpoint_gives_the_fsdp2_engines_log_probs_and_exports_unchange
     from rlplat_engine_megatron.engine import MegatronEngine
 
     path = save_tiny_moe_model(tmp_path / "hf", model_type, seed=4)
-    batch = make_batch(6)
+    batch = tiny_engine_batch(6)
     megatron = MegatronEngine(dict(model_path=path))
     megatron.init_model()
     fsdp2 = FSDP2Engine(dict(model_path=path, dtype="float32"))
@@ -56,14 +57,9 @@ def two_ranks(tmp_path_factory):
     return launch(2, {"model": model}, directory, worker=WORKER)
 
 
-def max_difference(first: dict, second: dict) -> float:
-    assert sorted(first) == sorted(second)
-    return max(float((first[name] - second[name]).abs().max()) for name in first)
-
-
 @pytest.mark.slow
 def test_expert_parallel_2_equals_1_and_the_fsdp2_engine_under_r3_replay_and_router_losses(two_ranks):
-    mask = make_batch(8, seed=3).batch["response_mask"].bool()
+    mask = tiny_engine_batch(8, seed=3).batch["response_mask"].bool()
     for name in ("ep2", "fsdp2"):  # log-probs with the replayed (drifted) routes
         assert float((two_ranks[f"{name}/log_probs"] - two_ranks["ep1/log_probs"])[mask].abs().max()) <= 1e-5, name
     # one AdamW step (lr 1e-3) on the policy-gradient loss plus the load-balancing and z-losses
@@ -96,7 +92,7 @@ def test_expert_parallel_exports_every_expert_and_resumes_exactly_and_the_plan_c
 @pytest.mark.slow
 def test_r2_returns_the_live_routes_and_the_update_replays_them(two_ranks):
     ours, theirs = two_ranks["r2/routes"], two_ranks["fsdp2-r2/routes"]
-    mask = make_batch(8, seed=3).batch["attention_mask"].bool()
+    mask = tiny_engine_batch(8, seed=3).batch["attention_mask"].bool()
     assert ours.shape == theirs.shape == (*mask.shape, 2, 2) and ours.dtype == torch.int16
     assert bool((ours[~mask] == -1).all()) and bool((ours[mask] >= 0).all())
     # the same experts as the fsdp2 engine's live routing (as sets: the order of equal scores may differ)
@@ -111,7 +107,7 @@ def test_r2_returns_the_live_routes_and_the_update_replays_them(two_ranks):
 def test_context_parallelism_replays_records_and_balances_the_routers_as_one_rank(two_ranks):
     """CP=2: each rank's routers see half of every row's positions; the replayed routes are sliced alike, the
     recorded ones gathered back, and the router losses are the whole rows' (summed over the group)."""
-    mask = make_batch(8, seed=3).batch["response_mask"].bool()
+    mask = tiny_engine_batch(8, seed=3).batch["response_mask"].bool()
     assert float((two_ranks["cp2/log_probs"] - two_ranks["ep1/log_probs"])[mask].abs().max()) <= 1e-5
     assert max_difference(two_ranks["cp2/weights"], two_ranks["ep1/weights"]) <= 1e-5
     metrics, reference = two_ranks["cp2/metrics"], two_ranks["ep1/metrics"]
@@ -141,7 +137,6 @@ def test_layouts_and_settings_that_cannot_work_are_refused_with_the_reason():
 @pytest.mark.slow
 def test_a_moe_model_is_refused_with_a_pipeline_on_cpu_and_moe_on_a_dense_model():
     from rlplat_engine_megatron.engine import MegatronEngine
-    from megatron_testkit import TINY_QWEN2
 
     if torch.cuda.is_available():
         pytest.skip("the refusal is for CPU")

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_testkit import make_batch  # noqa: E402
+from rlplat.testing.engines import tiny_engine_batch  # noqa: E402
 from two_process_launch import launch, write_numerics_checkpoint  # noqa: E402
 
 LOG_PROB_TOLERANCE = 1e-5
@@ -28,7 +28,7 @@ PARAMETER_TOLERANCE = 1e-6
 
 
 def assert_log_probs_close(actual, expected, what):
-    valid = make_batch(8, seed=3).batch["response_mask"].bool()
+    valid = tiny_engine_batch(8, seed=3).batch["response_mask"].bool()
     difference = float((actual - expected)[valid].abs().max())
     assert difference <= LOG_PROB_TOLERANCE, f"{what}: log-probs differ by {difference:.3g}"
     return difference
@@ -64,7 +64,7 @@ def test_tp2_pp2_cp2_and_tp1_agree_with_each_other_and_with_fsdp2_and_export_and
         assert results[f"{name}/largest_multi_tensor_bucket"] <= 64 << 10
     assert results["tp1/metrics"]["test/pg_loss"] == pytest.approx(results["tp2/metrics"]["test/pg_loss"], abs=1e-6)
     # the distillation features over vocabulary-parallel logits: top-k and log-probs at given ids
-    valid = make_batch(8, seed=3).batch["response_mask"].bool()
+    valid = tiny_engine_batch(8, seed=3).batch["response_mask"].bool()
     for name in ("tp1", "tp2", "pp2"):
         values, ids = results[f"{name}/top_k"]
         assert float((values - results["fsdp2/top_k"][0])[valid].abs().max()) <= 1e-5, name
@@ -113,5 +113,5 @@ def test_tp2_by_pp2_an_interleaved_pipeline_tp2_by_cp2_and_cp2_by_pp2_on_four_pr
         assert [info for info in results[f"{name}/info"] if info[2]] == [(0, 1, True)], name
         assert_log_probs_close(results[f"{name}/log_probs"], results["tp1/log_probs"], f"{name} vs TP=1")
         assert_weights_close(results[f"{name}/weights"], results["tp1/weights"], f"{name} vs TP=1")
-    valid = make_batch(8, seed=3).batch["response_mask"][0].bool()
+    valid = tiny_engine_batch(8, seed=3).batch["response_mask"][0].bool()
     assert float((results["pp2vpp2/single_row"][0] - results["tp1/log_probs"][0])[valid].abs().max()) <= LOG_PROB_TOLERANCE

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import torch
 
-from megatron_testkit import TINY_QWEN2
+from rlplat.testing.distributed import launch_ranks
+from rlplat.testing.engines import TINY_QWEN2
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "numerics_worker.py")
 
@@ -75,33 +73,10 @@ def memory_spec(model_path: str) -> dict:
                 layouts=[dict(name=name, config=config) for name, config in MEMORY_LAYOUTS.items()])
 
 
-def free_port() -> int:
-    with socket.socket() as handle:
-        handle.bind(("127.0.0.1", 0))
-        return handle.getsockname()[1]
-
-
 def launch(world_size: int, spec: dict, directory, worker: str = WORKER) -> dict:
     """Run ``worker`` (``numerics_worker.py``) on ``world_size`` processes (gloo) with ``spec``; rank 0's results."""
     spec = {**spec, "out": str(directory / "results.pt"), "scratch": str(directory)}
-    port = free_port()
-    processes = []
-    for rank in range(world_size):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        processes.append(subprocess.Popen([sys.executable, worker, json.dumps(spec)], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=600)[0])
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    for rank, (process, output) in enumerate(zip(processes, outputs)):
-        assert process.returncode == 0, f"rank {rank} failed:\n{output[-6000:]}"
+    launch_ranks(world_size, [worker, json.dumps(spec)])
     return torch.load(spec["out"], weights_only=True)
 
 
