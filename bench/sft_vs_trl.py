@@ -40,7 +40,7 @@ TARGET = 1.0
 
 def prepare(folder: Path) -> tuple[str, str]:
     """The randomly initialised demo-sized model and the training rows, written once for every contender."""
-    from rlplat.data import write_parquet
+    from rlplat.kits.data import write_parquet
     from rlplat_demo.build import split_pairs, supervised_rows
     from rlplat.testing.tiny_models import save_tiny_model
 

@@ -140,7 +140,7 @@ def engine(**config: Any):
 
 
 def nll():
-    from rlplat.losses.sft import NLLLoss
+    from rlplat_sft.loss import NLLLoss
 
     return NLLLoss()
 
@@ -273,7 +273,7 @@ def check_fsdp2_offload(context: Context) -> list[dict]:
 def random_prompts(rows: int, vocab_size: int, seed: int, shortest: int, longest: int):
     import torch
 
-    from rlplat.data import left_padded
+    from rlplat.kits.data import left_padded
     from rlplat.protocol import DataProto
 
     generator = torch.Generator().manual_seed(seed)
@@ -325,7 +325,7 @@ def demo_prompts(rows: int, seed: int):
     """``ab+cd=`` prompts of the demo's task, tokenised with its tokenizer."""
     import random
 
-    from rlplat.data import left_padded
+    from rlplat.kits.data import left_padded
     from rlplat.protocol import DataProto
     from rlplat.testing.tiny_models import arithmetic_tokenizer
 

@@ -60,7 +60,7 @@ def write_dist(site):
 def run_files(tmp_path) -> tuple[Path, Path]:
     """``(model directory, train parquet)`` for a config that validates: an empty model folder (validation
     reads no weights) and one arithmetic row."""
-    from rlplat.data import write_parquet
+    from rlplat.kits.data import write_parquet
 
     model = tmp_path / "model"
     model.mkdir()

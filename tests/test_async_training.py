@@ -18,7 +18,7 @@ import torch
 import rlplat
 from rlplat.config import load_config
 from rlplat.config_node import ConfigError
-from rlplat.data import write_parquet
+from rlplat.kits.data import write_parquet
 from rlplat.testing.fork_server import ForkServer
 from rlplat.testing.runs import fit_run
 from rlplat.testing.tiny_models import save_tiny_model

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from rlplat import registry
 from rlplat.config import engine_node, load_config
-from rlplat.data import write_parquet
+from rlplat.kits.data import write_parquet
 from rlplat.protocol import DataProto
 from rlplat.registry import EngineRegistry
 from rlplat.testing.tiny_models import arithmetic_tokenizer, save_tiny_model

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rlplat.data import write_parquet
+from rlplat.kits.data import write_parquet
 from rlplat.testing.tiny_models import save_tiny_model
 
 REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float(solution_str.strip() == ground_truth)\n"

@@ -10,7 +10,7 @@ import pytest
 
 from rlplat import hookimpl
 from rlplat.config import load_config
-from rlplat.config.explain import explain, render
+from rlplat.cli.explain import explain, render
 from rlplat.contracts.algorithm import Algorithm
 from rlplat_demo import overrides as demo_overrides
 
@@ -94,7 +94,7 @@ class NodeOfNamedEntries:
 
 
 def test_a_mapping_of_named_entries_lists_the_entries_keys_under_a_name_placeholder():
-    from rlplat.config.explain import schema_keys
+    from rlplat.cli.explain import schema_keys
 
     keys = [(doc.key, doc.doc) for doc in schema_keys(NodeOfNamedEntries, "node.", {}, "test")]
     assert keys == [("node.entries", "Named entries."), ("node.entries.<name>.path", "Where it is.")]

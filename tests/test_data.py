@@ -15,18 +15,9 @@ import pytest
 from rlplat.config_node import ConfigError
 import torch
 
-from rlplat.data import (
-    DataConfig,
-    DataError,
-    RLDataset,
-    StatefulLoader,
-    ValidationLoader,
-    build_loaders,
-    collate,
-    load_datasets,
-    read_data_config,
-    write_parquet,
-)
+from rlplat.data import DataConfig, DataError, RLDataset, StatefulLoader, ValidationLoader, build_loaders, collate, load_datasets, read_data_config
+
+from rlplat.kits.data import write_parquet
 from rlplat.testing.tiny_models import arithmetic_tokenizer
 
 

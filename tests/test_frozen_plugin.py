@@ -107,7 +107,7 @@ def test_a_plugin_declaring_an_api_rlplat_lacks_is_listed_failed_and_a_run_askin
     })
     listing = cli_run("plugins", "list", "--json", pythonpath=site)
     future = {p["plugin"]: p for p in json.loads(listing.stdout)}["future-algorithms"]
-    reason = "declares plugin API '>=2,<3' (RLPLAT_PLUGIN_API), but this rlplat provides plugin API 1.2.0"
+    reason = "declares plugin API '>=2,<3' (RLPLAT_PLUGIN_API), but this rlplat provides plugin API 1.3.0"
     assert (future["status"], future["entries"]) == ("failed", []) and future["reason"].startswith(reason)
 
     run = cli_run("run", "--algo", "future_algo", *SHORT_RUN, f"trainer.output_dir={tmp_path / 'run'}", pythonpath=site)

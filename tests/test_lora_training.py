@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rlplat.config import load_config
-from rlplat.data import write_parquet
+from rlplat.kits.data import write_parquet
 from rlplat.contracts.health import WeightCorruptedError
 from rlplat.trainer.sync_probe import SyncProbeError
 from rlplat.testing.runs import fit_run

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from rlplat import cuda_devices
 from rlplat.config import ConfigError, check_machine, load_config
-from rlplat.data import write_parquet
+from rlplat.kits.data import write_parquet
 from rlplat.config.trainer import check_run_directory, first_logged_step, prepare_run_directory
 
 

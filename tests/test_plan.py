@@ -216,7 +216,7 @@ def test_plan_prints_json_reading_only_config_json_and_exits_1_when_it_does_not_
 
 
 def train_file(tmp_path):
-    from rlplat.data import write_parquet
+    from rlplat.kits.data import write_parquet
 
     return write_parquet([{"data_source": "arith", "prompt": [{"role": "user", "content": "1+1="}],
                            "reward_model": {"ground_truth": "2"}}], tmp_path / "train.parquet")

@@ -33,7 +33,7 @@ def scorer_plugin(module: str, declaration: str | None) -> dict[str, str]:
 
 
 def test_the_api_version_is_semver_and_the_newest_known_minor_version():
-    assert rlplat.PLUGIN_API_VERSION == PLUGIN_API_VERSION == "1.2.0"
+    assert rlplat.PLUGIN_API_VERSION == PLUGIN_API_VERSION == "1.3.0"
     assert PLUGIN_API_VERSION.startswith(API_VERSIONS[-1] + ".")
 
 
@@ -52,7 +52,7 @@ def test_an_implementation_is_held_to_the_oldest_version_its_range_admits(declar
 
 def test_a_range_admitting_no_known_version_cannot_be_tested():
     with pytest.raises(ValueError, match=r"RLPLAT_PLUGIN_API = '>=2' admits none of the plugin API versions this "
-                                         r"rlplat knows \(1.0, 1.1, 1.2; it provides 1.2.0\)"):
+                                         r"rlplat knows \(1.0, 1.1, 1.2, 1.3; it provides 1.3.0\)"):
         asked_version(">=2")
 
 
@@ -64,8 +64,8 @@ def test_an_undeclared_loss_supports_api_1_0s_modes():
 @pytest.mark.parametrize(("declared", "reason"), [
     (">=1.0,<2", None),
     (">=1.1", None),
-    (">=2", "declares plugin API '>=2' (RLPLAT_PLUGIN_API), but this rlplat provides plugin API 1.2.0"),
-    ("<1.1", "declares plugin API '<1.1' (RLPLAT_PLUGIN_API), but this rlplat provides plugin API 1.2.0"),
+    (">=2", "declares plugin API '>=2' (RLPLAT_PLUGIN_API), but this rlplat provides plugin API 1.3.0"),
+    ("<1.1", "declares plugin API '<1.1' (RLPLAT_PLUGIN_API), but this rlplat provides plugin API 1.3.0"),
 ])
 def test_incompatibility_says_what_is_declared_and_what_is_provided(declared, reason):
     assert incompatibility(declared) == reason
@@ -82,8 +82,8 @@ def test_a_plugin_declaring_an_incompatible_range_is_failed_with_both_versions_a
     registry = Registry()
     record = registry.plugin("future")
     assert (record.status, record.api) == ("failed", ">=2")
-    assert record.reason == ("declares plugin API '>=2' (RLPLAT_PLUGIN_API), but this rlplat provides plugin API 1.2.0: "
-                             "install a release of rlplat-future made for plugin API 1.2.0, or an rlplat whose plugin "
+    assert record.reason == ("declares plugin API '>=2' (RLPLAT_PLUGIN_API), but this rlplat provides plugin API 1.3.0: "
+                             "install a release of rlplat-future made for plugin API 1.3.0, or an rlplat whose plugin "
                              "API it admits")
     assert registry.entries_of_plugin("future") == []
     with pytest.raises(UnknownEntryError, match=r"Plugins that failed to load: future \(declares plugin API '>=2'"):
@@ -134,10 +134,10 @@ def test_plugins_list_shows_the_incompatible_plugin_as_failed_with_the_reason(wr
     assert listing.returncode == 0, listing.stderr
     future = {p["plugin"]: p for p in json.loads(listing.stdout)}["future-cli"]
     assert (future["status"], future["plugin_api"], future["entries"]) == ("failed", ">=2", [])
-    assert future["reason"].startswith("declares plugin API '>=2' (RLPLAT_PLUGIN_API), but this rlplat provides plugin API 1.2.0")
+    assert future["reason"].startswith("declares plugin API '>=2' (RLPLAT_PLUGIN_API), but this rlplat provides plugin API 1.3.0")
     info = cli_run("plugins", "info", "future-cli", pythonpath=site)
     assert "status:       failed: declares plugin API '>=2'" in info.stdout
-    assert "plugin API:   declares >=2; rlplat provides 1.2.0" in info.stdout
+    assert "plugin API:   declares >=2; rlplat provides 1.3.0" in info.stdout
 
 
 def test_rlplats_own_implementations_provide_exactly_the_current_api():

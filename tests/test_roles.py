@@ -12,7 +12,7 @@ from rlplat.contracts.role import STAGES, Role, RoleConfig, RunContext
 from rlplat.testing import RoleConformance
 from rlplat.controller.decorator import Dispatch
 from rlplat.controller.host import WorkerSpec
-from rlplat.data import write_parquet
+from rlplat.kits.data import write_parquet
 from rlplat.testing.tiny_models import save_tiny_model
 from rlplat.trainer.tracking import read_metrics
 from rlplat.trainer import Trainer

@@ -24,7 +24,7 @@ from rlplat.controller.ray_backend import (
     resolve_py_module,
     worker_runtime_env,
 )
-from rlplat.data import write_parquet
+from rlplat.kits.data import write_parquet
 
 
 @pytest.fixture

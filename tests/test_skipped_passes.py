@@ -8,7 +8,7 @@ import math
 import pytest
 
 from rlplat.config import ConfigError, load_config
-from rlplat.data import write_parquet
+from rlplat.kits.data import write_parquet
 from rlplat.testing.tiny_models import save_tiny_model
 from rlplat.trainer.tracking import read_metrics
 from rlplat.trainer import Trainer

@@ -14,7 +14,7 @@ import torch
 
 from rlplat.config import load_config
 from rlplat.config_node import ConfigError
-from rlplat.data import write_parquet
+from rlplat.kits.data import write_parquet
 from rlplat.protocol import DataProto
 from rlplat.testing.runs import fit_run
 from rlplat.trainer.rollout_dump import ReplayError, read_batch, step_file, write_batch

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlplat.config import load_config
-from rlplat.data import write_parquet
+from rlplat.kits.data import write_parquet
 from rlplat.testing.runs import fit_run
 from rlplat.testing.tiny_models import save_tiny_model
 from rlplat.trainer.tracking import read_metrics

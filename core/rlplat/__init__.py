@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlplat import moved as _moved
+from rlplat import deprecation as _deprecation
 from rlplat.api_version import PLUGIN_API_VERSION
 from rlplat.lazy_names import lazy_names
 
-_moved.install()  # old names of modules that moved out of core (rlplat.moved)
+_deprecation.install_moved_modules()  # old names of modules that moved (rlplat.deprecation.MOVED_MODULES)
 
 __all__ = [
     "Algorithm",

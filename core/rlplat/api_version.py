@@ -26,7 +26,7 @@ from typing import Any
 
 #: The plugin API this rlplat provides (semver: a new minor version only adds; a major version may remove
 #: what a deprecation announced one minor version earlier).
-PLUGIN_API_VERSION = "1.2.0"
+PLUGIN_API_VERSION = "1.3.0"
 
 #: The attribute a plugin declares its range in.
 DECLARATION = "RLPLAT_PLUGIN_API"
@@ -35,7 +35,7 @@ DECLARATION = "RLPLAT_PLUGIN_API"
 UNDECLARED = ">=1.0,<2"
 
 #: Every minor version of the plugin API, oldest first.
-API_VERSIONS = ("1.0", "1.1", "1.2")
+API_VERSIONS = ("1.0", "1.1", "1.2", "1.3")
 
 #: The aggregation modes (``loss_agg_mode``) each API version asks every policy loss to support; a loss
 #: that supports others says so in its registration, ``metadata={"loss_agg_modes": [...]}``.
@@ -43,6 +43,7 @@ LOSS_AGG_MODES_OF_API = {
     "1.0": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "1.1": ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "1.2": ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "1.3": ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
 }
 
 

@@ -12,7 +12,7 @@
 * ``agent_name`` (string, optional): the agent loop of the row (``tool``, ``env``, verl's
   ``tool_agent``, ...; see :mod:`rlplat_agents.manager` (rlplat-agents)); null: ``agent.loop``.
 
-Other columns are ignored. :func:`write_parquet` writes such files.
+Other columns are ignored. :func:`rlplat.kits.data.write_parquet` writes such files.
 
 **Pipeline.** :func:`load_datasets` builds an :class:`RLDataset` per split from a :class:`DataConfig`;
 :class:`StatefulLoader` cuts the training set into batches of ``data.train_batch_size`` prompts, in a
@@ -31,17 +31,17 @@ import copy
 import hashlib
 import logging
 import math
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 # the config part lives in rlplat.data_config (no torch: the config schema reads it); its names stay importable here
 from rlplat.data_config import TRUNCATIONS, DataConfig, DataError, as_file_list, read_data_config  # noqa: F401
+from rlplat.deprecation import Deprecated, deprecated_names
+from rlplat.kits import data as kit
 from rlplat.protocol import DataProto
 
 logger = logging.getLogger("rlplat.data")
@@ -95,11 +95,11 @@ class RLDataset:
         self.apply_chat_template = apply_chat_template
         self.apply_chat_template_kwargs = dict(apply_chat_template_kwargs or {})
         self.uses_chat_template = apply_chat_template and getattr(tokenizer, "chat_template", None) is not None
-        self.pad_token_id = pad_token_id_of(tokenizer)
+        self.pad_token_id = kit.pad_token_id_of(tokenizer)
         if not self.files:
             raise DataError(f"{config_key} is empty: give at least one parquet file")
         for path in self.files:
-            check_file(path, config_key)
+            kit.check_file(path, config_key)
         if apply_chat_template and not self.uses_chat_template:
             logger.info(
                 "%s: the tokenizer has no chat template; each prompt is its message contents concatenated, "
@@ -274,14 +274,6 @@ class RLDataset:
         return f"RLDataset({len(self)} prompts from {len(self.files)} file(s), fingerprint {self.fingerprint})"
 
 
-def check_file(path: str, config_key: str) -> None:
-    """A :class:`DataError` in the words of ``config_key`` if ``path`` is not an existing file."""
-    if not os.path.exists(path):
-        raise DataError(f"{config_key}: {path} does not exist")
-    if os.path.isdir(path):
-        raise DataError(f"{config_key}: {path} is a directory; list the parquet files in it instead")
-
-
 def check_row(data_source: Any, reward_model: Any, extra_info: Any, where: str) -> None:
     """:class:`DataError` naming the column if a row's ``data_source``, ``reward_model`` or ``extra_info``
     does not fit the schema."""
@@ -298,30 +290,6 @@ def check_row(data_source: Any, reward_model: Any, extra_info: Any, where: str) 
         )
     if extra_info is not None and not isinstance(extra_info, dict):
         raise DataError(f"{where}, column 'extra_info': expected a struct or null, got {extra_info!r:.60}")
-
-
-def pad_token_id_of(tokenizer: Any) -> int:
-    """The tokenizer's pad token id, else its EOS id (the usual stand-in); :class:`DataError` if neither."""
-    for name in ("pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer, name, None)
-        if isinstance(value, int):
-            return value
-    raise DataError("the tokenizer has neither a pad token nor an EOS token to left-pad prompts with; set tokenizer.pad_token")
-
-
-def left_padded(token_lists: Sequence[Sequence[int]], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """``input_ids``, ``attention_mask`` and ``position_ids`` (int64, ``[B, W]``) of ``token_lists`` left-padded
-    to the longest: ``pad_token_id`` on the left, 1 on real tokens, positions
-    ``clamp(cumsum(attention_mask) - 1, 0)`` (0 on the padding and the first real token). What the data
-    loader, the judge and the reward model feed a model."""
-    width = max(len(tokens) for tokens in token_lists)
-    input_ids = torch.full((len(token_lists), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(token_lists), width), dtype=torch.long)
-    for number, tokens in enumerate(token_lists):
-        input_ids[number, width - len(tokens):] = torch.as_tensor(tokens, dtype=torch.long)
-        attention_mask[number, width - len(tokens):] = 1
-    position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
 
 def collate(rows: Sequence[Mapping[str, Any]], pad_token_id: int, uid_prefix: str = "") -> DataProto:
@@ -346,7 +314,7 @@ def collate(rows: Sequence[Mapping[str, Any]], pad_token_id: int, uid_prefix: st
     if len(set(indices)) != len(indices):
         repeated = sorted({index for index in indices if indices.count(index) > 1})
         raise ValueError(f"dataset index(es) {repeated} appear more than once in one batch; their uids would collide")
-    tensors = left_padded([row["input_ids"] for row in rows], pad_token_id)
+    tensors = kit.left_padded([row["input_ids"] for row in rows], pad_token_id)
     keys = ("raw_prompt", "data_source", "reward_model", "extra_info") + (("agent_name",) if "agent_name" in rows[0] else ())
     non_tensors = {key: [row.get(key) for row in rows] for key in keys}
     non_tensors["index"] = np.asarray(indices, dtype=np.int64)
@@ -514,7 +482,7 @@ def load_datasets(config: Any, tokenizer: Any) -> tuple[RLDataset, RLDataset | N
         raise DataError("data.train_files is empty: give at least one parquet file of training prompts")
     for key, files in (("data.train_files", config.train_files), ("data.val_files", config.val_files)):
         for path in files:
-            check_file(path, key)
+            kit.check_file(path, key)
     settings = dict(
         prompt_key=config.prompt_key, max_prompt_length=config.max_prompt_length, truncation=config.truncation,
         apply_chat_template=config.apply_chat_template, apply_chat_template_kwargs=config.apply_chat_template_kwargs,
@@ -534,16 +502,6 @@ def build_loaders(config: Any, tokenizer: Any) -> tuple[StatefulLoader, Validati
     return train_loader, (ValidationLoader(val, config.val_batch_size) if val is not None else None)
 
 
-def write_parquet(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> str:
-    """Write ``rows`` (dicts in the schema of the module docstring) to a parquet file at ``path``,
-    creating its folder; returns the path. The column types are inferred from the values (a struct's
-    fields are the union over the rows; a row without one of them reads back with it null). Nothing
-    is validated here: :class:`RLDataset` does that when it reads the file."""
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    try:
-        table = pa.Table.from_pylist([dict(row) for row in rows])
-    except (pa.ArrowException, TypeError) as error:
-        raise DataError(f"cannot write {path}: the rows do not share column types ({error})") from error
-    pq.write_table(table, path)
-    return path
+#: The helpers plugins use moved to rlplat.kits.data at plugin API 1.3; their old names here warn until 1.4.
+__getattr__ = deprecated_names(__name__, {name: Deprecated(f"rlplat.kits.data:{name}", "1.4")
+                                          for name in ("check_file", "pad_token_id_of", "left_padded", "write_parquet")})

@@ -12,16 +12,12 @@ import os
 from collections.abc import Mapping
 from typing import Any, Dict, List, Optional
 
-from rlplat.config_node import ConfigError, read_config_node
+from rlplat.config_node import read_config_node
+from rlplat.kits.data import DataError
 
 __all__ = ["TRUNCATIONS", "DataConfig", "DataError", "as_file_list", "read_data_config"]
 
 TRUNCATIONS = ("error", "filter", "left", "right")
-
-
-class DataError(ConfigError):
-    """The data files or their rows do not fit the schema or the ``data.*`` config; the message says
-    which file, row and column, and what to do."""
 
 
 @dataclasses.dataclass

@@ -15,13 +15,22 @@ keeps working for one minor version of the plugin API (:mod:`rlplat.api_version`
   working, and a contract whose ``__init_subclass__`` calls :func:`adopt_renamed_methods` keeps
   implementations that still define the old name working (rlplat calls the new name).
 
-Modules that move out of core are :mod:`rlplat.moved`'s. Nothing here imports anything heavy.
+* **Modules that moved** (out of core into a plugin distribution, or within core): :func:`moved_module`
+  records the old name, and the finder :func:`install_moved_modules` puts first on ``sys.meta_path`` (at
+  ``import rlplat``) answers an import of the old name with the new module itself (one module object under
+  two names, never a second copy), warning with the new path and the version the old one goes away in;
+  without the distribution, the import fails saying what to install.
+
+Nothing here imports anything heavy, or a plugin until an old module name is imported.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 import warnings
 from typing import Any, Callable, Mapping
 
@@ -189,3 +198,80 @@ def adopt_renamed_methods(cls: type) -> None:
             setattr(cls, value.new, implementation)
             warn(f"{cls.__name__}.{old}() ({value.contract}'s old name)", f"{cls.__name__}.{value.new}()",
                  value.removed_in, stacklevel=4)  # the warning points at the class statement
+
+
+# -- modules that moved -----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Moved:
+    """``old`` (a module and its submodules) now lives at ``new`` in the distribution ``distribution``;
+    the old name is removed in rlplat plugin API ``removed_in``."""
+
+    old: str
+    new: str
+    distribution: str
+    removed_in: str
+
+
+#: Old module prefix -> where it went. The longest matching prefix wins.
+MOVED_MODULES: dict[str, Moved] = {}
+
+
+def moved_module(old: str, new: str, distribution: str, removed_in: str) -> None:
+    """Record that ``old`` moved to ``new`` (in ``distribution``; the old name goes in plugin API ``removed_in``)."""
+    MOVED_MODULES[old] = Moved(old, new, distribution, removed_in)
+
+
+def _moved_target(fullname: str) -> tuple[Moved, str] | None:
+    for old in sorted(MOVED_MODULES, key=len, reverse=True):
+        if fullname == old or fullname.startswith(old + "."):
+            moved = MOVED_MODULES[old]
+            return moved, moved.new + fullname[len(old):]
+    return None
+
+
+class _AliasLoader(importlib.abc.Loader):
+    def __init__(self, moved: Moved, target: str):
+        self.moved, self.target = moved, target
+
+    def create_module(self, spec: Any) -> Any:
+        moved = self.moved
+        warnings.warn(f"{spec.name} moved to {self.target} (distribution {moved.distribution}); the old name is "
+                      f"removed in rlplat plugin API {moved.removed_in}", DeprecationWarning, stacklevel=2)
+        try:
+            return importlib.import_module(self.target)
+        except ModuleNotFoundError as error:
+            if error.name and (self.target == error.name or self.target.startswith(error.name + ".")):
+                raise ModuleNotFoundError(
+                    f"{spec.name} moved to {self.target}, which is not installed: pip install {moved.distribution}",
+                    name=spec.name) from None
+            raise
+
+    def exec_module(self, module: Any) -> None:
+        pass  # the target module ran when it was imported
+
+
+class MovedModuleFinder(importlib.abc.MetaPathFinder):
+    """Answers imports of the old names in :data:`MOVED_MODULES` with the modules at their new names."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        found = _moved_target(fullname)
+        if found is None:
+            return None
+        moved, new_name = found
+        return importlib.util.spec_from_loader(fullname, _AliasLoader(moved, new_name))
+
+
+def install_moved_modules() -> None:
+    """Put the finder first on ``sys.meta_path`` (before the path finder, which would otherwise load a
+    second copy of a submodule through the aliased package's ``__path__``); idempotent."""
+    if not any(isinstance(finder, MovedModuleFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, MovedModuleFinder())
+
+
+# Plugin API 1.3 moved these out of core (or within it); their old names go in 1.4. (The names 1.2 moved
+# were removed in 1.3, as their warnings announced.)
+moved_module("rlplat.losses.distillation", "rlplat_distill.losses", "rlplat-distill", "1.4")
+moved_module("rlplat.losses.sft", "rlplat_sft.loss", "rlplat-sft", "1.4")
+moved_module("rlplat.config.explain", "rlplat.cli.explain", "rlplat", "1.4")
+moved_module("rlplat.doctor", "rlplat.cli.doctor", "rlplat", "1.4")

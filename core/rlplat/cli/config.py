@@ -29,7 +29,7 @@ def show(
 
     resolved = resolved_config(config, overrides, algo=algo, engine=engine, rollout=rollout, demo=demo, validate=not no_validate or doc)
     if doc:
-        from rlplat.config.explain import explain, render
+        from rlplat.cli.explain import explain, render
 
         typer.echo(render(explain(resolved)))
         return
@@ -48,7 +48,7 @@ def explain_keys(
 ) -> None:
     """Print a key (or every key under a node) with its type, default, value in this config, owner (core
     or the plugin that declares it) and description; the chosen plugins decide what their nodes hold."""
-    from rlplat.config.explain import explain, render
+    from rlplat.cli.explain import explain, render
 
     if key is not None and "=" in key:  # only overrides were given
         overrides, key = [key, *(overrides or [])], None

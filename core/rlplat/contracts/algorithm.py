@@ -149,7 +149,7 @@ class AlgorithmConfig:
         from rlplat.deprecation import warn
 
         warn(f"{old} on the algorithm node (a mapping in plugin API 1.0; an {type(self).__name__} since 1.1)",
-             f"config.{key}", "1.3", stacklevel=3)
+             f"config.{key}", "2.0", stacklevel=3)
 
 
 # The algorithm node's keys are the loop's: a plugin's own schema never has to declare them.

@@ -13,13 +13,11 @@
   registered policy loss with the KL loss and the entropy bonus; :class:`CriticLoss` is the clipped value
   loss. Both are plain picklable objects, built from the ``actor.loss`` / ``critic.loss`` node
   (:class:`PolicyLossConfig` / :class:`ValueLossConfig`); an algorithm without its own gets them.
-* **Supervised fine-tuning** (:mod:`rlplat.losses.sft`): :class:`NLLLoss`, the negative log-likelihood of
-  the tokens under ``response_mask`` (``rlplat sft``), and ``nll_loss``.
 * **KL** (:mod:`rlplat.losses.kl`): per-token estimators (k1, k2, k3, abs and straight-through
   variants), the KL loss, the KL-in-reward step and its fixed and adaptive coefficient controllers.
-* **Distillation** (:mod:`rlplat.losses.distillation`): the reverse KL to a teacher on sampled tokens and the
-  reverse KL, forward KL and generalised JSD over a teacher's top-k tokens, as per-token divergences and as
-  policy losses meant as terms of the actor loss (``actor.loss.terms``; registered by rlplat-distill).
+* A loss function's needs (:func:`loss_needs`): the masks whose global counts its terms read and the id
+  column whose log-probs they gather (the distillation terms of rlplat-distill, whose losses live there since
+  plugin API 1.3, like the SFT loss in rlplat-sft: the old names here warn until 1.4).
 
 Names are resolved lazily, so ``import rlplat.losses`` (and the torch-free :mod:`rlplat.losses.config`)
 imports no torch until a function is used.
@@ -27,6 +25,7 @@ imports no torch until a function is used.
 
 from __future__ import annotations
 
+from rlplat.deprecation import Deprecated, deprecated_names
 from rlplat.lazy_names import lazy_names
 
 
@@ -53,12 +52,18 @@ _LAZY_NAMES: dict[str, str] = {
     "apply_kl_penalty": "rlplat.losses.kl",
     "build_kl_controller": "rlplat.losses.kl",
     "LossInputs": "rlplat.losses.functions",
-    "sampled_divergence": "rlplat.losses.distillation",
-    "topk_divergence": "rlplat.losses.distillation",
-    "NLLLoss": "rlplat.losses.sft",
-    "nll_loss": "rlplat.losses.sft",
+    "loss_needs": "rlplat.losses.functions",
+}
+
+#: Moved into their plugins at plugin API 1.3.
+_MOVED_NAMES = {
+    "sampled_divergence": Deprecated("rlplat_distill.losses:sampled_divergence", "1.4"),
+    "topk_divergence": Deprecated("rlplat_distill.losses:topk_divergence", "1.4"),
+    "NLLLoss": Deprecated("rlplat_sft.loss:NLLLoss", "1.4"),
+    "nll_loss": Deprecated("rlplat_sft.loss:nll_loss", "1.4"),
 }
 
 __all__ = sorted(_LAZY_NAMES)
 
-__getattr__, __dir__ = lazy_names('rlplat.losses', _LAZY_NAMES, globals())
+_lazy_getattr, __dir__ = lazy_names('rlplat.losses', _LAZY_NAMES, globals())
+__getattr__ = deprecated_names(__name__, _MOVED_NAMES, _lazy_getattr)

@@ -98,7 +98,6 @@ class ActorLoss:
             if self.rollout_correction.loss_type == "reinforce":
                 loss_mode = BYPASS_PG_LOSS
         from rlplat import registry
-        from rlplat.losses.distillation import loss_needs
 
         if policy_loss is None:
             policy_loss = registry.get("policy_loss", loss_mode)
@@ -221,3 +220,18 @@ class CriticLoss:
         loss, metrics = value_loss(outputs["values"], batch["returns"], batch["values"], batch["response_mask"], None, settings)
         additive = {"critic/vf_loss"}
         return loss, as_contributions(metrics, additive, token_share(batch["response_mask"], settings.global_token_count))
+
+
+def loss_needs(functions: Any) -> tuple[tuple[str, ...], str | None]:
+    """The masks whose global counts ``functions`` (policy losses) read, and the id column whose log-probs
+    they gather (one at most)."""
+    masks: list[str] = []
+    gathers = {getattr(function, "gather_ids", None) for function in functions} - {None}
+    for function in functions:
+        for mask in getattr(function, "count_masks", ()) or ():
+            if mask not in masks:
+                masks.append(mask)
+    if len(gathers) > 1:
+        raise ValueError(f"the actor loss's terms gather log-probs at different id columns ({', '.join(sorted(gathers))}); "
+                         "an engine gathers at one")
+    return tuple(masks), next(iter(gathers), None)

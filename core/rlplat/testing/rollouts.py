@@ -17,7 +17,7 @@ OUTPUT_KEYS = ("prompts", "responses", "response_mask", "rollout_log_probs", "in
 
 def left_padded_prompts(token_lists: list[list[int]], pad_token_id: int, uids: list[str] | None = None) -> DataProto:
     """A prompt batch as the data loader makes it: left padding, positions counting real tokens."""
-    from rlplat.data import left_padded
+    from rlplat.kits.data import left_padded
 
     uids = uids or [f"prompt-{row}" for row in range(len(token_lists))]
     return DataProto.from_dict(left_padded(token_lists, pad_token_id), {"uid": uids})

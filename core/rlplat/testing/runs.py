@@ -35,7 +35,7 @@ def fit_overrides(overrides: list[str], algo: str = "grpo") -> None:
 
 def doubling_assets(root: Path) -> dict[str, str]:
     """A tiny random model and eight "a+a=" prompts (ground truth 2a) under ``root``: ``{"model", "train"}``."""
-    from rlplat.data import write_parquet
+    from rlplat.kits.data import write_parquet
     from rlplat.testing.tiny_models import save_tiny_model
 
     rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{a}+{a}="}],
@@ -60,7 +60,7 @@ def probed(records: list[dict]) -> list[float]:
 
 def sums_assets(root: Path) -> dict[str, str]:
     """A tiny random model and twelve "a+b=" prompts under ``root``: ``{"model", "train"}``."""
-    from rlplat.data import write_parquet
+    from rlplat.kits.data import write_parquet
     from rlplat.testing.tiny_models import save_tiny_model
 
     rows = [{"data_source": "arith", "prompt": [{"role": "user", "content": f"{a}+{b}="}],

@@ -7,7 +7,7 @@ arithmetic demo's reward model (:mod:`rlplat_demo.reward_model`) from the policy
 (:func:`build_teacher`); ``all``, the default, builds the four, the teacher last.
 
 1. The task: every ``a+b=`` with ``a, b`` in 10..99 (8100 pairs), shuffled under the seed; the first 200
-   are the validation split, the other 7900 the training split. Written with :func:`rlplat.data.write_parquet`
+   are the validation split, the other 7900 the training split. Written with :func:`rlplat.kits.data.write_parquet`
    as ``data/train.parquet`` and ``data/val.parquet`` (``data_source="arith"``, the prompt as one user
    message, ``reward_model.ground_truth`` the decimal sum).
 2. The model: the arithmetic tokenizer and the 0.53M-parameter Qwen2 of :mod:`rlplat.testing.tiny_models`,
@@ -104,7 +104,7 @@ def warm_start(model, tokenizer, train_pairs, val_pairs, *, seed: int, threshold
     Raises RuntimeError when ``max_steps`` pass without reaching the threshold."""
     import tempfile
 
-    from rlplat.data import write_parquet
+    from rlplat.kits.data import write_parquet
     from rlplat_sft.config import load_sft_config
     from rlplat_sft.trainer import SFTTrainer
 
@@ -157,7 +157,7 @@ def build(out: Path, *, seed: int = 0, threshold: float = 0.35, eval_every: int 
     import torch
     import transformers
 
-    from rlplat.data import write_parquet
+    from rlplat.kits.data import write_parquet
     from rlplat.testing.tiny_models import arithmetic_tokenizer, tiny_causal_lm
 
     started = time.monotonic()

@@ -105,7 +105,7 @@ def pair_answers(tokenizer: Any, pairs: Sequence[tuple[int, int]], sampled: list
 
 def padded(tokenizer: Any, sequences: list[list[int]]) -> tuple[Any, Any, Any]:
     """``(input_ids, attention_mask, position_ids)`` of ``sequences`` left-padded to one width."""
-    from rlplat.data import left_padded
+    from rlplat.kits.data import left_padded
 
     tensors = left_padded(sequences, tokenizer.pad_token_id)
     return tensors["input_ids"], tensors["attention_mask"], tensors["position_ids"]

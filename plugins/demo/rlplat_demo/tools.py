@@ -342,7 +342,7 @@ def generate_turn(model, tokenizer, contexts: Sequence[Sequence[int]], *, do_sam
     sampling."""
     import torch
 
-    from rlplat.data import left_padded
+    from rlplat.kits.data import left_padded
 
     pad, end = tokenizer.pad_token_id, tokenizer.eos_token_id
     sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if do_sample else dict(do_sample=False)

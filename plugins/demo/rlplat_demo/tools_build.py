@@ -309,7 +309,7 @@ def build(out: str | Path, *, seed: int = 0, mixture: Mixture = Mixture(), targe
     import transformers
     import yaml
 
-    from rlplat.data import write_parquet
+    from rlplat.kits.data import write_parquet
     from rlplat_demo.build import folder_bytes
     from rlplat.testing.tiny_models import tiny_causal_lm
 

@@ -1,6 +1,5 @@
 """rlplat-demo as a plugin: its presets (what ``rlplat run --demo NAME`` finds through the registry) and the
-tool demo's scorer are its registrations, and ``rlplat.demo`` (its name when it was part of rlplat) still
-imports, as this package."""
+tool demo's scorer are its registrations."""
 
 from __future__ import annotations
 
@@ -48,15 +47,3 @@ def test_an_unknown_demo_names_the_registered_presets():
                                  "reward-model, tools, tools-blackbox. Did you mean 'tools'?")
 
 
-def test_the_old_module_name_is_this_package_with_a_warning():
-    code = ("import rlplat.demo as old, rlplat_demo as new\n"
-            "import rlplat.demo.tools as old_tools, rlplat_demo.tools as new_tools\n"
-            "assert old is new and old_tools is new_tools\n"
-            "from rlplat.demo import overrides\n"
-            "print(overrides() == new.preset('arith'), callable(old_tools.build))")
-    result = subprocess.run([sys.executable, "-W", "always::DeprecationWarning", "-c", code], capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["True", "True"]
-    assert "rlplat.demo moved to rlplat_demo (distribution rlplat-demo); the old name is removed in rlplat plugin API 1.3" \
-        in result.stderr

@@ -18,7 +18,7 @@ class AgentLoopDriver(RolloutDriver):
         from transformers import AutoTokenizer
 
         from rlplat.config_node import read_config_node
-        from rlplat.data import pad_token_id_of
+        from rlplat.kits.data import pad_token_id_of
         from rlplat_agents.config import AgentConfig
         from rlplat_agents.manager import AgentLoopManager, EngineClient
         from rlplat_agents.tools import read_tools_file

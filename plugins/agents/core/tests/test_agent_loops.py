@@ -434,7 +434,8 @@ def verl_rows():
 
 
 def test_verl_multi_turn_rows_load_unchanged_and_run_through_the_manager(tmp_path, tokenizer, renderer):
-    from rlplat.data import RLDataset, write_parquet
+    from rlplat.data import RLDataset
+    from rlplat.kits.data import write_parquet
 
     path = write_parquet(verl_rows(), tmp_path / "train.parquet")
     dataset = RLDataset([path], tokenizer, max_prompt_length=64)
@@ -468,7 +469,7 @@ def chat_model(tmp_path_factory):
 def test_agent_config_is_checked_at_load(tmp_path, chat_model):
     import rlplat_demo as demo
     from rlplat.config import load_config
-    from rlplat.data import write_parquet
+    from rlplat.kits.data import write_parquet
 
     tools = tmp_path / "tools.yaml"
     tools.write_text("tools:\n  - name: calculator\n")

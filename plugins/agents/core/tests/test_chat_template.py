@@ -18,7 +18,8 @@ from rlplat_agents.chat import (
     check_append_only,
     synthetic_conversations,
 )
-from rlplat.data import RLDataset, write_parquet
+from rlplat.data import RLDataset
+from rlplat.kits.data import write_parquet
 from rlplat.testing.chat_tokenizers import (
     VENDORED_TEMPLATES,
     vendored_template,

@@ -207,7 +207,7 @@ def test_the_rollout_worker_scores_agent_batches_when_the_async_manager_overlaps
 @pytest.mark.slow
 def test_a_run_with_the_async_manager_and_agent_loops_logs_the_workers_scoring(model_dir, tmp_path):
     from rlplat.config import load_config
-    from rlplat.data import write_parquet
+    from rlplat.kits.data import write_parquet
     from rlplat.trainer.tracking import read_metrics
     from rlplat.trainer import Trainer
 

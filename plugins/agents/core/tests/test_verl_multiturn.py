@@ -44,7 +44,7 @@ def verl_files(tmp_path):
     """(train parquet, test parquet, tools file with a lifecycle log, the log)."""
     import yaml
 
-    from rlplat.data import write_parquet
+    from rlplat.kits.data import write_parquet
 
     train = write_parquet(gsm8k_rows("train"), tmp_path / "train.parquet")
     test = write_parquet(gsm8k_rows("test")[:4], tmp_path / "test.parquet")
@@ -127,7 +127,7 @@ def run_loops(config, data) -> set[str]:
 
 def loaded(tmp_path, rows: list[dict], *overrides: str):
     from rlplat.config import load_config
-    from rlplat.data import write_parquet
+    from rlplat.kits.data import write_parquet
     from rlplat_demo import tools as tool_demo
 
     train = write_parquet(rows, tmp_path / "train.parquet")
@@ -179,7 +179,7 @@ def test_a_plugin_loop_that_does_not_say_whether_it_offers_tools_is_trusted(regi
 
 def test_verls_command_line_with_rows_naming_no_loop_is_refused_at_load_in_one_line(cli_in_process, verl_files, tmp_path):
     # verl's gsm8k_multiturn_w_tool.py rows carry no agent_name: the tools file would never be offered
-    from rlplat.data import write_parquet
+    from rlplat.kits.data import write_parquet
     from rlplat_demo import tools as tool_demo
 
     _, _, tools_file, log = verl_files

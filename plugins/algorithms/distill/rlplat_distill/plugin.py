@@ -1,4 +1,4 @@
-"""What rlplat-distill registers: the distillation losses (kind ``policy_loss``, from core's loss kit), the
+"""What rlplat-distill registers: the distillation losses (kind ``policy_loss``, built on core's loss kit), the
 ``distillation`` config node and the ``teacher`` role. Only dotted paths: listing imports nothing heavy."""
 
 from rlplat.hookspecs import hookimpl
@@ -20,7 +20,7 @@ LOSSES = {
 @hookimpl
 def register_policy_losses(register):
     for name, (function, schema, description) in LOSSES.items():
-        register(name, f"rlplat.losses.distillation:{function}", config_schema=f"rlplat_distill.terms:{schema}",
+        register(name, f"rlplat_distill.losses:{function}", config_schema=f"rlplat_distill.terms:{schema}",
                  metadata=_AGGREGATION, description=description)
 
 

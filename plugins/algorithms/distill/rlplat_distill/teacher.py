@@ -8,7 +8,7 @@ temperature, and with ``top_k`` the teacher's ``k`` most likely tokens at each p
 
 :class:`TeacherRole` takes part in each step at the ``scored`` stage (after group filtering, so filtered-out
 rows cost nothing): it routes every row by its ``distillation.teacher_key`` value, asks each teacher for its
-rows, and joins the columns (:data:`rlplat.losses.distillation.TEACHER_MASK` marks the response tokens a
+rows, and joins the columns (:data:`rlplat_distill.losses.TEACHER_MASK` marks the response tokens a
 teacher scored) with per-teacher metrics: ``distill/<teacher>/rows``, ``distill/<teacher>/reverse_kl``
 (the k3 estimate of ``KL(student || teacher)`` averaged over its sampled tokens, the student's
 log-probs from the rollout), ``distill/<teacher>/teacher_log_prob`` and ``timing_s/teacher``. Placement:
@@ -173,7 +173,7 @@ def score_batch(group: Any, batch: DataProto, settings: Any, temperature: float)
     """The teachers' columns for every row of ``batch`` and their metrics (see the module docstring)."""
     import torch
 
-    from rlplat.losses.distillation import (TEACHER_LOG_PROBS, TEACHER_MASK, TEACHER_TOPK_IDS, TEACHER_TOPK_LOG_PROBS,
+    from rlplat_distill.losses import (TEACHER_LOG_PROBS, TEACHER_MASK, TEACHER_TOPK_IDS, TEACHER_TOPK_LOG_PROBS,
                                             sampled_divergence)
 
     started = time.perf_counter()

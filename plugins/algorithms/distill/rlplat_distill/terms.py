@@ -1,12 +1,12 @@
 """The knobs of the distillation losses, as one entry of ``actor.loss.terms`` (or ``actor.loss.policy_loss``)
-holds them (torch-free: the config loader checks them). The losses are :mod:`rlplat.losses.distillation`."""
+holds them (torch-free: the config loader checks them). The losses are :mod:`rlplat_distill.losses`."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
 
-#: rlplat.losses.distillation.SAMPLED_ESTIMATORS, here without importing torch (a test keeps them equal)
+#: The per-token estimators of the sampled-token reverse KL (rlplat_distill.losses reads them from here: torch-free)
 SAMPLED_ESTIMATORS = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
 
 

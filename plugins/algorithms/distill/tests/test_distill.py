@@ -12,8 +12,8 @@ import torch
 
 from rlplat import DataProto
 from rlplat.config import ConfigError, load_config
-from rlplat.data import write_parquet
-from rlplat.losses.distillation import TEACHER_LOG_PROBS, TEACHER_MASK, TEACHER_TOPK_IDS, TEACHER_TOPK_LOG_PROBS
+from rlplat.kits.data import write_parquet
+from rlplat_distill.losses import TEACHER_LOG_PROBS, TEACHER_MASK, TEACHER_TOPK_IDS, TEACHER_TOPK_LOG_PROBS
 from rlplat.testing import RoleConformance
 from rlplat.testing.chat_tokenizers import CHATML_TOOLS, chat_tokenizer
 from rlplat.testing.tiny_models import arithmetic_tokenizer, save_tiny_model, tiny_causal_lm
@@ -228,11 +228,17 @@ class TestTeacherRole(RoleConformance):
         return registry.get("role", "teacher")()
 
 
-def test_the_sampled_estimators_listed_without_torch_are_the_loss_kits():
-    from rlplat.losses.distillation import SAMPLED_ESTIMATORS as KIT
-    from rlplat_distill.terms import SAMPLED_ESTIMATORS
+def test_the_old_module_path_of_the_losses_still_imports_with_a_warning():
+    """rlplat.losses.distillation moved into this plugin at plugin API 1.3; the old path is the new module until 1.4."""
+    import importlib
+    import sys
 
-    assert SAMPLED_ESTIMATORS == KIT
+    import rlplat_distill.losses as new
+
+    sys.modules.pop("rlplat.losses.distillation", None)
+    with pytest.warns(DeprecationWarning, match=r"rlplat.losses.distillation moved to rlplat_distill.losses .*removed in rlplat plugin API 1.4"):
+        old = importlib.import_module("rlplat.losses.distillation")
+    assert old is new and old.reverse_kl_loss is new.reverse_kl_loss
 
 
 def test_read_distillation_of_a_run_without_teachers_is_off(assets, tmp_path):

@@ -41,8 +41,7 @@ of ``docs/coming-from-verl.md``) and :mod:`rlplat_verl.translate` (a command lin
 They import only the standard library and omegaconf: translation runs before anything heavy.
 
 Every public name of those modules is an attribute of this package too, resolved on first use (the names
-of ``rlplat.verl_keys``, the module this distribution replaces, which is an alias of this package until
-plugin API 1.3). Importing the package imports nothing else.
+of ``rlplat.verl_keys``, the module this distribution replaced). Importing the package imports nothing else.
 """
 
 from __future__ import annotations

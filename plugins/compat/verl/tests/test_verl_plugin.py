@@ -1,6 +1,5 @@
 """rlplat-verl as a plugin: it registers the ``verl`` config translator that every run's command line goes
-through, without it a verl key is an unknown key, and ``rlplat.verl_keys`` (its module's name when it was
-part of rlplat) still imports, as this package."""
+through, and without it a verl key is an unknown key."""
 
 from __future__ import annotations
 
@@ -41,18 +40,6 @@ def test_without_the_plugin_a_verl_key_is_an_unknown_key(cli_run):
     assert result.returncode == 2
     assert "verl key" not in result.stderr
     assert "unknown config key 'actor_rollout_ref'" in result.stderr
-
-
-def test_the_old_module_name_is_this_package_with_a_warning():
-    code = ("import rlplat.verl_keys as old, rlplat_verl as new\n"
-            "assert old is new, (old, new)\n"
-            "from rlplat.verl_keys import RULES, translate_overrides\n"
-            "print(len(RULES), translate_overrides(['actor_rollout_ref.rollout.n=4'])[0])")
-    result = subprocess.run([sys.executable, "-W", "always::DeprecationWarning", "-c", code], capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split()[1:] == ["['rollout.n=4']"]
-    assert "rlplat.verl_keys moved to rlplat_verl (distribution rlplat-verl)" in result.stderr
 
 
 def test_the_agent_names_it_reads_are_the_agent_loops_own():

@@ -135,7 +135,7 @@ def test_rlplat_plan_shows_the_megatron_figures(tmp_path):
 
 
 def test_rlplat_run_refuses_a_tensor_parallel_size_the_processes_do_not_divide_before_any_worker_starts(tmp_path):
-    from rlplat.data import write_parquet
+    from rlplat.kits.data import write_parquet
 
     model = write_model(tmp_path / "model")
     train = write_parquet([{"data_source": "arith", "prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}],

@@ -40,7 +40,7 @@ def test_tensor_parallel_sft_matches_fsdp2_and_exports_a_model_transformers_load
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlplat.data import write_parquet
+    from rlplat.kits.data import write_parquet
     from rlplat.testing.tiny_models import save_tiny_model
 
     save_tiny_model(tmp_path / "model")

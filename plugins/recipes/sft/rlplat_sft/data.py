@@ -16,7 +16,7 @@ engines train with :class:`rlplat.losses.NLLLoss`.
 ``apply_chat_template(messages, tools=..., tokenize=False)`` and encoded without added special tokens
 (the template writes them), as the RL data loader and the agent loops do. Assistant turn ``i`` spans
 the characters from the end of ``render(messages[:i], add_generation_prompt=True)`` through the end of
-its end-of-turn token (:attr:`rlplat.agent.chat.ChatRenderer.end_of_turn_ids`: ``<|im_end|>``,
+its end-of-turn token (:attr:`rlplat_agents.chat.ChatRenderer.end_of_turn_ids`: ``<|im_end|>``,
 ``<|eot_id|>``), what a rollout samples; what the template writes after it (ChatML's newline) and every
 system, user and tool token carry no loss. A token is trained when its first character lies in such a
 span. This needs the template to render earlier turns the same once later ones follow (append-only,
@@ -52,7 +52,8 @@ import pyarrow.parquet as pq
 import torch
 
 from rlplat.config_node import read_config_node
-from rlplat.data import DataError, StatefulLoader, as_file_list, check_file, pad_token_id_of
+from rlplat.data import DataError, StatefulLoader, as_file_list
+from rlplat.kits.data import check_file, pad_token_id_of
 from rlplat.protocol import DataProto
 
 logger = logging.getLogger("rlplat_sft.data")
@@ -129,7 +130,7 @@ class ExampleEncoder:
     """Turns a conversation into an :class:`Example` (see the module docstring for the rules)."""
 
     def __init__(self, tokenizer: Any, *, last_turn_only: bool = False, template_kwargs: Mapping[str, Any] | None = None):
-        from rlplat.agent.chat import ChatRenderer
+        from rlplat_agents.chat import ChatRenderer
 
         self.tokenizer = tokenizer
         self.last_turn_only = last_turn_only
@@ -149,7 +150,7 @@ class ExampleEncoder:
         return self.encode_plain(messages, set(trained))
 
     def encode_with_template(self, messages: Sequence[Mapping[str, Any]], tools: Any, trained: list[int]) -> Example:
-        from rlplat.agent.chat import TemplateError
+        from rlplat_agents.chat import TemplateError
 
         render = self.renderer.render
         full = render(messages, tools)

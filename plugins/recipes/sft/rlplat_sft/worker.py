@@ -1,6 +1,6 @@
 """``SFTWorker``: a training engine trained on supervised batches, through the engine contract only.
 
-Training calls the engine's ``train_batch`` with :class:`rlplat.losses.NLLLoss`; validation calls its
+Training calls the engine's ``train_batch`` with :class:`rlplat_sft.loss.NLLLoss`; validation calls its
 ``forward`` and sums the negative log-likelihood of the trained tokens per example. Nothing here knows
 which engine it drives, so any registered engine trains SFT unchanged. Checkpoints go to ``<path>/actor``
 as the RL actor's do, so the layout of a run directory is the same for both commands.
@@ -32,7 +32,7 @@ class SFTWorkerConfig:
     engine_config: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """The engine's build config (:func:`rlplat_sft.config.sft_engine_node`)."""
     loss_agg_mode: str = "token-mean"
-    """Aggregation of the NLL loss (:class:`rlplat.losses.NLLLoss`)."""
+    """Aggregation of the NLL loss (:class:`rlplat_sft.loss.NLLLoss`)."""
 
 
 class SFTWorker(Worker):
@@ -49,7 +49,7 @@ class SFTWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from rlplat.losses.sft import NLLLoss
+        from rlplat_sft.loss import NLLLoss
 
         self.engine = EngineRegistry("engine").build(self.config.engine, dict(self.config.engine_config))
         self.engine.init_model()

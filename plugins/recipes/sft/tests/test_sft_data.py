@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
-from rlplat.data import DataError, write_parquet
+from rlplat.data import DataError
+
+from rlplat.kits.data import write_parquet
 from rlplat_sft.data import ExampleEncoder, SFTDataConfig, SFTDataset, collate_examples
 from rlplat.testing.chat_tokenizers import chat_tokenizer
 from rlplat.testing.tiny_models import arithmetic_tokenizer

@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlplat import registry
-from rlplat.data import write_parquet
+from rlplat.kits.data import write_parquet
 from rlplat.protocol import DataProto
 from rlplat.testing.tiny_models import arithmetic_tokenizer, save_tiny_model
 

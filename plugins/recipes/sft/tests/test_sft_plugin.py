@@ -1,6 +1,5 @@
 """rlplat-sft as a plugin: it registers the ``rlplat sft`` command, its config is checked like ``rlplat
-run``'s (the same cluster rules, read by core's one reader of a run's arguments), and ``rlplat.sft`` and
-``rlplat.cli.sft`` (its modules' names when they were part of rlplat) still import, as its modules."""
+run``'s (the same cluster rules, read by core's one reader of a run's arguments)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import sys
 import pytest
 
 from rlplat.config_node import ConfigError
-from rlplat.data import write_parquet
+from rlplat.kits.data import write_parquet
 from rlplat_sft.config import load_sft_config
 
 
@@ -50,15 +49,3 @@ def test_the_arguments_are_read_by_cores_reader(config_file, overrides, says):
     assert says in str(raised.value)
 
 
-def test_the_old_module_names_are_the_plugins_modules_with_a_warning():
-    code = ("import rlplat.sft.config as old, rlplat_sft.config as new\n"
-            "import rlplat.cli.sft as old_command, rlplat_sft.command as new_command\n"
-            "assert old is new and old_command is new_command\n"
-            "from rlplat.sft import SFTTrainer\n"
-            "print(SFTTrainer.__module__)")
-    result = subprocess.run([sys.executable, "-W", "always::DeprecationWarning", "-c", code], capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["rlplat_sft.trainer"]
-    assert "rlplat.sft.config moved to rlplat_sft.config (distribution rlplat-sft)" in result.stderr
-    assert "rlplat.cli.sft moved to rlplat_sft.command (distribution rlplat-sft)" in result.stderr

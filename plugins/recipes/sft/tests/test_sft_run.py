@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlplat.config_node import ConfigError
-from rlplat.data import write_parquet
+from rlplat.kits.data import write_parquet
 from rlplat.testing.tiny_models import save_tiny_model
 
 

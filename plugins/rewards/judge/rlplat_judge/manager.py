@@ -247,7 +247,7 @@ class JudgeRewardManager(RewardManager):
     def __init__(self, scorer: Any, tokenizer: Any, config: Any = None):
         from transformers import AutoTokenizer
 
-        from rlplat.data import pad_token_id_of
+        from rlplat.kits.data import pad_token_id_of
 
         self.tokenizer = tokenizer
         self.settings = read_config_node(config, JudgeConfig, "reward.config")
@@ -356,7 +356,7 @@ class JudgeRewardManager(RewardManager):
 
     def ask(self, prompts: list[list[int]]) -> list[str]:
         """The judge's decoded answers to ``prompts``, through the judge group's ``generate_sequences``."""
-        from rlplat.data import left_padded
+        from rlplat.kits.data import left_padded
         from rlplat.protocol import DataProto
 
         request = DataProto.from_dict(left_padded(prompts, self.pad_token_id), meta_info=self.settings.sampling())

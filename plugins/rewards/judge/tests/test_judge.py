@@ -18,7 +18,7 @@ from rlplat.config import ConfigError, load_config
 from rlplat.contracts.role import RunContext
 from rlplat.controller.host import WorkerSpec
 from rlplat.controller.local_backend import LocalWorkerGroup
-from rlplat.data import write_parquet
+from rlplat.kits.data import write_parquet
 from rlplat_judge.manager import JudgeConfig, JudgeRewardManager, build_parser, render
 from rlplat.protocol import DataProto
 from rlplat.testing import JudgeParserCase, JudgeParserConformance, RewardManagerConformance, RoleConformance

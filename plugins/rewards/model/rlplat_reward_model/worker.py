@@ -82,7 +82,7 @@ class Retokenizer:
     def __call__(self, batch: DataProto) -> tuple[DataProto, int]:
         """The reward model's ``input_ids``, ``attention_mask``, ``position_ids`` (left padded) and the
         number of rows cut to ``max_length``."""
-        from rlplat.data import left_padded
+        from rlplat.kits.data import left_padded
 
         tensors = batch.batch
         prompts, responses = tensors["prompts"], tensors["responses"]

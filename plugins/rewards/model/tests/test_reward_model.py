@@ -12,7 +12,7 @@ import torch
 
 from rlplat import DataProto
 from rlplat.config import ConfigError, load_config
-from rlplat.data import write_parquet
+from rlplat.kits.data import write_parquet
 from rlplat_reward_model.config import RewardModelConfig, combine
 from rlplat.testing import RoleConformance
 from rlplat.testing.chat_tokenizers import CHATML_TOOLS, chat_tokenizer

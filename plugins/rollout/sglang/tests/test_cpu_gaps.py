@@ -96,7 +96,7 @@ def test_the_torchvision_script_may_run_again_and_refuses_a_file_it_does_not_kno
 def test_rlplat_doctor_finds_no_known_bad_combination_in_this_environment():
     """sglang beside the CPU torch, without its CUDA dependencies, is what this environment is: doctor says so in a
     note and reports no error."""
-    from rlplat import doctor
+    from rlplat.cli import doctor
 
     problems = doctor.diagnose(doctor.installed_versions())
     assert not [problem.message for problem in problems if problem.severity == "error"]

@@ -1,4 +1,4 @@
-"""The loss kit's distillation terms (rlplat.losses.distillation): the top-k forms against the full
+"""rlplat-distill's distillation terms (rlplat_distill.losses): the top-k forms against the full
 divergences computed from whole distributions, the sampled-token estimators against the exact reverse KL
 over many samples, zero loss and zero gradient when the teacher is the student, the policy gradient of the
 sampled form, and each term normalised by its own mask's global counts inside the actor loss."""
@@ -13,7 +13,7 @@ import torch
 
 from rlplat import DataProto
 from rlplat.losses import PolicyLossConfig
-from rlplat.losses.distillation import (
+from rlplat_distill.losses import (
     GATHERED_LOG_PROBS, TEACHER_LOG_PROBS, TEACHER_MASK, TEACHER_TOPK_IDS, TEACHER_TOPK_LOG_PROBS, forward_kl_topk_loss,
     jsd_topk_loss, reverse_kl_loss, reverse_kl_topk_loss, sampled_divergence, topk_divergence,
 )

@@ -1,4 +1,4 @@
-"""The supervised loss kit item (:class:`rlplat.losses.NLLLoss`, what ``rlplat sft`` trains with): the mean
+"""rlplat-sft's loss (:class:`rlplat_sft.loss.NLLLoss`, what ``rlplat sft`` trains with): the mean
 NLL of the mini-batch's trained tokens however its micro-batches split it, and the aggregation modes it takes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from rlplat.protocol import DataProto
 
 
 def test_nll_loss_is_the_mean_over_the_mini_batch_tokens_however_it_is_split():
-    from rlplat.losses import NLLLoss
+    from rlplat_sft.loss import NLLLoss
 
     log_probs = torch.tensor([[-1.0, -2.0, -4.0], [-0.5, -8.0, -3.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
@@ -25,7 +25,7 @@ def test_nll_loss_is_the_mean_over_the_mini_batch_tokens_however_it_is_split():
 
 
 def test_nll_loss_refuses_an_unknown_aggregation_mode():
-    from rlplat.losses import NLLLoss
+    from rlplat_sft.loss import NLLLoss
 
     with pytest.raises(ValueError, match="unknown loss_agg_mode 'token-avg'"):
         NLLLoss("token-avg")

@@ -15,7 +15,7 @@ Per-token divergences (``[B, R]``):
     forward KL, ``beta = 1`` the reverse KL). Both distributions are renormalised over the ``k`` ids first
     (``renormalize``), so with ``k`` the vocabulary size each form is the full one.
 
-Policy losses (kind ``policy_loss``, registered by rlplat-distill; signature of
+Policy losses (kind ``policy_loss``, registered by this plugin; signature of
 :class:`rlplat.contracts.algorithm.PolicyLoss`) built on them: :func:`reverse_kl_loss` (sampled tokens),
 :func:`reverse_kl_topk_loss`, :func:`forward_kl_topk_loss` and :func:`jsd_topk_loss`. They read the teacher's
 columns through ``config.inputs`` (:class:`rlplat.losses.functions.LossInputs`) and are meant as weighted
@@ -42,8 +42,9 @@ import torch
 
 from rlplat.losses.aggregation import aggregate_loss, masked_sum
 from rlplat.losses.kl import kl_estimate
+from rlplat_distill.terms import SAMPLED_ESTIMATORS
 
-#: Columns of the training batch a teacher role fills (rlplat-distill), and what the engine adds.
+#: Columns of the training batch the teacher role fills (rlplat_distill.teacher), and what the engine adds.
 TEACHER_LOG_PROBS = "teacher_log_probs"
 """[B, R] the teacher's log-prob of each sampled response token (0 where it scored none)."""
 TEACHER_MASK = "teacher_mask"
@@ -55,7 +56,6 @@ TEACHER_TOPK_LOG_PROBS = "teacher_topk_log_probs"
 GATHERED_LOG_PROBS = "gathered_log_probs"
 """[b, R, k] the student's log-probs at the ids of the loss function's ``gather_ids`` column (engine output)."""
 
-SAMPLED_ESTIMATORS = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
 TOPK_KINDS = ("reverse", "forward", "jsd")
 
 
@@ -197,18 +197,3 @@ for _loss in (reverse_kl_loss, reverse_kl_topk_loss, forward_kl_topk_loss, jsd_t
     _loss.count_masks = (TEACHER_MASK,)  # type: ignore[attr-defined]
 for _loss in (reverse_kl_topk_loss, forward_kl_topk_loss, jsd_topk_loss):
     _loss.gather_ids = TEACHER_TOPK_IDS  # type: ignore[attr-defined]
-
-
-def loss_needs(functions: Any) -> tuple[tuple[str, ...], str | None]:
-    """The masks whose global counts ``functions`` (policy losses) read, and the id column whose log-probs
-    they gather (one at most)."""
-    masks: list[str] = []
-    gathers = {getattr(function, "gather_ids", None) for function in functions} - {None}
-    for function in functions:
-        for mask in getattr(function, "count_masks", ()) or ():
-            if mask not in masks:
-                masks.append(mask)
-    if len(gathers) > 1:
-        raise ValueError(f"the actor loss's terms gather log-probs at different id columns ({', '.join(sorted(gathers))}); "
-                         "an engine gathers at one")
-    return tuple(masks), next(iter(gathers), None)
