@@ -31,13 +31,12 @@ cancelled.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import inspect
 import logging
 import threading
 import traceback
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -47,52 +46,10 @@ from rlplat.contracts.reward import RewardManager, split_score
 from rlplat.config_node import read_config_node
 from rlplat_rewards.config import RewardManagerConfig
 from rlplat_rewards.isolation import killed_event, scorer_pool
+from rlplat_rewards.samples import ScoringSample, decode_samples, scorer_name
 
 
 logger = logging.getLogger("rlplat_rewards")
-
-
-@dataclasses.dataclass
-class Sample:
-    """One row, ready for a scorer."""
-
-    data_source: str
-    solution_str: str
-    ground_truth: Any
-    extra_info: Mapping[str, Any] | None
-    last_token: int
-    """Index of the last valid response token, -1 when there is none."""
-
-    @property
-    def length(self) -> int:
-        """Response tokens up to and including the last valid one (tool spans inside count)."""
-        return self.last_token + 1
-
-
-def _column(batch: Any, key: str, row: int, default: Any = None) -> Any:
-    column = batch.non_tensor_batch.get(key)
-    return default if column is None else column[row]
-
-
-def decode_samples(batch: Any, tokenizer: Any) -> list[Sample]:
-    """The rows of ``batch`` as :class:`Sample` objects (see the module docstring for the keys read)."""
-    responses, mask = batch.batch["responses"], batch.batch["response_mask"]
-    if responses.shape != mask.shape:
-        raise ValueError(f"responses {tuple(responses.shape)} and response_mask {tuple(mask.shape)} differ in shape")
-    positions = torch.arange(mask.shape[1]).expand_as(mask)
-    last_tokens = torch.where(mask.bool(), positions, torch.full_like(positions, -1)).max(dim=1).values.tolist()
-    texts = tokenizer.batch_decode(
-        [responses[row, : last + 1].tolist() for row, last in enumerate(last_tokens)], skip_special_tokens=True
-    )
-    samples = []
-    for row, (text, last) in enumerate(zip(texts, last_tokens)):
-        reward_model = _column(batch, "reward_model", row)
-        if isinstance(reward_model, Mapping):
-            ground_truth = reward_model.get("ground_truth")
-        else:
-            ground_truth = _column(batch, "ground_truth", row)
-        samples.append(Sample(_column(batch, "data_source", row, ""), text, ground_truth, _column(batch, "extra_info", row), last))
-    return samples
 
 
 def resolve(result: Any) -> Any:
@@ -165,14 +122,7 @@ class FailureTracker:
         return float(self.settings.fallback_score)
 
 
-def scorer_name(scorer: Any) -> str:
-    """``module.function`` for a function, the ``repr`` of anything else (e.g. a CustomScorer)."""
-    if inspect.isroutine(scorer):
-        return f"{scorer.__module__}.{scorer.__qualname__}"
-    return repr(scorer)
-
-
-def build_output(samples: list[Sample], scores: list[float], extras: list[dict[str, Any]], width: int,
+def build_output(samples: list[ScoringSample], scores: list[float], extras: list[dict[str, Any]], width: int,
                  tracker: FailureTracker) -> Any:
     """The DataProto the module docstring describes."""
     from rlplat.protocol import DataProto
@@ -219,7 +169,7 @@ class ScoringRewardManager(RewardManager):
             self.pool.close()
 
 
-def scorer_arguments(sample: Sample) -> dict[str, Any]:
+def scorer_arguments(sample: ScoringSample) -> dict[str, Any]:
     return {"data_source": sample.data_source, "solution_str": sample.solution_str,
             "ground_truth": sample.ground_truth, "extra_info": sample.extra_info}
 
@@ -245,7 +195,7 @@ class NaiveRewardManager(ScoringRewardManager):
             extras.append(fields)
         return build_output(samples, scores, extras, width, tracker)
 
-    def outcomes(self, samples: list[Sample]) -> Any:
+    def outcomes(self, samples: list[ScoringSample]) -> Any:
         """Each sample's raw result or the exception it failed with, in order: from the scorer processes in
         one go, or scored here one by one as they are asked for (``raise_on_error`` stops at the first)."""
         if self.pool is not None:
@@ -257,7 +207,7 @@ class NaiveRewardManager(ScoringRewardManager):
             except Exception as error:
                 yield error
 
-    def shape(self, sample: Sample, score: float, fields: dict[str, Any], width: int) -> tuple[float, dict[str, Any]]:
+    def shape(self, sample: ScoringSample, score: float, fields: dict[str, Any], width: int) -> tuple[float, dict[str, Any]]:
         """Adjust a successfully scored sample (the DAPO manager adds its length penalty here)."""
         return score, fields
 
@@ -307,7 +257,7 @@ class DAPORewardManager(NaiveRewardManager):
     ``length`` the response's tokens up to its last valid one. With ``overlong_buffer.log`` the
     columns ``overlong_reward`` and ``overlong`` are added. A failed sample gets the plain fallback."""
 
-    def shape(self, sample: Sample, score: float, fields: dict[str, Any], width: int) -> tuple[float, dict[str, Any]]:
+    def shape(self, sample: ScoringSample, score: float, fields: dict[str, Any], width: int) -> tuple[float, dict[str, Any]]:
         buffer = self.settings.overlong_buffer
         if not buffer.enable:
             return score, fields
