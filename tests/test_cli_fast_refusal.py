@@ -126,7 +126,7 @@ def test_core_losses_schemas_named_by_path_are_the_loss_classes_own():
 def test_each_builtin_registration_names_the_estimate_its_class_gives(kind, name, engine_class):
     from rlplat import registry
     from rlplat.plan import MemoryContext
-    from rlplat.plan.estimate import GIB
+    from rlplat.contracts.memory import GIB
     from rlplat.plan.planner import estimate_function
     from rlplat.registry import resolve_dotted_path
 

@@ -59,3 +59,9 @@ def test_the_command_line_is_cores_top_layer():
     """``rlplat.cli`` (core/rlplat/cli/) sits above every other layer of core, so the contracts read its imports too."""
     layers = [line.strip() for line in contracts()["importlinter:contract:core-layers"]["layers"].splitlines() if line.strip()]
     assert layers[0].split(" : ")[0] == "cli"
+
+
+def test_type_checking_imports_count_in_the_contracts():
+    """An annotation is an import too: a contract that names an upper layer's type only for type checking still
+    depends on it (the memory-plan types and ``Fingerprint`` live in the contracts for that reason)."""
+    assert contracts()["importlinter"]["exclude_type_checking_imports"].strip() == "False"

@@ -197,7 +197,7 @@ def test_the_fsdp2_engine_checks_its_moe_node():
 def test_the_plan_counts_every_expert_and_only_the_sparse_layers():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlplat.plan.estimate import ModelShape
+    from rlplat.contracts.memory import ModelShape
 
     for model_type, extra in [(name, {}) for name in MOE_MODEL_TYPES] + [("qwen2_moe", {"decoder_sparse_step": 2}),
                                                                          ("qwen3_moe", {"mlp_only_layers": [0]})]:

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from rlplat.plan import MemoryContext, ModelShape
-from rlplat.plan.estimate import GIB
+from rlplat.contracts.memory import GIB
 
 #: Meta-Llama-3-8B's config.json (the sizes that matter): 8,030,261,248 parameters.
 LLAMA3_8B = {

@@ -5,7 +5,10 @@ Names are resolved lazily, so ``from rlplat.contracts import TrainingEngine`` im
 * :mod:`~rlplat.contracts.engine`: ``TrainingEngine``, ``EngineBuildConfig``, ``LossFunction``,
   ``DataParallelInfo``
 * :mod:`~rlplat.contracts.rollout`: ``RolloutEngine``, ``RolloutBuildConfig``, ``SamplingParams``,
-  ``TokenOutput``
+  ``TokenOutput``, ``Fingerprint``
+* :mod:`~rlplat.contracts.memory` (the memory plan's types, what ``estimate_memory`` and a role's
+  ``metadata["plan"]`` return): ``MemoryEstimate``, ``MemoryContext``, ``MemoryItem``, ``ModelShape``,
+  ``PlannedComponent``
 * :mod:`~rlplat.contracts.reward`: ``RewardManager``, ``RewardScorer``, ``JudgeParser``, ``split_score``
 * :mod:`~rlplat.contracts.algorithm`: ``Algorithm``, ``AlgorithmConfig``, ``KLControlConfig``,
   ``AdvantageEstimator``, ``PolicyLoss``
@@ -23,7 +26,9 @@ from rlplat.lazy_names import lazy_names
 
 _LAZY_NAMES: dict[str, str] = {
     **dict.fromkeys(("TrainingEngine", "EngineBuildConfig", "LossFunction", "DataParallelInfo"), "rlplat.contracts.engine"),
-    **dict.fromkeys(("RolloutEngine", "RolloutBuildConfig", "SamplingParams", "TokenOutput"), "rlplat.contracts.rollout"),
+    **dict.fromkeys(("RolloutEngine", "RolloutBuildConfig", "SamplingParams", "TokenOutput", "Fingerprint"),
+                    "rlplat.contracts.rollout"),
+    **dict.fromkeys(("MemoryEstimate", "MemoryContext", "MemoryItem", "ModelShape", "PlannedComponent"), "rlplat.contracts.memory"),
     **dict.fromkeys(("RewardManager", "RewardScorer", "JudgeParser", "split_score"), "rlplat.contracts.reward"),
     **dict.fromkeys(("Algorithm", "AlgorithmConfig", "KLControlConfig", "AdvantageEstimator", "PolicyLoss"),
                     "rlplat.contracts.algorithm"),

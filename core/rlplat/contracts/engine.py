@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterator, List, Mapping, 
 if TYPE_CHECKING:
     import torch
 
-    from rlplat.plan.estimate import MemoryContext, MemoryEstimate
+    from rlplat.contracts.memory import MemoryContext, MemoryEstimate
     from rlplat.protocol import DataProto
 
 
@@ -279,9 +279,9 @@ class TrainingEngine(abc.ABC):
         """The memory one process of this engine holds, per call, predicted before anything is built
         (``rlplat plan`` and the check of ``rlplat run``): ``config`` is the engine's node as the factory
         would receive it, ``model_config`` the model's ``config.json`` as a dict, ``context`` the role,
-        process count, device and sequence lengths (:class:`rlplat.plan.estimate.MemoryContext`). Reads no
+        process count, device and sequence lengths (:class:`rlplat.contracts.memory.MemoryContext`). Reads no
         weights, starts no process group, allocates nothing. Returns a
-        :class:`rlplat.plan.estimate.MemoryEstimate`; None (the default) when the engine cannot say, and
+        :class:`rlplat.contracts.memory.MemoryEstimate`; None (the default) when the engine cannot say, and
         the plan then names it as unknown.
 
         The planner calls this classmethod only when the engine's registration names no estimate of its

@@ -13,10 +13,22 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Mapping, Op
 if TYPE_CHECKING:
     import torch
 
-    from rlplat.kits.weights import Fingerprint
-    from rlplat.plan.estimate import MemoryContext, MemoryEstimate
+    from rlplat.contracts.memory import MemoryContext, MemoryEstimate
     from rlplat.protocol import DataProto
 
+
+
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """What :meth:`RolloutEngine.weight_fingerprints` reports of one tensor it holds: its dtype, element count,
+    and the float64 sum, sum of absolute values and sum of squares of its elements (computed by
+    :func:`rlplat.kits.weights.fingerprint`, compared with the actor's after a weight sync)."""
+
+    dtype: str
+    numel: int
+    total: float
+    absolute: float
+    squares: float
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -214,8 +226,8 @@ class RolloutEngine(abc.ABC):
         anything is built (``rlplat plan``): ``config`` is the ``rollout.config`` node as the factory
         would receive it, ``model_config`` the model's ``config.json`` as a dict, ``context`` the process
         count, device (and its memory, for rollouts that take a fraction of it), sequences per process
-        and lengths (:class:`rlplat.plan.estimate.MemoryContext`). Reads no weights, allocates nothing.
-        Returns a :class:`rlplat.plan.estimate.MemoryEstimate` with the weights and the KV cache; None
+        and lengths (:class:`rlplat.contracts.memory.MemoryContext`). Reads no weights, allocates nothing.
+        Returns a :class:`rlplat.contracts.memory.MemoryEstimate` with the weights and the KV cache; None
         (the default) when the rollout cannot say. As for
         :meth:`rlplat.contracts.engine.TrainingEngine.estimate_memory`, a registration's
         ``metadata={"estimate_memory": "package.memory:estimate"}`` is called instead, without importing

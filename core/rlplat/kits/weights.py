@@ -1,6 +1,6 @@
 """Weight fingerprints: how a worker checks, after a weight sync, that its rollout holds what the actor sent.
 
-A :class:`Fingerprint` of a tensor is its dtype, element count, and the float64 sum, sum of absolute values
+A :class:`~rlplat.contracts.rollout.Fingerprint` of a tensor is its dtype, element count, and the float64 sum, sum of absolute values
 and sum of squares of its elements: one pass, a few numbers per tensor. The worker fingerprints each tensor
 as it sends it and compares with :meth:`RolloutEngine.weight_fingerprints` (what the rollout holds) once the
 sync is done; a rollout that does not implement it is not checked. The same values in the same dtype give
@@ -16,20 +16,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from rlplat.contracts.rollout import Fingerprint  # noqa: F401 (the contract's type; importable here too)
+
 #: Unit roundoff of each floating dtype (half the distance between 1 and the next number).
 UNIT_ROUNDOFF = {"torch.float64": 2.0 ** -53, "torch.float32": 2.0 ** -24, "torch.bfloat16": 2.0 ** -8,
                  "torch.float16": 2.0 ** -11}
-
-
-@dataclasses.dataclass(frozen=True)
-class Fingerprint:
-    """See the module docstring."""
-
-    dtype: str
-    numel: int
-    total: float
-    absolute: float
-    squares: float
 
 
 CHUNK_ELEMENTS = 1 << 22

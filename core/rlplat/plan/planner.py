@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from rlplat.plan.estimate import GIB, MemoryContext, MemoryEstimate, MemoryItem, human_bytes
+from rlplat.contracts.memory import GIB, MemoryContext, MemoryEstimate, MemoryItem, PlannedComponent, human_bytes  # noqa: F401 (PlannedComponent: importable here too)
 
 #: The phases of a step in order, and the issue's name of each kind.
 PHASES = {
@@ -380,33 +380,6 @@ def plan_run(config: Any, algorithm: Any = None) -> RunPlan:
 #: The roles :func:`plan_run` builds components for (the rollout role is the rollout's pool); a plugin's
 #: role is planned through the function its entry names in ``metadata["plan"]`` (:class:`PlannedComponent`).
 PLANNED_ROLES = ("actor", "rollout", "critic")
-
-
-@dataclasses.dataclass
-class PlannedComponent:
-    """One component a plugin role adds to the plan (``metadata["plan"]`` of its ``role`` entry names a
-    function ``(config, gpu) -> list[PlannedComponent]``, empty when the run does not enable the role)."""
-
-    kind: str
-    """``engine`` or ``rollout``: whose memory estimate prices it."""
-    name: str
-    """The engine's or rollout's registered name."""
-    role: str
-    """The role, as :class:`~rlplat.plan.estimate.MemoryContext` names it (e.g. ``reward_model``)."""
-    placement: str
-    """``colocated`` (the actor's pool) or ``separate``."""
-    nnodes: Any
-    devices_per_node: Any
-    key: str
-    """The run-config node that places it (``reward.model``), for the pool's source and messages."""
-    node: dict
-    """What the engine's or rollout's factory receives."""
-    model_path: str
-    """Its Hugging Face model folder (``config.json`` gives the shapes)."""
-    phase: str
-    """The phase of a step in which it runs (e.g. ``reward_model``)."""
-    resident_phases: Any = None
-    """The phases in which its weights are resident (None: all)."""
 
 
 def planned_role_entries() -> list:

@@ -298,7 +298,7 @@ def plan(config: Any, gpu: bool) -> list:
     """The teachers' components of ``rlplat plan`` (the ``teacher`` role's ``metadata["plan"]``): each teacher's
     engine, forward only, in the teacher role's pool; resident only while the teachers score when they sleep."""
     from rlplat.contracts.role import read_role_config
-    from rlplat.plan.planner import PlannedComponent
+    from rlplat.contracts.memory import PlannedComponent
 
     settings = read_distillation(config)
     if not settings.enabled:

@@ -53,7 +53,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from rlplat.plan.estimate import MemoryContext, MemoryEstimate, MemoryItem, ModelShape, dtype_bytes, human_bytes, training_state_items
+from rlplat.contracts.memory import MemoryContext, MemoryEstimate, MemoryItem, ModelShape, dtype_bytes, human_bytes
+
+from rlplat.plan.estimate import training_state_items
 from rlplat_engine_megatron.config import MegatronEngineConfig, read_engine_config
 
 #: vocab_parallel.KEEP_FLOAT32_BYTES (this module imports no torch): larger response logits are chunked.

@@ -77,7 +77,7 @@ def test_expert_parallel_2_equals_1_and_the_fsdp2_engine_under_r3_replay_and_rou
 
 @pytest.mark.slow
 def test_expert_parallel_exports_every_expert_and_resumes_exactly_and_the_plan_counts_each_ranks_parameters(two_ranks):
-    from rlplat.plan.estimate import ModelShape
+    from rlplat.contracts.memory import ModelShape
     from rlplat_engine_megatron.memory import stage_parameters
 
     assert two_ranks["ep2/export_names_equal"] and two_ranks["ep2/export_max_diff"] == 0.0

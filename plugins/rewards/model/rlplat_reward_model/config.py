@@ -200,7 +200,7 @@ def check(settings: RewardModelConfig, config: Any) -> None:
 
 def plan(config: Any, gpu: bool) -> list:
     """The reward model's component of ``rlplat plan`` (the ``reward_model`` role's ``metadata["plan"]``)."""
-    from rlplat.plan.planner import PlannedComponent
+    from rlplat.contracts.memory import PlannedComponent
 
     settings = read_reward_model(config)
     if not settings.enabled:

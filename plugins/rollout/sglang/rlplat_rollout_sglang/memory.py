@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from rlplat.config_node import read_config_node
-from rlplat.plan.estimate import MemoryContext, MemoryEstimate, ModelShape, fraction_rollout_estimate, host_rollout_estimate
+from rlplat.contracts.memory import MemoryContext, MemoryEstimate, ModelShape
+from rlplat.plan.estimate import fraction_rollout_estimate, host_rollout_estimate
 from rlplat_rollout_sglang.config import SGLangRolloutConfig
 from rlplat_rollout_sglang.translate import memory_saver
 

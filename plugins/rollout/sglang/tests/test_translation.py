@@ -257,7 +257,7 @@ QWEN2 = {"model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64, "intermed
 
 
 def memory_context(device: str, memory: int | None = None):
-    from rlplat.plan.estimate import MemoryContext
+    from rlplat.contracts.memory import MemoryContext
 
     return MemoryContext(role="rollout", processes=1, device=device, device_memory=memory, prompt_length=16, response_length=16,
                          sequences_per_process=8, free_between_phases=True)

@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from rlplat.config_node import read_config_node
-from rlplat.plan.estimate import MemoryContext, MemoryEstimate, ModelShape, fraction_rollout_estimate, host_rollout_estimate
+from rlplat.contracts.memory import MemoryContext, MemoryEstimate, ModelShape
+from rlplat.plan.estimate import fraction_rollout_estimate, host_rollout_estimate
 from rlplat_rollout_vllm.config import VLLMRolloutConfig
 from rlplat_rollout_vllm.platform import cpu_build_installed
 from rlplat_rollout_vllm.translate import CPU_BATCHED_TOKENS

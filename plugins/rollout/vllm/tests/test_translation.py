@@ -256,7 +256,7 @@ def test_the_models_length_comes_from_its_config_json(tmp_path):
 
 
 def test_on_cpu_the_plan_counts_a_kv_cache_of_cpu_kv_cache_gib_held_in_every_phase():
-    from rlplat.plan.estimate import MemoryContext
+    from rlplat.contracts.memory import MemoryContext
     from rlplat_rollout_vllm.memory import estimate
 
     qwen2 = {"model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
