@@ -1,11 +1,16 @@
-"""What ``rlplat run``, ``rlplat config show`` and ``rlplat config explain`` share: the run's arguments,
-read the same way (every registered config translator applied, with a note per translated key; a preset
-when ``--demo NAME`` is given, or the default preset when no model or config is; validation), and a
-config error printed in one paragraph with exit code 2."""
+"""What ``rlplat run``, ``rlplat plan``, ``rlplat config show`` and ``rlplat config explain`` share: the
+run's arguments, declared once (:func:`run_options`) and read the same way (every registered config
+translator applied, with a note per translated key; a preset when ``--demo NAME`` is given, or the default
+preset when no model or config is; validation), and a config error printed in one paragraph with exit
+code 2."""
 
 from __future__ import annotations
 
-from typing import List, Optional
+import dataclasses
+import functools
+import inspect
+import typing
+from typing import Any, Callable, List, Optional
 
 import typer
 
@@ -16,6 +21,47 @@ ROLLOUT = typer.Option(None, "--rollout", help="Rollout engine (kind 'rollout').
 CONFIG = typer.Option(None, "--config", help="YAML file merged over the defaults.")
 DEMO = typer.Option(None, "--demo", help="A registered preset (kind 'preset', see rlplat plugins list), put before "
                     "your overrides; without model.path or --config the default preset runs (rlplat-demo's arith).")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunArguments:
+    """The options a command that reads a run takes first (:func:`run_options`), as given."""
+
+    overrides: Optional[List[str]]
+    algo: Optional[str]
+    engine: Optional[str]
+    rollout: Optional[str]
+    config: Optional[str]
+    demo: Optional[str]
+
+    def resolved(self, *, validate: bool = True, demo_note: str = "using the built-in demo's settings"):
+        """The run config they describe (:func:`resolved_config`)."""
+        return resolved_config(self.config, self.overrides, algo=self.algo, engine=self.engine, rollout=self.rollout,
+                               validate=validate, demo_note=demo_note, demo=self.demo)
+
+
+RUN_OPTIONS = {"overrides": OVERRIDES, "algo": ALGO, "engine": ENGINE, "rollout": ROLLOUT, "config": CONFIG, "demo": DEMO}
+"""The typer declaration of each field of :class:`RunArguments`, in the order ``--help`` lists them."""
+
+
+def run_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``command(arguments: RunArguments, <its own parameters>)`` as the typer command whose parameters are the
+    run options (:data:`RUN_OPTIONS`), then its own: what ``rlplat run``, ``rlplat plan`` and ``rlplat
+    config show`` read a run from is declared here once. typer reads the parameters from the signature
+    this gives the command."""
+    hints = typing.get_type_hints(RunArguments)
+    shared = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=declaration,
+                                annotation=hints[name]) for name, declaration in RUN_OPTIONS.items()]
+    own = list(inspect.signature(command, eval_str=True).parameters.values())[1:]
+
+    @functools.wraps(command)
+    def with_run_options(**options: Any) -> Any:
+        arguments = RunArguments(**{name: options.pop(name) for name in RUN_OPTIONS})
+        return command(arguments, **options)
+
+    with_run_options.__signature__ = inspect.Signature(shared + own, return_annotation=None)
+    with_run_options.__annotations__ = {parameter.name: parameter.annotation for parameter in shared + own}
+    return with_run_options
 
 
 def fail(message: str) -> typer.Exit:

@@ -7,19 +7,15 @@ from typing import List, Optional
 
 import typer
 
-from rlplat.cli.command_line import ALGO, CONFIG, DEMO, ENGINE, OVERRIDES, ROLLOUT, resolved_config
+from rlplat.cli.command_line import ALGO, CONFIG, DEMO, ENGINE, ROLLOUT, RunArguments, resolved_config, run_options
 
 app = typer.Typer(help="Inspect the resolved run config and what its keys mean.", no_args_is_help=True)
 
 
 @app.command("show")
+@run_options
 def show(
-    overrides: Optional[List[str]] = OVERRIDES,
-    algo: Optional[str] = ALGO,
-    engine: Optional[str] = ENGINE,
-    rollout: Optional[str] = ROLLOUT,
-    config: Optional[str] = CONFIG,
-    demo: Optional[str] = DEMO,
+    arguments: RunArguments,
     no_validate: bool = typer.Option(False, "--no-validate", help="Print without checking paths and plugins."),
     doc: bool = typer.Option(False, "--doc", help="Print every key with its type, default, owner and description instead."),
 ) -> None:
@@ -27,7 +23,7 @@ def show(
     uses it); a config error is printed in one paragraph (exit code 2)."""
     from rlplat.config import to_yaml
 
-    resolved = resolved_config(config, overrides, algo=algo, engine=engine, rollout=rollout, demo=demo, validate=not no_validate or doc)
+    resolved = arguments.resolved(validate=not no_validate or doc)
     if doc:
         from rlplat.cli.explain import explain, render
 

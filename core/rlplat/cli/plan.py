@@ -6,11 +6,9 @@ Exit 0 when the plan fits or the device memory is unknown, 1 when it does not fi
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import typer
 
-from rlplat.cli.command_line import ALGO, CONFIG, DEMO, ENGINE, OVERRIDES, ROLLOUT, fail, resolved_config
+from rlplat.cli.command_line import RunArguments, fail, run_options
 
 JSON = typer.Option(False, "--json", help="Print the plan as JSON (bytes per item and per phase, the peak, problems).")
 
@@ -25,20 +23,12 @@ def make_plan(resolved):
         raise fail(f"plan: {error}") from None
 
 
-def plan(
-    overrides: Optional[List[str]] = OVERRIDES,
-    algo: Optional[str] = ALGO,
-    engine: Optional[str] = ENGINE,
-    rollout: Optional[str] = ROLLOUT,
-    config: Optional[str] = CONFIG,
-    demo: Optional[str] = DEMO,
-    as_json: bool = JSON,
-) -> None:
+@run_options
+def plan(arguments: RunArguments, as_json: bool = JSON) -> None:
     """Predict the run's memory per device and per phase (parameters, gradients, optimizer states,
     activations, rollout weights and KV cache, reference, critic, reward model), the peak and the phase
     that sets it, and the devices needed; reads only the models' config.json. The data files need not exist."""
-    resolved = resolved_config(config, overrides, algo=algo, engine=engine, rollout=rollout, demo=demo, validate=False,
-                               demo_note="planning the built-in demo")
+    resolved = arguments.resolved(validate=False, demo_note="planning the built-in demo")
     result = make_plan(resolved)
     typer.echo(result.to_json() if as_json else result.render())
     if result.problems():

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import typer
 
-from rlplat.cli.command_line import ALGO, CONFIG, DEMO, ENGINE, OVERRIDES, ROLLOUT, fail, resolved_config
+from rlplat.cli.command_line import RunArguments, fail, run_options
 
 DEMO_HELP = (
     "Without model.path or --config it trains the default preset: with rlplat-demo installed, the built-in demo "
@@ -25,18 +23,11 @@ def installed(kind: str) -> str:
     return f"{text} (unavailable here: {', '.join(unusable)}; see rlplat plugins list)" if unusable else text
 
 
-def run(
-    overrides: Optional[List[str]] = OVERRIDES,
-    algo: Optional[str] = ALGO,
-    engine: Optional[str] = ENGINE,
-    rollout: Optional[str] = ROLLOUT,
-    config: Optional[str] = CONFIG,
-    demo: Optional[str] = DEMO,
-) -> None:
+@run_options
+def run(arguments: RunArguments) -> None:
     """Train with the chosen algorithm, engine and rollout; the run directory holds the resolved config,
     metrics (JSONL, TensorBoard) and checkpoints."""
-    resolved = resolved_config(config, overrides, algo=algo, engine=engine, rollout=rollout, demo=demo,
-                               demo_note="training the built-in demo")
+    resolved = arguments.resolved(demo_note="training the built-in demo")
     check_memory(resolved)
     from rlplat.config import ConfigError, check_before_start
 
