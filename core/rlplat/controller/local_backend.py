@@ -15,22 +15,11 @@ from rlplat.controller.worker_group import WorkerError, WorkerGroup
 
 
 class LocalBackend:
+    """The one process of the local groups (this one) and its host."""
+
     def __init__(self, host: WorkerHost, use_gpu: bool):
         self.host = host
         self.use_gpu = use_gpu
-
-    def submit(self, role: str, method: str, calls: list[RankCall], data_parallel: bool) -> tuple[list, list]:
-        results, pads = [], []
-        for call in calls:
-            try:
-                output = self.host.call(role, method, call.args, call.kwargs, call.pad_rows if data_parallel else None)
-            except Exception as error:
-                raise WorkerError(role, call.rank, method, f"{type(error).__name__}: {error}", traceback.format_exc()) from error
-            if data_parallel:
-                output, pad = output
-                pads.append(pad)
-            results.append(output)
-        return results, pads
 
     def wait(self, values: list, calls: list[RankCall], label: str) -> list:
         return list(values)
@@ -55,6 +44,19 @@ class LocalWorkerGroup(WorkerGroup):
         backend = _backend or self.start_backend(use_gpu, init_distributed)
         backend.host.create(role, spec)
         super().__init__(role, spec.cls, backend, world_size=1)
+
+    def submit(self, method: str, calls: list[RankCall], data_parallel: bool) -> tuple[list, list]:
+        results, pads = [], []
+        for call in calls:
+            try:
+                output = self.backend.host.call(self.role, method, call.args, call.kwargs, call.pad_rows if data_parallel else None)
+            except Exception as error:
+                raise WorkerError(self.role, call.rank, method, f"{type(error).__name__}: {error}", traceback.format_exc()) from error
+            if data_parallel:
+                output, pad = output
+                pads.append(pad)
+            results.append(output)
+        return results, pads
 
     @staticmethod
     def start_backend(use_gpu: bool, init_distributed: bool) -> LocalBackend:

@@ -384,21 +384,11 @@ class ResourcePool:
 
 
 class RayBackend:
+    """The host actors (one process per bundle) that colocated Ray groups share."""
+
     def __init__(self, hosts: list[Any]):
         self.hosts = hosts
         self.alive = True
-
-    def submit(self, role: str, method: str, calls: list[RankCall], data_parallel: bool) -> tuple[list, list]:
-        results, pads = [], []
-        for call in calls:
-            remote = self.hosts[call.rank].call
-            if data_parallel:
-                output, pad = remote.options(num_returns=2).remote(role, method, call.args, call.kwargs, call.pad_rows)
-                pads.append(pad)
-            else:
-                output = remote.remote(role, method, call.args, call.kwargs, None)
-            results.append(output)
-        return results, pads
 
     def wait(self, refs: list, calls: list[RankCall], label: str) -> list:
         """Values of ``refs``; the first failure raises at once, even while other ranks still run."""
@@ -499,6 +489,18 @@ class RayWorkerGroup(WorkerGroup):
         different roles may coincide."""
         backend = start_hosts(pool, init_distributed)
         return {role: cls(pool, spec, role, _backend=backend) for role, spec in roles.items()}
+
+    def submit(self, method: str, calls: list[RankCall], data_parallel: bool) -> tuple[list, list]:
+        results, pads = [], []
+        for call in calls:
+            remote = self.backend.hosts[call.rank].call
+            if data_parallel:
+                output, pad = remote.options(num_returns=2).remote(self.role, method, call.args, call.kwargs, call.pad_rows)
+                pads.append(pad)
+            else:
+                output = remote.remote(self.role, method, call.args, call.kwargs, None)
+            results.append(output)
+        return results, pads
 
     def pids(self) -> list[int]:
         """Process id of each rank's worker."""

@@ -36,7 +36,10 @@ def dispatch_mode(name: str) -> Any:
 
 
 class WorkerGroup:
-    """Base of the backends' groups. Subclasses provide ``backend`` (``submit``/``wait``) and ``hosts``."""
+    """Base of the backends' groups: ``backend`` holds the processes the group's calls run in, which colocated
+    groups share (``wait``, ``dispatch_infos``, ``host_calls``, ``shutdown``). The built-in groups hand each
+    rank its call themselves (:meth:`submit`, the driver's last frame before the worker); a group on a
+    backend of its own making may leave that to the backend's ``submit(role, method, calls, data_parallel)``."""
 
     def __init__(self, role: str, worker_class: type, backend: Any, world_size: int):
         self.role = role
@@ -91,7 +94,7 @@ class WorkerGroup:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"{self.role}: rank {rank} is out of range for a group of {self.world_size} process(es)")
         plan = CallPlan([RankCall(rank, args, kwargs, 0)], merge=lambda outputs: outputs[0], shard_positions=[0])
-        results, pads = self.backend.submit(self.role, name, plan.calls, True)
+        results, pads = self.submit(name, plan.calls, True)
         return DataFuture(self.backend, plan, results, pads, f"{self.role}.{name}")
 
     def _submit(self, name: str, spec: MethodSpec, args: tuple, kwargs: dict) -> DataFuture:
@@ -100,8 +103,17 @@ class WorkerGroup:
         layout = self.layout() if needs_declared_layout else Layout.flat(self.world_size)
         plan: CallPlan = mode.plan(layout, args, kwargs, spec.execute_mode)
         data_parallel = plan.shard_positions is not None
-        results, pads = self.backend.submit(self.role, name, plan.calls, data_parallel)
+        results, pads = self.submit(name, plan.calls, data_parallel)
         return DataFuture(self.backend, plan, results, pads, f"{self.role}.{name}")
+
+    def submit(self, method: str, calls: list[RankCall], data_parallel: bool) -> tuple[list, list]:
+        """Start ``method`` on each call's rank: the results (or the backend's handles on them) and, for a
+        data-parallel call, the padding each rank added, in call order."""
+        submit = getattr(self.backend, "submit", None)
+        if submit is None:
+            raise TypeError(f"{type(self).__name__} neither overrides WorkerGroup.submit nor has a backend with submit() "
+                            f"({type(self.backend).__name__})")
+        return submit(self.role, method, calls, data_parallel)
 
     def shutdown(self) -> None:
         """Stop this group's processes (for colocated groups: the shared processes)."""
