@@ -304,7 +304,7 @@ def built_and_measured(build):
 
 def planned_update_bytes(node: dict, config: dict, rows: int, response_length: int):
     """What ``rlplat plan`` counts for the actor's update phase, and its largest item."""
-    from rlplat.plan import MemoryContext
+    from rlplat.contracts.memory import MemoryContext
     from rlplat_engine_fsdp2.engine import FSDP2Engine
 
     context = MemoryContext(role="actor", processes=1, device="cpu", prompt_length=PROMPT_LENGTH,

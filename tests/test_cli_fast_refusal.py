@@ -125,9 +125,9 @@ def test_core_losses_schemas_named_by_path_are_the_loss_classes_own():
 ])
 def test_each_builtin_registration_names_the_estimate_its_class_gives(kind, name, engine_class):
     from rlplat import registry
-    from rlplat.plan import MemoryContext
-    from rlplat.contracts.memory import GIB
-    from rlplat.plan.planner import estimate_function
+    from rlplat.contracts.memory import MemoryContext
+    from rlplat.kits.memory import GIB
+    from rlplat.cli.planner import estimate_function
     from rlplat.registry import resolve_dotted_path
 
     entry = registry.entry(kind, name)
@@ -146,7 +146,7 @@ class NamedEstimate:
 
     @staticmethod
     def estimate(config, model_config, context):
-        from rlplat.plan import MemoryEstimate, MemoryItem
+        from rlplat.contracts.memory import MemoryEstimate, MemoryItem
 
         return MemoryEstimate((MemoryItem("weights", 3 << 30, ("resident",), "3 GiB"),))
 
@@ -155,7 +155,7 @@ def test_a_registration_that_names_its_estimate_is_planned_without_importing_the
     import rlplat
     from rlplat import registry
     from rlplat.config import load_config
-    from rlplat.plan import plan_run
+    from rlplat.cli.planner import plan_run
 
     class Plugin:
         @rlplat.hookimpl

@@ -18,7 +18,7 @@ ENABLED = ["engine-fsdp2", "rollout-hf", "algorithms", "rewards", "demo"]
 OPTIONAL = ("rlplat_agents", "rlplat_python_tool", "rlplat_judge", "rlplat_reward_model", "rlplat_verl", "rlplat_sft", "rlplat_distill", "rlplat_tinker",
             "rlplat_rewards.reward_loop", "rlplat_engine_megatron", "rlplat_rollout_vllm", "rlplat_rollout_sglang",
             # and what only the command line's other commands use
-            "rlplat.cli.doctor", "rlplat.cli.explain")
+            "rlplat.cli.explain")
 
 RUN = """
 import json, sys

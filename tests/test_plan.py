@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from rlplat.plan import MemoryContext, ModelShape
-from rlplat.contracts.memory import GIB
+from rlplat.contracts.memory import MemoryContext, ModelShape
+from rlplat.kits.memory import GIB
 
 #: Meta-Llama-3-8B's config.json (the sizes that matter): 8,030,261,248 parameters.
 LLAMA3_8B = {
@@ -153,7 +153,7 @@ def test_recomputation_keeps_one_layer_and_the_layer_inputs():
 
 def plan_of(llama_dir, *overrides):
     from rlplat.config import load_config
-    from rlplat.plan import plan_run
+    from rlplat.cli.planner import plan_run
 
     config = load_config(overrides=[f"model.path={llama_dir}", "data.max_prompt_length=1024", "rollout.response_length=1024",
                                     "data.train_batch_size=64", "actor.ppo_mini_batch_size=64", "rollout.n=8",
@@ -267,7 +267,7 @@ def test_memory_check_warn_lets_the_run_pass_and_skip_makes_no_plan(llama_dir, t
 
 
 def test_tensor_pipeline_and_data_parallel_sharding_of_the_training_state():
-    from rlplat.plan.estimate import training_state_items
+    from rlplat.kits.memory import training_state_items
 
     # Megatron's layout for 8,030,261,248 parameters on TP 2 x PP 2 x DP 2 = 8 devices: bf16 weights and fp32
     # gradients split by TP x PP (2,007,565,312 each), fp32 master weights and AdamW's moments split by DP too
@@ -289,7 +289,7 @@ class FixedEngine:
 
     @classmethod
     def estimate_memory(cls, config, model_config, context):
-        from rlplat.plan import MemoryEstimate, MemoryItem
+        from rlplat.contracts.memory import MemoryEstimate, MemoryItem
 
         layers = model_config["num_hidden_layers"]
         return MemoryEstimate((MemoryItem("weights", layers * GIB, ("resident",), f"{layers} layers x 1 GiB"),

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from rlplat.plan import MemoryContext
+from rlplat.contracts.memory import MemoryContext
 
 pytestmark = pytest.mark.slow  # starts three Python processes that train and generate (about a minute on 2 cores)
 

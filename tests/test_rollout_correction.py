@@ -226,7 +226,7 @@ def test_bypass_mode_trains_against_the_rollouts_log_probs_without_a_pass_of_its
 
 def test_lengths_and_the_sync_check_read_the_mask_as_sampled_not_as_rejection_left_it():
     from rlplat.trainer import batch_metrics
-    from rlplat.workers.actor_rollout_ref import log_prob_mismatch
+    from rlplat.losses.rollout_correction import log_prob_mismatch
 
     sampled = torch.ones(2, 4)
     rollout = torch.zeros(2, 4)

@@ -461,7 +461,8 @@ AGENT_LOOP_SUITE = """
     import dataclasses
     import pytest
     from rlplat_agents.chat import ChatRenderer
-    from rlplat.contracts.agent import AgentContext, AgentLoop, TrajectoryBuilder
+    from rlplat.contracts.agent import AgentContext, AgentLoop
+    from rlplat.kits.agent import TrajectoryBuilder
     from rlplat.contracts.rollout import SamplingParams
     from rlplat.testing import AgentLoopConformance, ScriptedClient
     from rlplat.testing.chat_tokenizers import CHATML_TOOLS, chat_tokenizer

@@ -275,3 +275,5 @@ moved_module("rlplat.losses.distillation", "rlplat_distill.losses", "rlplat-dist
 moved_module("rlplat.losses.sft", "rlplat_sft.loss", "rlplat-sft", "1.4")
 moved_module("rlplat.config.explain", "rlplat.cli.explain", "rlplat", "1.4")
 moved_module("rlplat.doctor", "rlplat.cli.doctor", "rlplat", "1.4")
+moved_module("rlplat.plan.planner", "rlplat.cli.planner", "rlplat", "1.4")
+moved_module("rlplat.plan.estimate", "rlplat.kits.memory", "rlplat", "1.4")

@@ -257,3 +257,13 @@ def register_rollout_drivers(register):
     its context carries; ``metadata={"batch_metrics": "package.module:function"}`` a function
     ``(batch, prefix) -> dict`` the trainer calls on each trained and validation batch.
     """
+
+
+@hookspec
+def register_step_observers(register):
+    """Register step observers (kind ``step_observer``): what watches a run's steps without changing what
+    they train (a monitor, a logger of samples, a profiler). The factory is called with the run
+    (:class:`rlplat.contracts.observer.ObservedRun`) and returns a
+    :class:`rlplat.contracts.observer.StepObserver`, or None when the run does not use it; the driver tells
+    it each stage of each step, in the observers' ``order``.
+    """

@@ -52,6 +52,7 @@ HOOK_OF_KIND: dict[str, str] = {
     "config_translator": "register_config_translators",
     "config_node": "register_config_nodes",
     "rollout_driver": "register_rollout_drivers",
+    "step_observer": "register_step_observers",
 }
 KINDS: tuple[str, ...] = tuple(HOOK_OF_KIND)
 

@@ -15,7 +15,7 @@ JSON = typer.Option(False, "--json", help="Print the plan as JSON (bytes per ite
 
 def make_plan(resolved):
     """The plan of a resolved config; a config error (exit 2) when it cannot be made."""
-    from rlplat.plan import PlanError, plan_run
+    from rlplat.cli.planner import PlanError, plan_run
 
     try:
         return plan_run(resolved)

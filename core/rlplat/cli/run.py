@@ -55,7 +55,7 @@ def check_memory(resolved) -> None:
     if mode == "skip":
         return
     from rlplat.cli.plan import make_plan
-    from rlplat.plan import human_bytes
+    from rlplat.kits.memory import human_bytes
 
     plan = make_plan(resolved)
     problems = plan.problems()

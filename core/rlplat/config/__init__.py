@@ -34,11 +34,8 @@ from rlplat.config.components import (BUILTIN_LOSS_SCHEMAS, ENGINE_BUILD_SOURCES
 from rlplat.data_config import DataConfig
 from rlplat.lora import LoraConfig, check_lora
 from rlplat.config.moe import MoEConfig, check_moe
-from rlplat.trainer.pipeline import check_trainer_mode
-from rlplat.trainer.profile import ProfileConfig
-from rlplat.trainer.sentinel import SentinelConfig
-from rlplat.trainer.sync_probe import SyncProbeConfig
-from rlplat.config.trainer import SharedTrainerConfig, check_run_directory
+from rlplat.config.modes import check_trainer_mode
+from rlplat.config.trainer import LOGGER_BACKENDS, SharedTrainerConfig, check_run_directory
 
 __all__ = ["ConfigError", "RLConfig", "load_config", "validate_config", "plugin_nodes", "engine_node",
            "rollout_node", "sampling_node", "to_yaml"]
@@ -114,6 +111,13 @@ class ActorConfig(EngineRoleConfig):
     ``ppo_epochs`` and one mini-batch per step, with nothing reading them before the update); ``auto``
     (the default) skips the pass on the steps where that holds and runs it otherwise (PPO epochs,
     several mini-batches, KL in the reward). The ``rollout/log_prob_diff_*`` metric is there in every mode."""
+    old_log_probs: Optional[str] = None
+    """Resolved when the run loads, not set by hand (a value given is replaced): where this run's ``old_log_probs``
+    come from, decided once: ``pass`` (a forward pass of their own before the update), ``update`` (the update's
+    first forward: a strictly on-policy update) or ``rollout`` (the rollout's log-probs:
+    ``algorithm.rollout_correction.bypass_mode``). ``old_log_probs_reason`` says why."""
+    old_log_probs_reason: Optional[str] = None
+    """Why ``old_log_probs`` is what it is (resolved with it)."""
 
 
 @dataclasses.dataclass
@@ -147,8 +151,6 @@ class RolloutConfig:
     sync then copies nothing and the model is held once. Elsewhere weights are copied bucket by bucket."""
     config: Dict[str, Any] = dataclasses.field(default_factory=dict)
     """The rollout's own keys, checked against the schema the rollout registers."""
-    sync_probe: SyncProbeConfig = dataclasses.field(default_factory=SyncProbeConfig)
-    """After weight syncs, check that the rollout serves the trainer's weights (:mod:`rlplat.trainer.sync_probe`)."""
     driver: Optional[str] = None
     """Rollout driver (kind ``rollout_driver``) turning prompts into trajectories, e.g. ``agent_loops``
     (rlplat-agents). None: the driver whose trigger the run sets (``agent.loop``, or an ``agent_name``
@@ -197,7 +199,7 @@ class TrainerConfig(SharedTrainerConfig):
     """``sync`` (generate, then train on it), ``colocate_async`` (the rollout in the actor's processes
     generates the next batches ahead, while the driver scores and prepares this one) or
     ``separate_async`` (the rollout in a pool of its own generates while the actor trains; weights move
-    through the object store). See :mod:`rlplat.trainer.pipeline`."""
+    through the object store). See :mod:`rlplat.trainer.pipeline` and :mod:`rlplat.config.modes`."""
     max_staleness: int = 1
     """Asynchronous modes: the most policy versions (updates) a trained sample may lag behind the weights
     it trains."""
@@ -219,11 +221,6 @@ class TrainerConfig(SharedTrainerConfig):
     records the version that sampled it, and each rollout process serves several generations at once
     (continuous batching across steps). The rollout must list the mode in its ``partial_rollout_modes``.
     See :mod:`rlplat.trainer.pipeline`."""
-    sentinel: SentinelConfig = dataclasses.field(default_factory=SentinelConfig)
-    """The run sentinel: named errors for silent faults (weight syncs, policy versions, scorers, templates,
-    NaN or Inf, collapse) and what to do on each (:mod:`rlplat.trainer.sentinel`)."""
-    profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
-    """Chrome-trace timelines of chosen steps (:mod:`rlplat.trainer.profile`)."""
     rollout_dump_dir: Optional[str] = None
     """Write each step's generated and scored batch to ``<dir>/step_<N>.parquet`` (:mod:`rlplat.trainer.rollout_dump`)."""
     replay_rollouts: Optional[str] = None
@@ -453,6 +450,7 @@ def load_config(
         OmegaConf.update(config, "roles.rollout.placement", "separate", force_add=True)  # the mode's pool
     if validate:
         validate_config(config)
+        resolve_old_log_probs(config, algorithm_spec(config.algorithm.name))
     return config
 
 
@@ -546,9 +544,6 @@ def validate_config(config: DictConfig) -> None:
     check_trainer_mode(config)
     check_lora(config)
     check_moe(config)
-    read_config_node(OmegaConf.to_container(config.rollout.sync_probe, resolve=True), SyncProbeConfig, "rollout.sync_probe")
-    read_config_node(OmegaConf.to_container(config.trainer.sentinel, resolve=True), SentinelConfig, "trainer.sentinel")
-    read_config_node(OmegaConf.to_container(config.trainer.profile, resolve=True), ProfileConfig, "trainer.profile")
     if config.trainer.replay_rollouts is not None and config.trainer.mode != "sync":
         raise ConfigError(f"trainer.replay_rollouts trains on dumped batches in place of generation; trainer.mode="
                           f"{config.trainer.mode} generates ahead: use trainer.mode=sync")
@@ -583,12 +578,10 @@ def validate_config(config: DictConfig) -> None:
     check_code_shipping(config.cluster)
     check_batch_sizes(config, ["actor"] + (["critic"] if uses_critic(config, algorithm) else []))
     check_old_log_prob_mode(config, algorithm)
-    from rlplat.trainer.tracking import BACKENDS
-
     for name in config.trainer.logger:
-        if name not in BACKENDS:
-            raise ConfigError(f"trainer.logger: unknown logging backend {name!r}; the backends are {', '.join(BACKENDS)}."
-                              f"{did_you_mean(name, BACKENDS)}")
+        if name not in LOGGER_BACKENDS:
+            raise ConfigError(f"trainer.logger: unknown logging backend {name!r}; the backends are {', '.join(LOGGER_BACKENDS)}."
+                              f"{did_you_mean(name, LOGGER_BACKENDS)}")
     if config.trainer.resume not in ("auto", "disable") and not Path(config.trainer.resume).exists():
         raise ConfigError(f"trainer.resume: {config.trainer.resume} is neither auto, disable nor an existing checkpoint.")
 
@@ -614,6 +607,37 @@ def old_log_prob_pass_reasons(config: DictConfig, algorithm: Any) -> list[str]:
     if getattr(algorithm, "reads_old_log_probs", False):
         reasons.append(f"algorithm {algorithm.name!r} reads them before the update (Algorithm.reads_old_log_probs)")
     return reasons
+
+
+#: Where ``old_log_probs`` come from (``actor.old_log_probs``).
+OLD_LOG_PROB_SOURCES = ("pass", "update", "rollout")
+
+
+def old_log_prob_source(config: DictConfig, algorithm: Any) -> tuple[str, str]:
+    """``(source, reason)``: where this run's ``old_log_probs`` come from (:data:`OLD_LOG_PROB_SOURCES`), decided
+    once from ``algorithm.rollout_correction``, ``actor.recompute_old_log_prob`` and the update's shape."""
+    from rlplat.losses.rollout_correction import read_rollout_correction
+
+    node = OmegaConf.select(config, "algorithm.rollout_correction", default=None)
+    correction = read_rollout_correction(OmegaConf.to_container(node, resolve=True)) if node is not None else None
+    if correction is not None and correction.bypass_mode:
+        return "rollout", ("algorithm.rollout_correction.bypass_mode=true: the rollout's policy is the old one (the "
+                           "ratio is pi_theta / pi_rollout)")
+    if config.actor.recompute_old_log_prob == "always":
+        return "pass", "actor.recompute_old_log_prob=always"
+    reasons = old_log_prob_pass_reasons(config, algorithm)
+    if reasons:
+        return "pass", "; ".join(reasons)
+    return "update", ("the update is strictly on-policy (one epoch of one mini-batch, nothing reads them before it): "
+                      "its first forward gives them (a step whose batch an algorithm grew past one mini-batch runs the "
+                      "pass, unless actor.recompute_old_log_prob=never)")
+
+
+def resolve_old_log_probs(config: DictConfig, algorithm: Any) -> tuple[str, str]:
+    """Write :func:`old_log_prob_source` into ``actor.old_log_probs`` and ``actor.old_log_probs_reason``."""
+    source, reason = old_log_prob_source(config, algorithm)
+    config.actor.old_log_probs, config.actor.old_log_probs_reason = source, reason
+    return source, reason
 
 
 def check_old_log_prob_mode(config: DictConfig, algorithm: Any) -> None:

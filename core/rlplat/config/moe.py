@@ -77,7 +77,7 @@ def check_moe(config: Any) -> None:
                           f"does not record them ({why}); use the hf rollout, or router_replay=r2 (the engine's own "
                           "old-log-prob routes).")
     from rlplat.config import rollout_driver
-    from rlplat.trainer.pipeline import partial_mode
+    from rlplat.config.modes import partial_mode
 
     driver, partial = rollout_driver(config), partial_mode(config.trainer)
     if driver is not None or partial != "off":

@@ -20,6 +20,9 @@ from rlplat.config_node import ConfigError
 
 __all__ = ["SharedTrainerConfig", "RUN_CONFIG_FILE", "check_run_directory", "first_logged_step", "prepare_run_directory"]
 
+#: What ``trainer.logger`` may list (:class:`rlplat.trainer.tracking.Tracker` writes each).
+LOGGER_BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
+
 RUN_CONFIG_FILE = "config.yaml"
 """What every run writes first into its directory (the resolved config): how a run directory is recognised."""
 

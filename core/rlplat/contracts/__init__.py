@@ -14,13 +14,15 @@ Names are resolved lazily, so ``from rlplat.contracts import TrainingEngine`` im
   ``AdvantageEstimator``, ``PolicyLoss``
 * :mod:`~rlplat.contracts.role`: ``Role``, ``RoleConfig``, ``RunContext``, ``STAGES``
 * :mod:`~rlplat.contracts.agent`: ``AgentLoop``, ``AgentLoopConfig``, ``AgentContext``, ``Trajectory``,
-  ``TrajectoryBuilder``, ``TokenClient``, ``Tool``, ``ToolConfig``, ``ToolResult``, ``ToolCall``,
+  ``TokenClient``, ``Tool``, ``ToolConfig``, ``ToolResult``, ``ToolCall``,
   ``ToolCallParser``, ``ParsedTurn``, ``Environment``, ``EnvStep``
 * :mod:`~rlplat.contracts.health`: ``RunHealthError`` and its named faults, ``HealthEvent``
+* :mod:`~rlplat.contracts.observer`: ``StepObserver``, ``ObservedRun``
 """
 
 from __future__ import annotations
 
+from rlplat.deprecation import Deprecated, deprecated_names
 from rlplat.lazy_names import lazy_names
 
 
@@ -33,9 +35,10 @@ _LAZY_NAMES: dict[str, str] = {
     **dict.fromkeys(("Algorithm", "AlgorithmConfig", "KLControlConfig", "AdvantageEstimator", "PolicyLoss"),
                     "rlplat.contracts.algorithm"),
     **dict.fromkeys(("Role", "RoleConfig", "RunContext", "STAGES"), "rlplat.contracts.role"),
-    **dict.fromkeys(("AgentLoop", "AgentLoopConfig", "AgentContext", "Trajectory", "TrajectoryBuilder", "TokenClient",
+    **dict.fromkeys(("AgentLoop", "AgentLoopConfig", "AgentContext", "Trajectory", "TokenClient",
                      "Tool", "ToolConfig", "ToolResult", "ToolCall", "ToolCallParser", "ParsedTurn", "Environment",
                      "EnvStep"), "rlplat.contracts.agent"),
+    **dict.fromkeys(("StepObserver", "ObservedRun"), "rlplat.contracts.observer"),
     **dict.fromkeys(("RunHealthError", "HealthEvent", "WeightSyncSkippedError", "WeightCorruptedError",
                      "StaleReplicaError", "PolicyVersionError", "ScorerHungError", "TemplateDriftError",
                      "NonFiniteError", "CollapseWarning"), "rlplat.contracts.health"),
@@ -43,4 +46,7 @@ _LAZY_NAMES: dict[str, str] = {
 
 __all__ = sorted(_LAZY_NAMES)
 
-__getattr__, __dir__ = lazy_names('rlplat.contracts', _LAZY_NAMES, globals())
+_lazy_getattr, __dir__ = lazy_names('rlplat.contracts', _LAZY_NAMES, globals())
+# a helper, not a contract: the agent kit's since plugin API 1.3
+__getattr__ = deprecated_names(__name__, {"TrajectoryBuilder": Deprecated("rlplat.kits.agent:TrajectoryBuilder", "1.4")},
+                               _lazy_getattr)

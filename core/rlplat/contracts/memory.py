@@ -1,10 +1,11 @@
 """The memory-plan types of the contracts: what an engine, a rollout or a plugin role tells the planner about its
-memory, and the model shapes it computes from (:mod:`rlplat.plan` computes with them).
+memory, and the model shapes it computes from (:mod:`rlplat.kits.memory` has the helpers an estimate computes
+with; ``rlplat plan``'s planner, :mod:`rlplat.cli.planner`, sums them per phase).
 
 An engine's or rollout's ``estimate_memory(config, model_config, context)`` (an optional classmethod of
 :class:`rlplat.contracts.engine.TrainingEngine` and :class:`rlplat.contracts.rollout.RolloutEngine`, or
 the torch-free function its registration names in ``metadata["estimate_memory"]``, which the planner
-prefers: :func:`rlplat.plan.planner.estimate_function`) reads only its own config node, the model's ``config.json`` (a dict) and a :class:`MemoryContext`
+prefers: :func:`rlplat.cli.planner.estimate_function`) reads only its own config node, the model's ``config.json`` (a dict) and a :class:`MemoryContext`
 (where and how it runs), and returns a :class:`MemoryEstimate`: a list of :class:`MemoryItem`, each the
 bytes one device holds for one thing (parameters, gradients, optimizer states, activations, KV cache,
 ...) during the **calls** named in ``calls``:
@@ -17,7 +18,7 @@ bytes one device holds for one thing (parameters, gradients, optimizer states, a
 ``wake_up``   a rollout's wake-up and weight load (the weight sync)
 
 The planner maps the calls to the run's phases by role (the actor's ``forward`` is the old-log-prob
-pass, the reference's the reference pass, ...; see :mod:`rlplat.plan.planner`). A plugin role adds
+pass, the reference's the reference pass, ...; see :mod:`rlplat.cli.planner`). A plugin role adds
 :class:`PlannedComponent` s (``metadata["plan"]`` of its ``role`` entry). Nothing here imports torch.
 """
 
@@ -27,28 +28,6 @@ import dataclasses
 from typing import Any, Mapping, Optional
 
 CALLS = ("resident", "forward", "update", "export", "generate", "wake_up")
-
-DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
-
-GIB = 1 << 30
-
-
-def dtype_bytes(name: str, where: str = "") -> int:
-    """Bytes of one element of the dtype called ``name`` (``float32``, ``bfloat16``, ...)."""
-    try:
-        return DTYPE_BYTES[str(name).removeprefix("torch.")]
-    except KeyError:
-        raise ValueError(f"{where or 'dtype'}: unknown dtype {name!r}; known: {', '.join(DTYPE_BYTES)}") from None
-
-
-def human_bytes(value: float) -> str:
-    """``1536 -> '1.5 KiB'``, binary units, three significant digits."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
-        value /= 1024
-    return f"{value} B"
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
@@ -242,7 +221,7 @@ class PlannedComponent:
     name: str
     """The engine's or rollout's registered name."""
     role: str
-    """The role, as :class:`~rlplat.plan.estimate.MemoryContext` names it (e.g. ``reward_model``)."""
+    """The role, as :class:`~rlplat.contracts.memory.MemoryContext` names it (e.g. ``reward_model``)."""
     placement: str
     """``colocated`` (the actor's pool) or ``separate``."""
     nnodes: Any

@@ -313,6 +313,17 @@ def rejection_mask(log_ratio: Any, mask: Any, config: RolloutCorrectionConfig) -
     return (mask * keep_all.to(mask.dtype)), {f"rollout_corr/{key}": value for key, value in metrics.items()}
 
 
+def log_prob_mismatch(batch: Any, mask: Any = None) -> dict[str, float]:
+    """How far the engine's ``old_log_probs`` are from the rollout's ``rollout_log_probs`` on valid
+    response tokens (``mask``, default ``response_mask``): the health metric of a weight sync (both come
+    from the same weights and tokens)."""
+    mask = (batch.batch["response_mask"] if mask is None else mask).bool()
+    difference = (batch.batch["old_log_probs"] - batch.batch["rollout_log_probs"]).abs()[mask]
+    if difference.numel() == 0:
+        return {"rollout/log_prob_diff_max": 0.0, "rollout/log_prob_diff_mean": 0.0}
+    return {"rollout/log_prob_diff_max": float(difference.max()), "rollout/log_prob_diff_mean": float(difference.mean())}
+
+
 def offpolicy_metrics(train_log_probs: Any, rollout_log_probs: Any, mask: Any) -> dict[str, float]:
     """How far the rollout's policy is from the trainer's on the valid tokens: ``kl`` (k1, E[log pi_rollout
     - log pi_train]), ``k3_kl`` (E[exp(l) - l - 1]), per-sequence log-perplexities and their difference,

@@ -1,16 +1,14 @@
-"""``rlplat plan``: the memory and placement of a run, predicted per device and per phase before anything
-starts, from the config and the models' ``config.json`` alone.
+"""The old home of the memory plan, until plugin API 1.4: the planner is the command line's
+(:mod:`rlplat.cli.planner`), the memory types are the contracts' (:mod:`rlplat.contracts.memory`) and the
+estimate helpers the memory kit (:mod:`rlplat.kits.memory`). Each old name here warns and resolves there;
+``rlplat.plan.planner`` and ``rlplat.plan.estimate`` import as those modules (:mod:`rlplat.deprecation`)."""
 
-* :mod:`rlplat.plan.estimate`: what an engine's or rollout's ``estimate_memory`` returns
-  (:class:`MemoryEstimate` of :class:`MemoryItem`), the :class:`MemoryContext` it receives and the
-  model shapes (:class:`ModelShape`) read from ``config.json``. No torch.
-* :mod:`rlplat.plan.planner`: :func:`plan_run` (the :class:`RunPlan` of a resolved config: pools,
-  components, bytes per phase, the peak and what sets it, the problems that refuse a run).
-* :mod:`rlplat.testing.memory`: :class:`TensorMemoryMeter`, live tensor bytes measured on CPU.
-"""
+from rlplat.deprecation import Deprecated, deprecated_names
 
-from rlplat.plan.estimate import CALLS, MemoryContext, MemoryEstimate, MemoryItem, ModelShape, human_bytes
-from rlplat.plan.planner import MEMORY_CHECKS, PHASES, PlanError, RunPlan, plan_run
+_MOVED = {
+    **{name: "rlplat.contracts.memory" for name in ("CALLS", "MemoryContext", "MemoryEstimate", "MemoryItem", "ModelShape")},
+    **{name: "rlplat.cli.planner" for name in ("MEMORY_CHECKS", "PHASES", "PlanError", "RunPlan", "plan_run")},
+    "human_bytes": "rlplat.kits.memory",
+}
 
-__all__ = ["CALLS", "PHASES", "MEMORY_CHECKS", "MemoryContext", "MemoryEstimate", "MemoryItem", "ModelShape", "PlanError",
-           "RunPlan", "human_bytes", "plan_run"]
+__getattr__ = deprecated_names(__name__, {name: Deprecated(f"{module}:{name}", "1.4") for name, module in _MOVED.items()})

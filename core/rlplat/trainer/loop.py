@@ -1,13 +1,16 @@
 """``Trainer``: the driver loop, written as the algorithm reads.
 
 load batch -> generate (n per prompt) -> algorithm.after_generate -> reward -> algorithm.filter_batch
--> old log-probs (unless the update is strictly on-policy: then its first forward gives them)
--> reference log-probs (when a KL term reads them) -> values -> KL in the reward -> advantages -> update critic
--> update actor -> sync weights to the rollout -> validate / checkpoint / log. In the asynchronous modes
-(``trainer.mode``) the generations of the next steps run ahead (:mod:`rlplat.trainer.pipeline`).
+-> old log-probs (from where ``actor.old_log_probs`` says, decided once at load: a pass of their own, the
+update's first forward, or the rollout's) -> reference log-probs (when a KL term reads them) -> values -> KL in
+the reward -> advantages -> update critic -> update actor -> sync weights to the rollout -> validate /
+checkpoint / log. In the asynchronous modes (``trainer.mode``) the generations of the next steps run ahead
+(:mod:`rlplat.trainer.pipeline`).
 
 The heavy work runs in worker groups, one per role (kind ``role``, :mod:`rlplat.trainer.placement`); roles take
-part in each step through :meth:`Role.on_stage`. The driver holds the data loader, the reward manager
+part in each step through :meth:`Role.on_stage`. What only watches a step (the sentinel, ``status.json``, the
+rollout dump, the trained-prompts log, the profiler) is a step observer (kind ``step_observer``,
+:mod:`rlplat.contracts.observer`), told each stage. The driver holds the data loader, the reward manager
 and the advantage estimator. A run is exact across a kill: sampling seeds derive from
 ``(trainer.seed, step)``, and a checkpoint holds the engines' state, the data position, the driver's RNG
 and the KL coefficient.
@@ -25,28 +28,26 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlplat.trainer.checkpoint import CheckpointManager, capture_rng_state, graceful_interrupt, restore_rng_state
-from rlplat.config import (algorithm_schema, check_machine, old_log_prob_pass_reasons, rollout_driver, sampling_node,
+from rlplat.config import (algorithm_schema, check_machine, resolve_old_log_probs, rollout_driver, sampling_node,
                            total_training_steps, validate_config)
+from rlplat.config.modes import AsyncSettings, partial_mode
+from rlplat.config.trainer import RUN_CONFIG_FILE, first_logged_step, prepare_run_directory
 from rlplat.config_node import read_config_node
 from rlplat.contracts.health import HEALTH_EVENTS
+from rlplat.contracts.observer import ObservedRun, StepObserver
 from rlplat.contracts.role import RunContext
 from rlplat.contracts.rollout import SamplingParams
-from rlplat.data import build_loaders
-from rlplat.trainer.placement import Placement, enabled_roles, place
-from rlplat.losses import rollout_correction
-from rlplat.trainer.pipeline import AsyncSettings, RolloutPipeline, TrainedPromptsLog, partial_mode, pop_window, row_versions
-from rlplat.protocol import DataProto
-from rlplat.kits.reward import last_tokens
 from rlplat.controller import timeline
-from rlplat.trainer.profile import ProfileConfig, StepProfiler
-from rlplat.trainer.rollout_dump import check_replay, read_batch, step_file, write_batch
-from rlplat.trainer.sentinel import Sentinel, SentinelConfig
-from rlplat.trainer.status import RunStatus
+from rlplat.data import build_loaders
+from rlplat.kits.reward import last_tokens
+from rlplat.losses import rollout_correction
+from rlplat.protocol import DataProto
+from rlplat.trainer.checkpoint import CheckpointManager, capture_rng_state, graceful_interrupt, restore_rng_state
+from rlplat.trainer.pipeline import RolloutPipeline, pop_window, row_versions
+from rlplat.trainer.placement import Placement, enabled_roles, place
+from rlplat.trainer.rollout_dump import check_replay, read_batch, step_file
 from rlplat.trainer.sync_probe import SyncProbe, SyncProbeConfig
 from rlplat.trainer.tracking import Tracker
-from rlplat.config.trainer import RUN_CONFIG_FILE, first_logged_step, prepare_run_directory
-from rlplat.workers.actor_rollout_ref import log_prob_mismatch
 
 
 @contextlib.contextmanager
@@ -134,7 +135,7 @@ class Trainer:
             self.kl_controller = self.algorithm.resolve("kl_controller")(algorithm_node.kl_ctrl)
         self.rollout_correction = rollout_correction.read_rollout_correction(algorithm_node.rollout_correction)
         self.use_reference = self.algorithm.uses_reference(self.node["actor"]["loss"], algorithm_node)
-        self.old_log_prob_reasons = old_log_prob_pass_reasons(config, self.algorithm)
+        self.old_log_probs, _ = resolve_old_log_probs(config, self.algorithm)  # decided once: pass, update or rollout
         self.run_dir = Path(config.trainer.output_dir)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", config.trainer.keep_last)
         self.total_steps = total_training_steps(config, self.train_loader.rows_per_epoch)
@@ -147,11 +148,8 @@ class Trainer:
         probe_set = self.val_loader.dataset if self.val_loader is not None else self.train_loader.dataset
         self.sync_probe = SyncProbe(read_config_node(self.node["rollout"]["sync_probe"], SyncProbeConfig, "rollout.sync_probe"),
                                     probe_set, self.train_loader.pad_token_id, config.trainer.seed, config.rollout.temperature)
-        self.trained_prompts: TrainedPromptsLog | None = None
-        self.sentinel = Sentinel(read_config_node(self.node["trainer"]["sentinel"], SentinelConfig, "trainer.sentinel"))
-        self.status: RunStatus | None = None
-        self.profiler = StepProfiler(read_config_node(self.node["trainer"]["profile"], ProfileConfig, "trainer.profile"),
-                                     self.run_dir)
+        self.run = ObservedRun(config, self.node, self.run_dir, self.total_steps)
+        self.observers: list[StepObserver] = []  # built when the run starts (fit)
         self.phase_depth = 0  # of the timed phases in progress on the driver
         self.gap_start: float | None = None  # since when the driver works outside any phase (the trace's `driver`)
         self.step = 0
@@ -218,49 +216,72 @@ class Trainer:
                 batch = batch.union(added)
         return batch
 
+    def start_observers(self) -> None:
+        """One observer per registered ``step_observer`` entry that this run uses, in their order."""
+        from rlplat import registry
+
+        built = []
+        for entry in registry.entries("step_observer"):
+            try:
+                observer = entry.load()(self.run)
+            except Exception as error:
+                raise RuntimeError(f"step observer {entry.name!r} ({entry.origin}) could not be built: "
+                                   f"{type(error).__name__}: {error}") from error
+            if observer is not None:
+                built.append((getattr(observer, "order", 100), entry.name, observer))
+        built.sort(key=lambda item: item[:2])
+        self.run.observers = {name: observer for _, name, observer in built}
+        self.observers = [observer for _, _, observer in built]
+        for observer in self.observers:
+            observer.start(self.run)
+
+    def observe(self, stage: str, batch: DataProto | None = None, metrics: dict[str, Any] | None = None) -> None:
+        """Tell every step observer that step ``self.step`` reached ``stage``."""
+        self.run.step = self.step
+        for observer in self.observers:
+            observer.on_stage(stage, batch, metrics if metrics is not None else {})
+
     def fit(self) -> dict[str, float]:
         """Train to ``total_steps``, resuming per ``trainer.resume``; returns the last step's metrics."""
         check_machine(self.config)
         prepare_run_directory(self.config.trainer)
         (self.run_dir / RUN_CONFIG_FILE).write_text(OmegaConf.to_yaml(self.config, resolve=True))
-        self.status = RunStatus(self.run_dir, self.total_steps)
-        self.status.phase("build_workers")
+        self.start_observers()
         try:
             metrics = self.run_steps()
         except BaseException as error:
-            self.status.finish("failed", error, list(self.sentinel.recent))
+            for observer in self.observers:
+                observer.finish("failed", error)
             raise
-        self.status.finish("finished" if self.step >= self.total_steps else "interrupted", events=list(self.sentinel.recent))
+        for observer in self.observers:
+            observer.finish("finished" if self.step >= self.total_steps else "interrupted")
         return metrics
 
     def run_steps(self) -> dict[str, float]:
         self.build_workers()
+        self.run.groups.update(self.placement.groups)
         self.resume()
         if self.config.trainer.replay_rollouts is not None:
             check_replay(self.config.trainer.replay_rollouts, self.step + 1, self.total_steps)
         self.actor.set_policy_version(self.step)
         if self.rollout is not self.actor:  # a rollout in its own pool starts from the built or restored weights
             self.sync_weights(full=True)
-        self.trained_prompts = TrainedPromptsLog(self.run_dir, self.step + 1)
         metrics: dict[str, float] = {}
         trainer = self.config.trainer
         with Tracker(self.run_dir, trainer.logger, total_steps=self.total_steps, start_step=first_logged_step(self.step),
                      project=trainer.project_name, experiment=trainer.experiment_name or self.run_dir.name,
                      config=self.node) as tracker, graceful_interrupt() as interrupt:
             if self.step == 0 and trainer.val_before_train and self.val_loader is not None:
-                self.status.phase("validate", 0)
+                self.enter_phase("validate")
                 tracker.log(self.validate(), step=0)
             while self.step < self.total_steps:
                 self.step += 1
-                profiled = self.profiler.due(self.step)
-                if profiled:
-                    self.profiler.begin(self.step, self.placement.groups.values())
+                self.observe("step")
                 try:
                     with timeline.span(f"step {self.step}", "step"):
                         metrics = self.run_step(tracker, interrupt)
                 finally:
-                    if profiled:
-                        self.profiler.end(self.step, self.sentinel.recent)
+                    self.observe("step_done", None, metrics)
                 if interrupt.requested:
                     break
         return metrics
@@ -274,10 +295,7 @@ class Trainer:
         if self.val_loader is not None and trainer.test_freq and (self.step % trainer.test_freq == 0 or self.step == self.total_steps):
             with self.timed(metrics, "validate"):
                 metrics.update(self.validate())
-        metrics.update(self.sentinel.step_metrics())
-        replicas = [f"rollout/{rank}" for rank in range(self.rollout.world_size)]
-        self.status.step_done(self.step, metrics["timing_s/step"], metrics.get("perf/throughput"),
-                              self.sentinel.replica_health(self.step, replicas), list(self.sentinel.recent))
+        self.observe("step_end", None, metrics)
         tracker.log(metrics, step=self.step)
         if (trainer.save_freq and self.step % trainer.save_freq == 0) or self.step == self.total_steps or interrupt.requested:
             with self.timed({}, "save"):
@@ -289,8 +307,7 @@ class Trainer:
     def timed(self, timing: dict[str, float], name: str) -> Iterator[None]:
         """Time phase ``name`` into ``timing_s/<name>``; ``status.json`` shows it as the current phase, and a
         profiled step's trace as a span (the driver's work between outermost phases as ``driver`` spans)."""
-        if self.status is not None:
-            self.status.phase(name, self.step)
+        self.enter_phase(name)
         outermost = self.phase_depth == 0
         if outermost:
             self.close_gap()
@@ -302,6 +319,11 @@ class Trainer:
             self.phase_depth -= 1
             if outermost:
                 self.gap_start = time.time()
+
+    def enter_phase(self, name: str) -> None:
+        self.run.step = self.step
+        for observer in self.observers:
+            observer.on_phase(name)
 
     def close_gap(self) -> None:
         if self.gap_start is not None and timeline.recording():
@@ -316,58 +338,89 @@ class Trainer:
         return self.rollout.generate_sequences(prompts)
 
     def train_step(self) -> dict[str, float]:
+        """Step ``self.step``: generate and score, old log-probs, advantages, update, sync the weights."""
         timing: dict[str, float] = {}
         metrics: dict[str, Any] = {}
         self.role_metrics = {}
         started = time.perf_counter()
-        seed = self.config.trainer.seed * 1_000_003 + self.step
-        trainer = self.config.trainer
         with self.timed(timing, "gen"):
-            if trainer.replay_rollouts is not None:
-                batch = read_batch(step_file(trainer.replay_rollouts, self.step))
-            else:
-                batch = self.generate_filled_batch(seed, timing)
-        if trainer.rollout_dump_dir is not None:
-            with self.timed(timing, "dump"):
-                write_batch(batch, step_file(trainer.rollout_dump_dir, self.step))
-        self.sentinel.take_events(batch.meta_info, self.step)
-        if "policy_version" in batch.batch.keys():
-            lag = self.async_settings.max_staleness if self.async_settings.asynchronous else 0
-            self.sentinel.check_versions(row_versions(batch), self.step, lag)
+            batch = self.generated_batch(timing)
+        self.observe("generated", batch, metrics)
         batch = self.stage("scored", batch)
+        self.arrange(batch, metrics)
+        sampled_mask = batch.batch["response_mask"]  # as sampled, before rollout correction rejects tokens
+        source = self.old_log_prob_source(batch)
+        if source == "pass":
+            with self.timed(timing, "old_log_prob"):
+                batch = batch.union(self.actor.compute_log_prob(batch))
+            mask = batch.batch["response_mask"].to(batch.batch["entropys"].dtype)
+            metrics["actor/entropy"] = float((batch.batch["entropys"] * mask).sum() / mask.sum().clamp(min=1))
+        metrics.update(self.correct_rollout(batch, source))
+        batch = self.reference_and_values(batch, timing)
+        with self.timed(timing, "adv"):
+            batch, reward_kl_metrics = self.compute_advantage(batch)
+        self.observe("prepared", batch, metrics)
+        batch = self.stage("prepared", batch)
+        metrics.update(reward_kl_metrics)
+        batch = self.update(batch, source, sampled_mask, timing, metrics)
+        self.observe("updated", batch, metrics)
+        with self.timed(timing, "sync_weights"):
+            metrics.update(self.sync_weights())
+        if self.sync_probe.due(self.step):
+            metrics.update(self.sync_probe.run(self.rollout, self.actor, self.step, prepare=self.pipeline.with_min_version,
+                                               on_meta_info=lambda meta: self.observe("probed", DataProto(meta_info=meta))))
+        self.stage("updated", batch)
+        metrics.update(batch_metrics(batch, sampled_mask))
+        metrics.update(self.driver_metrics(batch, ""))
+        metrics.update(batch.meta_info.get("reward_metrics", {}))
+        metrics.update(self.role_metrics)
+        self.observe("trained", batch, metrics)
+        timing["timing_s/step"] = time.perf_counter() - started
+        tokens = float(batch.batch["attention_mask"].sum())
+        metrics["perf/throughput"] = tokens / timing["timing_s/step"] / max(self.actor.world_size, 1)
+        return {**metrics, **timing}
+
+    def generated_batch(self, timing: dict[str, float]) -> DataProto:
+        """The step's generated, scored and filtered batch (or the one a dumped run wrote for this step)."""
+        if self.config.trainer.replay_rollouts is not None:
+            return read_batch(step_file(self.config.trainer.replay_rollouts, self.step))
+        return self.generate_filled_batch(self.step_seed(self.step), timing)
+
+    def arrange(self, batch: DataProto, metrics: dict[str, Any]) -> None:
+        """Balance the rows over the actor's data-parallel ranks; in the asynchronous modes, the staleness metrics."""
         if self.config.trainer.balance_batch:
             self.balance(batch, metrics)
         if self.async_settings.asynchronous:
             staleness = (self.step - 1) - row_versions(batch)
             metrics.update({"async/staleness_mean": float(staleness.float().mean()), "async/staleness_max": float(staleness.max())})
+
+    def correct_rollout(self, batch: DataProto, source: str) -> dict[str, float]:
+        """``algorithm.rollout_correction``: the rollout's log-probs as ``old_log_probs`` (source ``rollout``), or
+        the decoupled correction's weights and rejection (its metrics)."""
         correction = self.rollout_correction
-        bypass = correction is not None and correction.bypass_mode
-        separate_old_log_prob = not bypass and self.needs_old_log_prob_pass(batch)
-        if separate_old_log_prob:
-            with self.timed(timing, "old_log_prob"):
-                batch = batch.union(self.actor.compute_log_prob(batch))
-            mask = batch.batch["response_mask"].to(batch.batch["entropys"].dtype)
-            metrics["actor/entropy"] = float((batch.batch["entropys"] * mask).sum() / mask.sum().clamp(min=1))
-        sampled_mask = batch.batch["response_mask"]
-        if correction is not None and correction.enabled:
-            if "rollout_log_probs" not in batch.batch.keys() and (bypass or correction.compares_log_probs):
-                raise RuntimeError(f"step {self.step}: algorithm.rollout_correction needs the rollout's log-probs, and rollout "
-                                   f"{self.config.rollout.name!r} returned no rollout_log_probs")
-            if bypass:  # the rollout's policy is the old one: the PPO ratio is pi_theta / pi_rollout
-                batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"].clone()
-            else:
-                metrics.update(rollout_correction.apply(batch, correction, trained_version=self.step - 1))
+        if correction is None or not correction.enabled:
+            return {}
+        if "rollout_log_probs" not in batch.batch.keys() and (source == "rollout" or correction.compares_log_probs):
+            raise RuntimeError(f"step {self.step}: algorithm.rollout_correction needs the rollout's log-probs, and rollout "
+                               f"{self.config.rollout.name!r} returned no rollout_log_probs")
+        if source == "rollout":  # the rollout's policy is the old one: the PPO ratio is pi_theta / pi_rollout
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"].clone()
+            return {}
+        return rollout_correction.apply(batch, correction, trained_version=self.step - 1)
+
+    def reference_and_values(self, batch: DataProto, timing: dict[str, float]) -> DataProto:
         if self.use_reference:
             with self.timed(timing, "ref"):
                 batch = batch.union(self.actor.compute_ref_log_prob(batch))
         if self.critic is not None:
             with self.timed(timing, "values"):
                 batch = batch.union(self.critic.compute_values(batch))
-        with self.timed(timing, "adv"):
-            batch, reward_kl_metrics = self.compute_advantage(batch)
-        self.sentinel.check_advantages(batch.batch["advantages"], batch.batch["response_mask"], self.step)
-        batch = self.stage("prepared", batch)
-        metrics.update(reward_kl_metrics)
+        return batch
+
+    def update(self, batch: DataProto, source: str, sampled_mask: torch.Tensor, timing: dict[str, float],
+               metrics: dict[str, Any]) -> DataProto:
+        """The critic's and the actor's updates; with source ``update`` the actor's first forward gives
+        ``old_log_probs``, joined to the batch here. Then how far they are from the rollout's."""
         if self.critic is not None:
             with self.timed(timing, "update_critic"):
                 metrics.update(self.critic.update_critic(batch).meta_info["metrics"])
@@ -376,31 +429,13 @@ class Trainer:
         update_metrics = dict(updated.meta_info["metrics"])
         self.pipeline.record_update(pop_window(update_metrics, "update"))
         metrics.update(update_metrics)
-        if not separate_old_log_prob and not bypass:  # the update's first forward supplied them
+        if source == "update":
             batch = batch.union(updated.select(batch_keys=["old_log_probs"], meta_info_keys=[]))
-        if "rollout_log_probs" in batch.batch.keys() and not bypass:  # bypass: old_log_probs are the rollout's
-            metrics.update(log_prob_mismatch(batch, sampled_mask))
+        if "rollout_log_probs" in batch.batch.keys() and source != "rollout":  # rollout: old_log_probs are the rollout's
+            metrics.update(rollout_correction.log_prob_mismatch(batch, sampled_mask))
             metrics.update(rollout_correction.offpolicy_metrics(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"],
                                                                 sampled_mask))
-        self.sentinel.check_update(metrics, self.step)
-        with self.timed(timing, "sync_weights"):
-            metrics.update(self.sync_weights())
-        if self.sync_probe.due(self.step):
-            metrics.update(self.sync_probe.run(self.rollout, self.actor, self.step,
-                                               on_meta_info=lambda meta: self.sentinel.take_events(meta, self.step),
-                                               prepare=self.pipeline.with_min_version))
-        self.stage("updated", batch)
-        if self.trained_prompts is not None:
-            self.trained_prompts.write(self.step, batch)
-        metrics.update(batch_metrics(batch, sampled_mask))
-        metrics.update(self.driver_metrics(batch, ""))
-        metrics.update(batch.meta_info.get("reward_metrics", {}))
-        metrics.update(self.role_metrics)
-        self.sentinel.check_collapse(metrics, self.step)
-        timing["timing_s/step"] = time.perf_counter() - started
-        tokens = float(batch.batch["attention_mask"].sum())
-        metrics["perf/throughput"] = tokens / timing["timing_s/step"] / max(self.actor.world_size, 1)
-        return {**metrics, **timing}
+        return batch
 
     def balance(self, batch: DataProto, metrics: dict[str, Any]) -> None:
         """Reorder ``batch`` in place so each data-parallel rank of the actor gets about the same tokens."""
@@ -414,14 +449,13 @@ class Trainer:
         loads = [sum(tokens[row] for row in order[i * size:(i + 1) * size]) for i in range(parts)]
         metrics["perf/dp_token_imbalance"] = max(loads) / max(1.0, sum(loads) / parts)
 
-    def needs_old_log_prob_pass(self, batch: DataProto) -> bool:
-        """Whether this step computes ``old_log_probs`` in a forward pass of their own, per
-        ``actor.recompute_old_log_prob``; without one, the update's first forward supplies them."""
-        if self.old_log_prob_reasons or self.config.actor.recompute_old_log_prob == "always":
-            return True
+    def old_log_prob_source(self, batch: DataProto) -> str:
+        """Where this step's ``old_log_probs`` come from: ``actor.old_log_probs``, resolved at load. A step whose
+        batch an algorithm's hooks grew past one mini-batch is not strictly on-policy, so ``update`` runs the
+        pass there (``actor.recompute_old_log_prob=never`` refuses it instead)."""
         mini_batch_rows = self.config.actor.ppo_mini_batch_size * self.config.rollout.n
-        if len(batch) <= mini_batch_rows:
-            return False
+        if self.old_log_probs != "update" or len(batch) <= mini_batch_rows:
+            return self.old_log_probs
         if self.config.actor.recompute_old_log_prob == "never":
             raise RuntimeError(
                 f"step {self.step}: the batch has {len(batch)} rows, more than one mini-batch "
@@ -429,7 +463,7 @@ class Trainer:
                 "added rows), so the update is not strictly on-policy and actor.recompute_old_log_prob=never "
                 "cannot take old_log_probs from its first forward; use auto or always"
             )
-        return True
+        return "pass"
 
     def generate_filled_batch(self, seed: int, timing: dict[str, float]) -> DataProto:
         """Prompts -> responses -> rewards, through the algorithm's hooks; an algorithm that drops
@@ -534,9 +568,9 @@ class Trainer:
                                 max_new_tokens=self.config.rollout.response_length, seed=self.config.trainer.seed)
         for prompts in self.val_loader:
             batch = self.generate(prompts, greedy)
-            self.sentinel.take_events(batch.meta_info, self.step)
+            self.observe("validation", batch)
             scored = self.score(batch, validation=True)
-            self.sentinel.take_events(scored.meta_info, self.step)
+            self.observe("validation", scored)
             for name, values in scored.meta_info.get("validation_values", {}).items():  # per row, e.g. a reward model's
                 scores.setdefault(name, []).extend(values)
             for name, value in self.driver_metrics(batch, "val/").items():

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, List, Optional
 
+from rlplat.contracts.observer import ObservedRun, StepObserver
 from rlplat.controller import timeline
 
 
@@ -79,3 +80,32 @@ class StepProfiler:
         temporary.write_text(json.dumps(trace, default=str))
         os.replace(temporary, path)
         return path
+
+
+class ProfileObserver(StepObserver):
+    """The profiler as a step observer (kind ``step_observer``, registered by rlplat): it starts recording when a
+    profiled step begins and writes the trace once the step is done (also when it failed), with the sentinel's
+    events of that step."""
+
+    def __init__(self, run: ObservedRun, settings: ProfileConfig):
+        self.run = run
+        self.profiler = StepProfiler(settings, run.run_dir)
+        self.recording = False
+
+    def on_stage(self, name: str, batch: Any, metrics: dict[str, Any]) -> None:
+        step = self.run.step
+        if name == "step" and self.profiler.due(step):
+            self.profiler.begin(step, self.run.groups.values())
+            self.recording = True
+        elif name == "step_done" and self.recording:
+            self.recording = False
+            self.profiler.end(step, getattr(self.run.observers.get("sentinel"), "recent", ()))
+
+
+def observer(run: ObservedRun) -> ProfileObserver | None:
+    """The profiler of a run whose ``trainer.profile.steps`` names any step."""
+    from rlplat.config_node import read_config_node
+
+    settings = read_config_node(run.node["trainer"]["profile"], ProfileConfig, "trainer.profile")
+    return ProfileObserver(run, settings) if settings.steps else None
+

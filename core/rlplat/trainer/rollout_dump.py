@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from rlplat.contracts.observer import ObservedRun, StepObserver
 from rlplat.protocol import DataProto
 
 METADATA_KEY = b"rlplat.rollout_dump"
@@ -110,3 +111,23 @@ def check_replay(directory: str | os.PathLike[str], first_step: int, last_step: 
         shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
         raise ReplayError(f"trainer.replay_rollouts: {directory} has no batch for steps {shown} (of {first_step}..{last_step}); "
                           "it holds what a run with trainer.rollout_dump_dir wrote, one step_<N>.parquet per step")
+
+
+class DumpObserver(StepObserver):
+    """``trainer.rollout_dump_dir`` as a step observer (kind ``step_observer``, registered by rlplat): each step's
+    generated and scored batch, as it came (health events included), before anything reads it."""
+
+    order = 0
+
+    def __init__(self, run: ObservedRun, directory: str):
+        self.run, self.directory = run, directory
+
+    def on_stage(self, name: str, batch: Any, metrics: dict[str, Any]) -> None:
+        if name == "generated":
+            write_batch(batch, step_file(self.directory, self.run.step))
+
+
+def observer(run: ObservedRun) -> DumpObserver | None:
+    directory = run.config.trainer.rollout_dump_dir
+    return DumpObserver(run, directory) if directory is not None else None
+

@@ -36,6 +36,7 @@ import time
 from typing import Any, Dict, Mapping
 
 from rlplat.contracts.health import HEALTH_EVENTS, CollapseWarning, NonFiniteError, RunHealthError, WeightSyncSkippedError, health_events
+from rlplat.contracts.observer import ObservedRun, StepObserver
 
 log = logging.getLogger("rlplat.sentinel")
 
@@ -189,6 +190,50 @@ class Sentinel:
         (restarted with stale weights in the last two steps, refreshed before it served)."""
         return {name: self.suspects[name][1] if name in self.suspects and step - self.suspects[name][0] <= 2 else "healthy"
                 for name in replicas}
+
+
+class SentinelObserver(StepObserver):
+    """The sentinel as a step observer (kind ``step_observer``, registered by rlplat): it takes each batch's
+    health events and runs its checks at the stages of every step, and adds ``sentinel/*`` to the step's metrics."""
+
+    order = 10
+
+    def __init__(self, run: ObservedRun):
+        from rlplat.config.modes import AsyncSettings
+        from rlplat.config_node import read_config_node
+
+        self.run = run
+        self.sentinel = Sentinel(read_config_node(run.node["trainer"]["sentinel"], SentinelConfig, "trainer.sentinel"))
+        settings = AsyncSettings.of(run.config.trainer)
+        self.lag = settings.max_staleness if settings.asynchronous else 0
+
+    @property
+    def recent(self) -> list[dict[str, Any]]:
+        """The events kept for ``status.json`` and the profile's trace."""
+        return list(self.sentinel.recent)
+
+    def on_stage(self, name: str, batch: Any, metrics: dict[str, Any]) -> None:
+        step = self.run.step
+        if name == "generated":
+            self.sentinel.take_events(batch.meta_info, step)
+            if "policy_version" in batch.batch.keys():
+                from rlplat.trainer.pipeline import row_versions
+
+                self.sentinel.check_versions(row_versions(batch), step, self.lag)
+        elif name in ("probed", "validation"):
+            self.sentinel.take_events(batch.meta_info, step)
+        elif name == "prepared":
+            self.sentinel.check_advantages(batch.batch["advantages"], batch.batch["response_mask"], step)
+        elif name == "updated":
+            self.sentinel.check_update(metrics, step)
+        elif name == "trained":
+            self.sentinel.check_collapse(metrics, step)
+        elif name == "step_end":
+            metrics.update(self.sentinel.step_metrics())
+
+
+def observer(run: ObservedRun) -> SentinelObserver:
+    return SentinelObserver(run)
 
 
 def _numbers(value: Any) -> list[float]:

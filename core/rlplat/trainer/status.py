@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlplat.contracts.observer import ObservedRun, StepObserver
+
 STATUS_FILE = "status.json"
 PHASE_WRITE_INTERVAL_S = 1.0
 """A phase change is written when the file is at least this old: a long phase shows up, short ones are not
@@ -88,3 +90,40 @@ class RunStatus:
 def read_status(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """The run's ``status.json`` as a dict."""
     return json.loads((Path(run_dir) / STATUS_FILE).read_text())
+
+
+class StatusObserver(StepObserver):
+    """``status.json`` as a step observer (kind ``step_observer``, registered by rlplat): the phase, each step's
+    figures and the replicas' health, the sentinel's events (from the ``sentinel`` observer, when there is one)."""
+
+    order = 20
+
+    def start(self, run: ObservedRun) -> None:
+        self.run = run
+        self.status = RunStatus(run.run_dir, run.total_steps)
+        self.status.phase("build_workers")
+
+    def on_phase(self, name: str) -> None:
+        self.status.phase(name, self.run.step)
+
+    def events(self) -> list[dict[str, Any]]:
+        sentinel = self.run.observers.get("sentinel")
+        return list(getattr(sentinel, "recent", ()))
+
+    def on_stage(self, name: str, batch: Any, metrics: dict[str, Any]) -> None:
+        if name != "step_end":
+            return
+        step, groups = self.run.step, self.run.groups
+        rollout = groups.get("rollout") or groups.get("actor")
+        replicas = [f"rollout/{rank}" for rank in range(rollout.world_size)] if rollout is not None else []
+        sentinel = getattr(self.run.observers.get("sentinel"), "sentinel", None)
+        health = sentinel.replica_health(step, replicas) if sentinel is not None else {name: "healthy" for name in replicas}
+        self.status.step_done(step, metrics["timing_s/step"], metrics.get("perf/throughput"), health, self.events())
+
+    def finish(self, state: str, error: BaseException | None = None) -> None:
+        self.status.finish(state, error, self.events())
+
+
+def observer(run: ObservedRun) -> StatusObserver:
+    return StatusObserver()
+

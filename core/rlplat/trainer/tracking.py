@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from rlplat.config.trainer import LOGGER_BACKENDS
 from rlplat.registry import did_you_mean
 
 __all__ = [
@@ -350,7 +351,7 @@ class ConsoleBackend:
 
 # -- the tracker ------------------------------------------------------------------------------------------
 
-BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
+BACKENDS = LOGGER_BACKENDS
 
 
 class Tracker:

@@ -37,23 +37,13 @@ from rlplat.controller.worker import Worker, without_padding_weight
 from rlplat.kits.moe import ROUTES
 from rlplat.kits.rollout_batch import ABORTED_KEY, MIN_VERSION, generate_through_tokens, pad_and_eos_token_ids
 from rlplat.kits.weights import pack_bucket, unpack_bucket
+from rlplat.losses.rollout_correction import log_prob_mismatch  # noqa: F401 (importable here too)
 from rlplat.protocol import DataProto
 from rlplat.registry import EngineRegistry
 from rlplat.config_node import read_config_node
 from rlplat.workers.config import ActorRolloutRefConfig
 
 SAMPLING_KEYS = {field.name for field in dataclasses.fields(SamplingParams)}
-
-
-def log_prob_mismatch(batch: DataProto, mask: torch.Tensor | None = None) -> dict[str, float]:
-    """How far the engine's ``old_log_probs`` are from the rollout's ``rollout_log_probs`` on valid
-    response tokens (``mask``, default ``response_mask``): the health metric of a weight sync (both come
-    from the same weights and tokens)."""
-    mask = (batch.batch["response_mask"] if mask is None else mask).bool()
-    difference = (batch.batch["old_log_probs"] - batch.batch["rollout_log_probs"]).abs()[mask]
-    if difference.numel() == 0:
-        return {"rollout/log_prob_diff_max": 0.0, "rollout/log_prob_diff_mean": 0.0}
-    return {"rollout/log_prob_diff_max": float(difference.max()), "rollout/log_prob_diff_mean": float(difference.mean())}
 
 
 ROW_INDEX = "rlplat_row_index"

@@ -49,7 +49,7 @@ def actor_loss_config(run: RunContext) -> dict[str, Any]:
 
 def actor_rollout_config(run: RunContext, roles: list[str]) -> dict[str, Any]:
     """The ``ActorRolloutRefWorker`` config of this run, for the given roles."""
-    from rlplat.trainer.pipeline import partial_mode
+    from rlplat.config.modes import partial_mode
 
     config = run.config
     return {
@@ -130,7 +130,7 @@ class RolloutRole(Role):
 
     def concurrent_calls(self, run: RunContext) -> int:
         """With ``trainer.partial_rollout``: every generation in flight, a weight load and an abort at once."""
-        from rlplat.trainer.pipeline import AsyncSettings, partial_mode
+        from rlplat.config.modes import AsyncSettings, partial_mode
 
         if partial_mode(run.config.trainer) == "off":
             return 1

@@ -43,7 +43,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Optional, Sequence
 
-from rlplat.contracts.agent import TrajectoryBuilder
+from rlplat.kits.agent import TrajectoryBuilder
 from rlplat.contracts.rollout import SamplingParams
 
 log = logging.getLogger(__name__)

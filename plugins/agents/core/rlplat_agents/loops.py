@@ -19,8 +19,9 @@ import time
 from typing import Any, Mapping
 
 from rlplat.contracts.agent import (
-    AgentContext, AgentLoop, AgentLoopConfig, EnvStep, TokenClient, ToolCall, ToolResult, Trajectory, TrajectoryBuilder,
+    AgentContext, AgentLoop, AgentLoopConfig, EnvStep, TokenClient, ToolCall, ToolResult, Trajectory,
 )
+from rlplat.kits.agent import TrajectoryBuilder
 
 TRUNCATION_SIDES = ("left", "right", "middle")
 

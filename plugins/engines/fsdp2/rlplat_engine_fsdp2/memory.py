@@ -51,7 +51,9 @@ from typing import Any, Mapping
 
 import dataclasses
 
-from rlplat.contracts.memory import MemoryContext, MemoryEstimate, MemoryItem, ModelShape, dtype_bytes, human_bytes
+from rlplat.contracts.memory import MemoryContext, MemoryEstimate, MemoryItem, ModelShape
+
+from rlplat.kits.memory import dtype_bytes, human_bytes
 from rlplat_engine_fsdp2.config import REDUCE_BUCKET_BYTES, read_engine_config
 
 #: modeling.KEEP_FLOAT32_BYTES: logits up to this size are kept whole for backward, not chunked.

@@ -6,7 +6,7 @@ without importing the engine.
 
 What one rank holds, as :mod:`rlplat_engine_megatron.engine` allocates it (DP = processes / (TP x CP x PP)):
 
-* **training state** (:func:`rlplat.plan.estimate.training_state_items`): the rank's parameters in the
+* **training state** (:func:`rlplat.kits.memory.training_state_items`): the rank's parameters in the
   compute dtype, the float32 gradient buffer of megatron's DDP (``grad_reduce_in_fp32``), float32 master
   weights when computing in bfloat16, AdamW's two float32 moments; master weights and moments divided by
   DP with ``use_distributed_optimizer``. The rank's parameters are counted exactly for the largest
@@ -53,9 +53,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from rlplat.contracts.memory import MemoryContext, MemoryEstimate, MemoryItem, ModelShape, dtype_bytes, human_bytes
+from rlplat.contracts.memory import MemoryContext, MemoryEstimate, MemoryItem, ModelShape
 
-from rlplat.plan.estimate import training_state_items
+from rlplat.kits.memory import dtype_bytes, human_bytes
+
+from rlplat.kits.memory import training_state_items
 from rlplat_engine_megatron.config import MegatronEngineConfig, read_engine_config
 
 #: vocab_parallel.KEEP_FLOAT32_BYTES (this module imports no torch): larger response logits are chunked.

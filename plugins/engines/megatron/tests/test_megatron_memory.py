@@ -14,7 +14,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from rlplat.plan import MemoryContext
+from rlplat.contracts.memory import MemoryContext
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

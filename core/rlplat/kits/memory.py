@@ -1,6 +1,6 @@
-"""The helpers an engine's or a rollout's memory estimate computes with (bytes of a dtype, the training state's
-items, a rollout's fraction-of-device or host KV cache), on the memory-plan types of the contracts
-(:mod:`rlplat.contracts.memory`: :class:`MemoryContext`, :class:`MemoryEstimate`, :class:`MemoryItem`,
+"""The memory kit: the helpers an engine's or a rollout's memory estimate computes with (bytes of a dtype, the
+training state's items, a rollout's fraction-of-device or host KV cache), on the memory-plan types of the
+contracts (:mod:`rlplat.contracts.memory`: :class:`MemoryContext`, :class:`MemoryEstimate`, :class:`MemoryItem`,
 :class:`ModelShape`, importable from here too). Nothing here imports torch.
 """
 
@@ -9,9 +9,28 @@ from __future__ import annotations
 from typing import Optional
 
 # The types live in the contracts (rlplat.contracts.memory); the helpers below compute with them.
-from rlplat.contracts.memory import (  # noqa: F401
-    CALLS, DTYPE_BYTES, GIB, dtype_bytes, human_bytes, ModelShape, MemoryContext, MemoryItem, MemoryEstimate,
-)
+from rlplat.contracts.memory import CALLS, MemoryContext, MemoryEstimate, MemoryItem, ModelShape  # noqa: F401
+
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+
+GIB = 1 << 30
+
+
+def dtype_bytes(name: str, where: str = "") -> int:
+    """Bytes of one element of the dtype called ``name`` (``float32``, ``bfloat16``, ...)."""
+    try:
+        return DTYPE_BYTES[str(name).removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"{where or 'dtype'}: unknown dtype {name!r}; known: {', '.join(DTYPE_BYTES)}") from None
+
+
+def human_bytes(value: float) -> str:
+    """``1536 -> '1.5 KiB'``, binary units, three significant digits."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    return f"{value} B"
 
 
 def fraction_rollout_estimate(name: str, shape: ModelShape, dtype: str, fraction: float, fraction_key: str,
