@@ -48,7 +48,7 @@ def explain_keys(
 
     if key is not None and "=" in key:  # only overrides were given
         overrides, key = [key, *(overrides or [])], None
-    resolved = resolved_config(config, overrides, algo=algo, engine=engine, rollout=rollout)
+    resolved = resolved_config(config, overrides, algo=algo, engine=engine, rollout=rollout, demo=demo)
     keys = explain(resolved)
     text = render(keys, key)
     if not text:
