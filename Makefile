@@ -47,7 +47,7 @@ $(STAMP): pyproject.toml constraints.txt constraints/common.txt Makefile $(addsu
 # Wheels of rlplat and of every plugin distribution (PLUGIN_DIRS) into dist/ (scripts/build_wheels.py): built
 # from the working tree as git sees it with .venv's setuptools (no build isolation, no network), byte-identical
 # when built again (SOURCE_DATE_EPOCH: the last commit), each checked to hold every file of its packages' folders
-# (package data: the demo's assets, the agent templates). tests/test_wheels.py installs them into a fresh venv.
+# (package data: the demo's assets, the agent templates). tests/project/test_wheels.py installs them into a fresh venv.
 DIST := dist
 
 dist: setup

@@ -495,7 +495,7 @@ def profile_step(step: Callable[[], Any], cuda: bool, rows: int = 25) -> dict[st
 def gpu_test_files() -> list[Path]:
     """The test files that mark tests ``gpu`` (collecting only those keeps pytest away from modules that
     import Ray and other things this machine lacks)."""
-    candidates = sorted(REPO.glob("tests/test_*.py")) + sorted(REPO.glob("plugins/*/*/tests/test_*.py"))
+    candidates = sorted(REPO.glob("tests/*/test_*.py")) + sorted(REPO.glob("plugins/*/*/tests/test_*.py"))
     return [path for path in candidates if "mark.gpu" in path.read_text()]
 
 

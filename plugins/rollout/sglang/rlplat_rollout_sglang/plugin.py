@@ -6,7 +6,7 @@ import rlplat
 RLPLAT_PLUGIN_API = ">=1.1,<2"
 
 #: The environments of its own SGLang needs (``rlplat doctor`` reads them through the registry): the pins of the
-#: project's constraint files, which tests/test_doctor.py keeps equal to the files.
+#: project's constraint files, which tests/cli/test_doctor.py keeps equal to the files.
 ENVIRONMENTS = [
     {"backend": "sglang", "constraints": "constraints/sglang.txt",
      "pins": {"sglang": "0.5.23", "torch": "2.14.1", "transformers": "5.19.0"}, "binds": ["torch", "transformers"]},

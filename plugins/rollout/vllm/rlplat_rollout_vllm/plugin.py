@@ -6,7 +6,7 @@ import rlplat
 RLPLAT_PLUGIN_API = ">=1.1,<2"
 
 #: The environments of its own vLLM needs (``rlplat doctor`` reads them through the registry): the pins of the
-#: project's constraint files, which tests/test_doctor.py keeps equal to the files.
+#: project's constraint files, which tests/cli/test_doctor.py keeps equal to the files.
 ENVIRONMENTS = [
     {"backend": "vllm", "constraints": "constraints/vllm.txt",
      "pins": {"vllm": "0.33.0", "torch": "2.14.0", "transformers": "5.20.2"}, "binds": ["torch"]},

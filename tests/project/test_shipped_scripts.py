@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("scripts", "examples", "bench")
 BENCH_ONLY = {"trl", "verl"}  # installed by make bench into .venv-bench, not by make setup
 FIRST_PARTY = re.compile(r"rlplat(_\w+)?$")

@@ -6,7 +6,7 @@ import importlib.metadata
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_core_is_one_package_folder_and_every_python_folder_in_it_is_a_package():

@@ -34,7 +34,7 @@ from packaging.utils import canonicalize_name
 # the engine, rollout, algorithm and rule-reward plugins.
 INSTALLED = ["rlplat", "rlplat-engine-fsdp2", "rlplat-rollout-hf", "rlplat-algorithms", "rlplat-rewards", "rlplat-demo"]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = ROOT / "scripts" / "build_wheels.py"
 # Core registers its own entries under its own name, without an entry point (rlplat.registry).
 CORE_PLUGIN = ("rlplat", "rlplat")  # (plugin, distribution)

@@ -15,7 +15,7 @@ from tensordict import TensorDict
 
 from rlplat.protocol import DataProto, merge_meta_info
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAST = settings(max_examples=40, deadline=None)
 
 

@@ -16,7 +16,7 @@ from typing import Iterator
 import pytest
 import yaml
 
-FROZEN = Path(__file__).resolve().parent / "fixtures" / "frozen_plugin_api1"
+FROZEN = Path(__file__).resolve().parents[1] / "fixtures" / "frozen_plugin_api1"
 DISTRIBUTION = "rlplat-frozen-plugin"
 PACKAGE = "rlplat_frozen_plugin"
 ENTRIES = [

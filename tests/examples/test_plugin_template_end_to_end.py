@@ -13,7 +13,7 @@ from typing import Iterator
 import pytest
 import yaml
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "examples" / "plugin-template"
+TEMPLATE = Path(__file__).resolve().parents[2] / "examples" / "plugin-template"
 DISTRIBUTION = "rlplat-plugin-template"
 PACKAGE = "rlplat_plugin_template"
 ENTRIES = [

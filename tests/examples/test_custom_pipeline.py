@@ -10,7 +10,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # starts processes or clusters: left out of `make test-fast`
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_pipeline.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_pipeline.py"
 
 
 def test_the_custom_pipeline_trains_a_few_steps_on_two_ray_workers(local_ray):

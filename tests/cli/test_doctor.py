@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from rlplat.cli import doctor
 from rlplat.cli.main import build_app
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def pins_of(path) -> dict[str, str]:

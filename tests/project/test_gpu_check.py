@@ -19,7 +19,7 @@ import torch
 
 from rlplat.testing import RolloutEngineConformance, TinyModelRolloutFixtures, TrainingEngineConformance
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 if str(SCRIPTS) not in sys.path:
     sys.path.insert(0, str(SCRIPTS))
@@ -217,8 +217,8 @@ def test_junit_counts_read_passes_failures_and_skip_reasons(tmp_path):
 
 def test_the_gpu_tests_found_include_this_file_and_the_backends():
     found = [path.relative_to(ROOT).as_posix() for path in gpu_check_cases.gpu_test_files()]
-    assert "tests/test_gpu_check.py" in found and "plugins/rollout/vllm/tests/test_gpu.py" in found
-    assert "tests/test_ray_backend.py" not in found
+    assert "tests/project/test_gpu_check.py" in found and "plugins/rollout/vllm/tests/test_gpu.py" in found
+    assert "tests/controller/test_ray_backend.py" not in found
 
 
 # -- the checks at toy sizes on the CPU ---------------------------------------------------------------------
