@@ -73,6 +73,13 @@ def test_config_explain_prints_a_key_and_exits_2_on_an_unknown_one(cli_run):
     assert wrong.returncode == 2 and "no config key 'actor.optim.lrr'. Did you mean 'actor.optim.lr'?" in wrong.stderr
 
 
+def test_config_explain_reads_the_preset_demo_names(cli_run):
+    result = cli_run("config", "explain", "agent.max_prompt_length", "--demo", "tools")
+    assert result.returncode == 0, result.stderr
+    assert "the tools preset" in result.stderr
+    assert result.stdout.startswith("agent.max_prompt_length  (int or None; default None; here 32)")
+
+
 def test_config_show_without_a_model_shows_the_demo_config_as_run_uses_it(cli_run):
     result = cli_run("config", "show", "reward.scorer=gsm8k")
     assert result.returncode == 0, result.stderr
