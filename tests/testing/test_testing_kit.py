@@ -253,6 +253,42 @@ COMMAND_SUITE_GOOD = suite_run(COMMAND_SUITE, "good")
 COMMAND_SUITE_BROKEN = suite_run(COMMAND_SUITE, "broken")
 
 
+OBSERVER_SUITE = """
+    import pytest
+    from rlplat.contracts.observer import StepObserver
+    from rlplat.testing import StepObserverConformance
+
+    class Counting(StepObserver):
+        # counts the stages it saw and reports how many rows a step trained
+        def start(self, run):
+            self.seen = []
+
+        def on_stage(self, name, batch, metrics):
+            self.seen.append(name)
+            if name == "trained":
+                metrics["observed/rows"] = float(len(batch))
+
+    class Meddling(Counting):
+        # changes what it watches, reports a word and fails a failed run again
+        def on_stage(self, name, batch, metrics):
+            if name == "prepared":
+                batch.batch["advantages"] = batch.batch["advantages"] * 2
+            if name == "trained":
+                metrics["observed/verdict"] = "fine"
+
+        def finish(self, state, error=None):
+            if error is not None:
+                raise RuntimeError("finish") from error
+
+    class TestObserver(StepObserverConformance):
+        @pytest.fixture
+        def observer_factory(self):
+            return lambda run: IMPLEMENTATION()
+"""
+OBSERVER_SUITE_GOOD = suite_run(OBSERVER_SUITE, "Counting")
+OBSERVER_SUITE_BROKEN = suite_run(OBSERVER_SUITE, "Meddling")
+
+
 @pytest.fixture(scope="module")
 def suite_runs(tmp_path_factory) -> dict[str, ModuleRun]:
     """Every suite module written to one directory and run by one pytest subprocess; the outcomes per module."""
@@ -336,6 +372,13 @@ def test_the_algorithm_suite_asks_a_critic_loss_of_every_algorithm_from_api_1_1_
     later = suite_runs[ALGORITHM_SUITE_NO_CRITIC_LOSS_API_1_1]
     later.assert_outcomes(passed=7, failed=1, skipped=1)
     later.fnmatch_lines(["FAILED *test_builds_its_critic_loss_from_its_default_critic_config*defines no critic_loss*"])
+
+
+def test_step_observer_suite(suite_runs):
+    suite_runs[OBSERVER_SUITE_GOOD].assert_outcomes(passed=4)
+    broken = suite_runs[OBSERVER_SUITE_BROKEN]
+    broken.assert_outcomes(passed=1, failed=3)
+    broken.fnmatch_lines(["*prepared: tensor column 'advantages' changed*", "*observed/verdict*", "*RuntimeError*finish*"])
 
 
 def test_command_suite(suite_runs):

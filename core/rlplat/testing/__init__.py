@@ -45,6 +45,7 @@ _LAZY_NAMES = {
     "PolicyLossConformance": "rlplat.testing.losses",
     "AlgorithmConformance": "rlplat.testing.algorithms",
     "RoleConformance": "rlplat.testing.roles",
+    "StepObserverConformance": "rlplat.testing.observers",
     "CommandConformance": "rlplat.testing.commands",
     "RolloutEngineConformance": "rlplat.testing.rollouts",
     "TinyModelRolloutFixtures": "rlplat.testing.rollouts",

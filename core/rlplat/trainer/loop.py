@@ -149,7 +149,6 @@ class Trainer:
         self.sync_probe = SyncProbe(read_config_node(self.node["rollout"]["sync_probe"], SyncProbeConfig, "rollout.sync_probe"),
                                     probe_set, self.train_loader.pad_token_id, config.trainer.seed, config.rollout.temperature)
         self.run = ObservedRun(config, self.node, self.run_dir, self.total_steps)
-        self.observers: list[StepObserver] = []  # built when the run starts (fit)
         self.phase_depth = 0  # of the timed phases in progress on the driver
         self.gap_start: float | None = None  # since when the driver works outside any phase (the trace's `driver`)
         self.step = 0
@@ -230,10 +229,14 @@ class Trainer:
             if observer is not None:
                 built.append((getattr(observer, "order", 100), entry.name, observer))
         built.sort(key=lambda item: item[:2])
-        self.run.observers = {name: observer for _, name, observer in built}
-        self.observers = [observer for _, _, observer in built]
+        self.run.observers = {name: observer for _, name, observer in built}  # built when the run starts (fit)
         for observer in self.observers:
             observer.start(self.run)
+
+    @property
+    def observers(self) -> list[StepObserver]:
+        """The run's step observers, in their order."""
+        return list(self.run.observers.values())
 
     def observe(self, stage: str, batch: DataProto | None = None, metrics: dict[str, Any] | None = None) -> None:
         """Tell every step observer that step ``self.step`` reached ``stage``."""

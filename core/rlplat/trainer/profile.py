@@ -98,8 +98,15 @@ class ProfileObserver(StepObserver):
             self.profiler.begin(step, self.run.groups.values())
             self.recording = True
         elif name == "step_done" and self.recording:
-            self.recording = False
-            self.profiler.end(step, getattr(self.run.observers.get("sentinel"), "recent", ()))
+            self.stop()
+
+    def finish(self, state: str, error: BaseException | None = None) -> None:
+        if self.recording:  # the run ended inside a profiled step: its trace so far, and recording stops
+            self.stop()
+
+    def stop(self) -> None:
+        self.recording = False
+        self.profiler.end(self.run.step, getattr(self.run.observers.get("sentinel"), "recent", ()))
 
 
 def observer(run: ObservedRun) -> ProfileObserver | None:
