@@ -468,6 +468,22 @@ class Trainer:
             )
         return "pass"
 
+    def needs_old_log_prob_pass(self, batch: DataProto) -> bool:
+        """Deprecated: :meth:`old_log_prob_source` says where this step's ``old_log_probs`` come from."""
+        from rlplat.deprecation import warn
+
+        warn("Trainer.needs_old_log_prob_pass(batch)", "Trainer.old_log_prob_source(batch) == 'pass'", "1.4")
+        return self.old_log_prob_source(batch) == "pass"
+
+    @property
+    def sentinel(self) -> Any:
+        """Deprecated: the run sentinel is a step observer, ``self.run.observers["sentinel"].sentinel``."""
+        from rlplat.deprecation import warn
+
+        warn("Trainer.sentinel", "Trainer.run.observers['sentinel'].sentinel", "1.4")
+        observer = self.run.observers.get("sentinel")
+        return observer.sentinel if observer is not None else None
+
     def generate_filled_batch(self, seed: int, timing: dict[str, float]) -> DataProto:
         """Prompts -> responses -> rewards, through the algorithm's hooks; an algorithm that drops
         groups (DAPO) gets more prompts until its accumulator is full."""
