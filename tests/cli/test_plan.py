@@ -183,9 +183,9 @@ def test_a_plan_that_cannot_fit_names_the_phase_the_component_and_the_numbers(ll
     plan = plan_of(llama_dir, "cluster.devices_per_node=1", "cluster.backend=local", "rollout.name=hf", "data.train_batch_size=1",
                    "actor.ppo_mini_batch_size=1", "rollout.n=1", "rollout.config.dtype=bfloat16")
     (problem,) = plan.problems()
-    # the log-prob passes and the update need the same here (the chunked output layer keeps the update's logits
-    # to a chunk's): the first of the largest phases is named
-    assert problem.startswith("the log-prob pass (actor, old log-probs) phase needs 168 GiB on each device of the actor pool")
+    # one bf16 rank without FSDP2: a bf16 copy of every weight in each call, and the update's bf16 gradients of a
+    # layer and the output layer on top: the update is the largest phase
+    assert problem.startswith("the update (actor) phase needs 181 GiB on each device of the actor pool")
     assert "more than the 80 GiB of a device (cluster.device_memory_gib)" in problem
     assert "its largest part is the actor's optimizer states: 59.8 GiB (AdamW: 2 x 8,030,261,248 x 4 B (float32))" in problem
 

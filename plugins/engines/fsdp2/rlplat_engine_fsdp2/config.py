@@ -108,6 +108,12 @@ class FSDP2EngineConfig(EngineBuildConfig):
     ``2 x logprob_chunk_size x logprob_vocab_chunk_size x 4`` bytes of logits (None: the whole vocabulary,
     ``2 x chunk x vocab x 4``). For an output layer that is a plain ``nn.Linear`` (not LoRA-wrapped) and
     calls without ``top_k``."""
+    fused_head: bool = True
+    """Where the output layer runs a chunk of tokens at a time (see ``logprob_chunk_size``) and is a plain ``nn.Linear``:
+    compute each chunk's log-probs and entropy with the fused head (a running log-sum-exp over the vocabulary and its
+    own backward, which recomputes the logits to form their gradient in place; nothing of the chunk's logits is kept).
+    False: the layer's own forward and a log-softmax per chunk under activation checkpointing (recomputed in backward).
+    The same values within float rounding (tested to 1e-5 in float32)."""
     ulysses_sequence_parallel_size: int = 1
     """Ulysses sequence parallelism (verl's key): groups of this many consecutive ranks share each micro-batch,
     each running a contiguous ``1/size`` of its pack's tokens, with an all-to-all over attention heads around
@@ -122,11 +128,14 @@ class FSDP2EngineConfig(EngineBuildConfig):
     optimizer_offload: bool = False
     """GPU only: keep optimizer state in CPU memory between optimizer steps."""
     shard_one_rank: bool = False
-    """With one rank and float32 compute and reduction, FSDP2 would only copy (an all-gather and a
-    reduce-scatter over one rank per layer) and route every optimizer and clipping op through DTensor,
-    so the engine trains the plain module (7% of the demo's update on CPU, bench/update_step.py): the
-    same steps bit for bit. True wraps it in ``fully_shard`` anyway. Checkpoints are the same DCP format
-    either way and load at any world size."""
+    """One rank trains without FSDP2 (its all-gather and reduce-scatter over one rank only copy, and every optimizer and
+    clipping op would go through DTensor): in float32 the plain module (7% of the demo's update on CPU,
+    bench/update_step.py), in bfloat16 / float16 the plain float32 module through compute-dtype copies of its weights
+    made for each call, gradients accumulated in float32 (``data_parallel.ComputeCopies``; a whole bf16 copy of the
+    weights during a call, 2 B a parameter; LoRA and parameter offload keep FSDP2, whose layer-by-layer gathers hold
+    less). Either way the same steps as ``fully_shard`` bit for bit; measured at the GPU check's 24-layer structure on
+    CPU (bench/host_overhead.py): 16% fewer aten operators a step in bf16. True wraps it in ``fully_shard`` anyway.
+    Checkpoints are the same DCP format either way and load at any world size."""
     data_parallel: str = "shard"
     """How the data-parallel ranks hold the model. ``shard``: FSDP2 (``fully_shard`` per decoder layer),
     parameters, gradients and AdamW state split over the ranks, gathered layer by layer. ``replicate``:
@@ -137,6 +146,11 @@ class FSDP2EngineConfig(EngineBuildConfig):
     the arithmetic (the demo's 0.5M model on 2 CPU processes: bench/trl_vs_rlplat.py), and it lets a
     colocated rollout share each rank's weights instead of gathering them at every sync. float32
     compute and reduction only."""
+    compile: bool = False
+    """``torch.compile`` each decoder layer's forward (the attention of packed calls stays eager, outside the compiled
+    graph): fewer kernel launches and host operators per step, the same numerics to float rounding. The first calls
+    of each new shape compile (tens of seconds on a GPU, ~12 s on CPU); a packed micro-batch's length varies, so
+    from the second length on the layers compile with dynamic shapes, once."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters of a layer after its forward (re-gathered in backward)."""
     gradient_sync_every_micro_batch: bool = True

@@ -7,10 +7,15 @@ mesh of the whole process group; parameters are ``DTensor`` shards, gathered for
 ``replicate`` (DDP's layout, float32 only): every rank holds the plain module. Rank 0's weights are copied to the
 others at start (:func:`broadcast_from_rank0`) and gradients are averaged once per optimizer step
 (:func:`all_reduce_gradients`), in flat buckets of at most :data:`~rlplat_engine_fsdp2.config.REDUCE_BUCKET_BYTES`.
+
+One rank needs neither: it trains the plain module, and when it computes in bfloat16 or float16, :class:`ComputeCopies`
+casts the weights for each call and accumulates the gradients in float32, as FSDP2's mixed precision would.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Iterator
 
 import torch
@@ -80,3 +85,51 @@ def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
                 for tensor in bucket:
                     tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
                     offset += tensor.numel()
+
+
+class ComputeCopies:
+    """One rank computing in a lower precision without FSDP2 (``sharded`` is False): the module keeps its float32
+    parameters (the master weights the optimizer, checkpoints and weight sync read), and inside :meth:`active` every
+    parameter is replaced on its module by a ``param_dtype`` copy; each copy's gradient, once backward has formed it, is
+    cast to ``reduce_dtype`` and then added in float32 to its master's gradient. That is what FSDP2's
+    ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` computes over one rank (cast, compute, cast the gradient, reduce
+    over one rank, accumulate in float32), without its per-layer all-gather, reduce-scatter and DTensor dispatch. Tied
+    parameters get one copy. Buffers are not cast (neither does FSDP2). The copies exist only inside :meth:`active`:
+    between calls the engine holds the float32 weights alone."""
+
+    def __init__(self, module: torch.nn.Module, param_dtype: torch.dtype, reduce_dtype: torch.dtype):
+        self.module, self.param_dtype, self.reduce_dtype = module, param_dtype, reduce_dtype
+
+    def slots(self) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+        return [(owner, name, parameter) for owner in self.module.modules() for name, parameter in owner._parameters.items()
+                if parameter is not None]
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        slots = self.slots()
+        copies: dict[int, torch.nn.Parameter] = {}
+        handles = []
+        for _, _, master in slots:
+            if id(master) in copies:
+                continue
+            copy = torch.nn.Parameter(master.detach().to(self.param_dtype), requires_grad=master.requires_grad)
+            if master.requires_grad:
+                handles.append(copy.register_post_accumulate_grad_hook(functools.partial(self.accumulate, master)))
+            copies[id(master)] = copy
+        try:
+            for owner, name, master in slots:
+                owner._parameters[name] = copies[id(master)]
+            yield
+        finally:
+            for owner, name, master in slots:
+                owner._parameters[name] = master
+            for handle in handles:
+                handle.remove()
+
+    def accumulate(self, master: torch.nn.Parameter, copy: torch.nn.Parameter) -> None:
+        gradient = copy.grad.to(self.reduce_dtype).to(master.dtype)
+        copy.grad = None
+        if master.grad is None:
+            master.grad = gradient
+        else:
+            master.grad.add_(gradient)

@@ -3,8 +3,11 @@
 Sharding: ``fully_shard`` on every decoder layer and on the root, over one data-parallel mesh of the
 whole process group (gloo on CPU, NCCL on GPU). Master weights and AdamW state are float32 shards;
 forward and backward run in ``dtype`` (``MixedPrecisionPolicy``: bfloat16 with a float32 reduction on
-GPU, float32 on CPU unless asked). One rank computing and reducing in float32 has nothing to shard or
-cast, so it trains the plain module (``shard_one_rank``); everything else behaves the same.
+GPU, float32 on CPU unless asked). One rank needs no FSDP2 (``shard_one_rank``): in float32 it trains the plain
+module; in bfloat16 or float16 it trains the plain float32 module through compute-dtype copies of the weights made for
+each call, the gradients cast and accumulated in float32 (:class:`~rlplat_engine_fsdp2.data_parallel.ComputeCopies`),
+what FSDP2's mixed precision computes over one rank, bit for bit, without its per-layer hooks, collectives and
+DTensor dispatch (with LoRA or parameter offload FSDP2 stays: its layer-by-layer gathers hold less than a whole copy).
 ``data_parallel: replicate`` trains the plain module on every rank instead (DDP's layout): rank 0's weights
 broadcast at start, gradients all-reduced in flat buckets once per optimizer step, AdamW on plain tensors.
 
@@ -43,6 +46,7 @@ guarantees both).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -100,6 +104,7 @@ class FSDP2Engine(LoraMethods, Offload, TrainingEngine):
         self.routing: EngineRouting | None = None
         self.sequence_parallel: ulysses.SequenceParallel | None = None
         self.sp_size = config.ulysses_sequence_parallel_size
+        self.compute_copies: data_parallel.ComputeCopies | None = None
 
     # -- building ----------------------------------------------------------------------------------
 
@@ -139,15 +144,23 @@ class FSDP2Engine(LoraMethods, Offload, TrainingEngine):
         if replicate and not full_precision:
             raise ValueError(f"fsdp2 engine: data_parallel 'replicate' computes in float32, but dtype {config.dtype!r} is "
                              f"{self.compute_dtype()} on {self.device.type}; set dtype: float32 or data_parallel: shard")
-        self.sharded = not replicate and (self.world_size > 1 or config.shard_one_rank or not full_precision)
+        # One rank without FSDP2: in float32 there is nothing to shard or cast; in bf16 / fp16 the weights are cast per
+        # call (ComputeCopies), unless a frozen LoRA base or offloaded parameters would make a whole copy cost more
+        # than FSDP2's layer-by-layer gathers.
+        copies_fit = self.lora is None and not (config.param_offload and self.device.type == "cuda")
+        self.sharded = not replicate and (self.world_size > 1 or config.shard_one_rank or not (full_precision or copies_fit))
         # every rank holds the whole model; gradients are all-reduced once per optimizer step
         self.replicated = not self.sharded and self.world_size > 1
         if self.sharded:
             data_parallel.shard(model, self.device.type, self.world_size, self.compute_dtype(), reduce_dtype, config.reshard_after_forward)
         else:
             model.to(self.device)
+            if not full_precision:  # one rank in bf16 / fp16: cast copies per call, no FSDP2
+                self.compute_copies = data_parallel.ComputeCopies(model, self.compute_dtype(), reduce_dtype)
             if self.replicated:  # the ranks built the same weights from the same seed or files; rank 0's are the truth
                 data_parallel.broadcast_from_rank0([*model.parameters(), *model.buffers()])
+        if config.compile:
+            modeling.compile_layers(model)
         self.module = model
         self.persistent_buffer_names: set[str] | None = None
         # The parameters the optimizer updates (FSDP2's shards, or the plain module's own); between a forward
@@ -179,6 +192,11 @@ class FSDP2Engine(LoraMethods, Offload, TrainingEngine):
             return torch.bfloat16 if self.device.type == "cuda" else torch.float32
         return modeling.TORCH_DTYPES[self.config.dtype]
 
+    def computing(self) -> contextlib.AbstractContextManager[None]:
+        """Around a call's forwards and backwards: the compute-dtype copies of the weights on one rank
+        (:class:`~rlplat_engine_fsdp2.data_parallel.ComputeCopies`), else nothing to do."""
+        return contextlib.nullcontext() if self.compute_copies is None else self.compute_copies.active()
+
     def require_model(self, method: str) -> torch.nn.Module:
         if self.module is None:
             raise RuntimeError(f"FSDP2Engine.{method}() needs the model: call init_model() first")
@@ -196,7 +214,7 @@ class FSDP2Engine(LoraMethods, Offload, TrainingEngine):
         size = self.config.forward_micro_batch_size_per_gpu or self.config.micro_batch_size_per_gpu
         groups = self.plan_micro_batches(batch, size)
         pieces: list[dict[str, torch.Tensor]] = []
-        with torch.no_grad():
+        with torch.no_grad(), self.computing():
             for rows in groups:
                 micro_batch = self.micro_batch(batch, rows)
                 call = None if self.routing is None else self.routing.begin(micro_batch.batch, self.remove_padding, update=False,
@@ -244,9 +262,8 @@ class FSDP2Engine(LoraMethods, Offload, TrainingEngine):
     def run(self, micro_batch: DataProto, temperature: float, calculate_entropy: bool,
             gather_ids: str | None = None, top_k: int = 0) -> modeling.ModelOutputs:
         batch = micro_batch.batch
-        inputs = {key: batch[key].to(self.device) for key in self.model_inputs()}
-        position_ids = batch["position_ids"] if "position_ids" in batch.keys() else modeling.position_ids_from(batch["attention_mask"])
-        inputs["position_ids"] = position_ids.to(self.device)
+        inputs = {key: batch[key] for key in self.model_inputs()}
+        inputs["position_ids"] = batch["position_ids"] if "position_ids" in batch.keys() else modeling.position_ids_from(batch["attention_mask"])
         return modeling.run_model(
             self.module,
             inputs,
@@ -256,10 +273,12 @@ class FSDP2Engine(LoraMethods, Offload, TrainingEngine):
             chunk_tokens=self.config.logprob_chunk_size,
             calculate_entropy=calculate_entropy,
             remove_padding=self.remove_padding,
-            gather_ids=None if gather_ids is None else batch[gather_ids].to(self.device),
+            gather_ids=None if gather_ids is None else batch[gather_ids],
             top_k=top_k,
             vocabulary_chunk=self.config.logprob_vocab_chunk_size,
             sequence_parallel=self.sequence_parallel,
+            device=self.device,
+            fused_head=self.config.fused_head,
         )
 
     @staticmethod
@@ -373,40 +392,42 @@ class FSDP2Engine(LoraMethods, Offload, TrainingEngine):
         if masks:
             meta_info["global_counts"] = {name: {"tokens": counts[2 + 2 * index], "sequences": int(counts[3 + 2 * index])}
                                           for index, name in enumerate(masks)}
-        loss_total, loss_metrics, kept = 0.0, [], {}
+        # Nothing in this loop waits for the device: the loss and the metrics stay tensors until it ends.
+        loss_total, loss_metrics, kept = torch.zeros((), dtype=torch.float64, device=self.device), [], {}
         gather_ids = getattr(loss_fn, "gather_ids", None)
         groups = self.plan_micro_batches(mini_batch, self.config.micro_batch_size_per_gpu)
-        for index, rows in enumerate(groups):
-            if self.sharded and not self.config.gradient_sync_every_micro_batch:
-                self.module.set_requires_gradient_sync(index == len(groups) - 1)
-            micro_batch = self.micro_batch(mini_batch, rows).with_meta_info(meta_info).to(self.device)
-            call = None if self.routing is None else self.routing.begin(micro_batch.batch, self.remove_padding, update=True,
-                                                                          counted=bool(rows), sequence_parallel=self.sequence_parallel)
-            outputs = self.run(micro_batch, temperature, calculate_entropy, gather_ids)
-            if rows:
-                loss, metrics = loss_fn(outputs, micro_batch)
-                loss_total += float(loss.detach())
-                loss_metrics.append(metrics)
-                if keep_outputs:
-                    for key in ("log_probs", "gathered_log_probs"):
-                        if key in outputs:
-                            value = outputs[key].detach().float().cpu()
-                            target = kept.setdefault(key, value.new_zeros((len(mini_batch), *value.shape[1:])))
-                            target[rows] = value
-            else:
-                loss = sum(outputs[key].sum() for key in self.output_keys(False)) * 0.0
-            if call is not None:  # the router losses, weighted by this call's share of the mini-batch's tokens
-                share = float(micro_batch.batch["attention_mask"].sum()) / max(global_input_tokens, 1.0) if rows else 0.0
-                term, moe_metrics = self.routing.loss_term(call, share)
-                loss = loss + term
-                loss_metrics.append(moe_metrics)
-                self.routing.count_replay(call)
-            (loss * self.world_size).backward()
+        with self.computing():
+            for index, rows in enumerate(groups):
+                if self.sharded and not self.config.gradient_sync_every_micro_batch:
+                    self.module.set_requires_gradient_sync(index == len(groups) - 1)
+                host_batch = self.micro_batch(mini_batch, rows)  # where the pack is planned: no device sync
+                micro_batch = host_batch.with_meta_info(meta_info).to(self.device)
+                call = None if self.routing is None else self.routing.begin(micro_batch.batch, self.remove_padding, update=True,
+                                                                              counted=bool(rows), sequence_parallel=self.sequence_parallel)
+                outputs = self.run(host_batch, temperature, calculate_entropy, gather_ids)
+                if rows:
+                    loss, metrics = loss_fn(outputs, micro_batch)
+                    loss_total += loss.detach()
+                    loss_metrics.append(metrics)
+                    if keep_outputs:
+                        for key in ("log_probs", "gathered_log_probs"):
+                            if key in outputs:
+                                kept.setdefault(key, []).append((rows, outputs[key].detach()))
+                else:
+                    loss = sum(outputs[key].sum() for key in self.output_keys(False)) * 0.0
+                if call is not None:  # the router losses, weighted by this call's share of the mini-batch's tokens
+                    share = float(host_batch.batch["attention_mask"].sum()) / max(global_input_tokens, 1.0) if rows else 0.0
+                    term, moe_metrics = self.routing.loss_term(call, share)
+                    loss = loss + term
+                    loss_metrics.append(moe_metrics)
+                    self.routing.count_replay(call)
+                (loss * self.world_size).backward()
+        kept = {key: in_row_order(pieces, len(mini_batch)) for key, pieces in kept.items()}
         summed = self.gather_metrics(loss_metrics)
         if self.routing is not None:
             self.routing.end()
             summed.update(self.routing.step_metrics(functools.partial(self.all_reduce_sum, every_rank=True)))
-        (loss_total,) = self.all_reduce_sum([loss_total])
+        (loss_total,) = self.all_reduce_sum([float(loss_total)])
         return loss_total, summed, kept
 
     def apply_gradients(self, settings: Mapping[str, Any] | None = None) -> dict[str, float]:
@@ -492,6 +513,7 @@ class FSDP2Engine(LoraMethods, Offload, TrainingEngine):
     def gather_metrics(self, metrics: list[dict[str, float]]) -> dict[str, float]:
         """Sum of every loss-function metric over the micro-batches of every rank (metrics are
         contributions; see :class:`rlplat.contracts.engine.LossFunction`)."""
+        metrics = [{key: float(value) for key, value in entry.items()} for entry in metrics]  # tensors read once, here
         gathered: list[Any] = [metrics]
         if self.world_size > 1:
             gathered = [None] * self.world_size
@@ -501,7 +523,7 @@ class FSDP2Engine(LoraMethods, Offload, TrainingEngine):
         for rank_metrics in gathered:
             for entry in rank_metrics:
                 for key, value in entry.items():
-                    values.setdefault(key, []).append(float(value))
+                    values.setdefault(key, []).append(value)
         return {key: sum(items) for key, items in values.items()}
 
     # -- weights, checkpoints, export --------------------------------------------------------------
@@ -632,6 +654,15 @@ def loss_masks(batch: DataProto, response_mask: torch.Tensor, loss_fn: LossFunct
             raise KeyError(f"train_batch: the loss function counts the mask {name!r}, which the batch does not hold")
         masks[name] = batch.batch[name].to(response_mask.dtype) * response_mask
     return masks
+
+
+def in_row_order(pieces: list[tuple[list[int], torch.Tensor]], rows: int) -> torch.Tensor:
+    """float32 CPU ``[rows, ...]`` from each micro-batch's ``(row indices, values)``."""
+    first = pieces[0][1]
+    placed = torch.zeros((rows, *first.shape[1:]), dtype=torch.float32)
+    for indices, values in pieces:
+        placed[indices] = values.float().cpu()
+    return placed
 
 
 def mask_counts(mask: torch.Tensor) -> tuple[float, float]:

@@ -102,8 +102,11 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
     b = dtype_bytes(compute)
     head = "score" if engine.reward_model else ("value" if engine.value_model else "lm")
     parameters = shape.parameters(head)
-    sharded = engine.data_parallel == "shard" and (
-        world > 1 or engine.shard_one_rank or (compute, engine.reduce_dtype) != ("float32", "float32"))
+    low_precision = (compute, engine.reduce_dtype) != ("float32", "float32")
+    copies_fit = not engine.lora and not (gpu and engine.param_offload)
+    sharded = engine.data_parallel == "shard" and (world > 1 or engine.shard_one_rank or (low_precision and not copies_fit))
+    # one rank computing in bf16 / fp16 without FSDP2: a compute-dtype copy of every weight during each call
+    copies = not sharded and low_precision
     shards = world if sharded else 1
     trains = context.role in ("actor", "critic")
     lora = engine.lora if context.role in ("actor", "reference") else None
@@ -140,6 +143,13 @@ def estimate(config: Any, model_config: Mapping[str, Any], context: MemoryContex
             items.append(MemoryItem("unsharded gradients", output * b, ("update",),
                                     f"the output layer's ({output:,}) in {compute}, made first in backward, while every "
                                     "activation is still held"))
+    if copies:
+        items.append(MemoryItem("compute copies", (parameters + adapter) * b, tuple(call for call in calls if call != "export"),
+                                f"{parameters + adapter:,} x {b} B: every weight cast to {compute} for the call (one rank, no FSDP2)"))
+        if trains:
+            items.append(MemoryItem("compute-dtype gradients", shape.layer_parameters() * b + (shape.head_parameters(head) or shape.embedding_parameters()) * b,
+                                    ("update",), f"a layer's and the output layer's gradients in {compute} before they are "
+                                    "added to the float32 ones"))
     sequence, response = context.sequence_length, context.response_length
     groups = world // sp  # data-parallel groups: each sp processes share their rows
     per_process = max(context.sequences_per_process, 1) * sp

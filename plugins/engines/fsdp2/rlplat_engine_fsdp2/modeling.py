@@ -141,6 +141,13 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+def compile_layers(model: torch.nn.Module) -> None:
+    """``torch.compile`` on the ``forward`` of every decoder layer (:func:`decoder_layers`), in place: hooks on the
+    layer (FSDP2's gathers, the MoE routing's records) run around the compiled code, not inside it."""
+    for layer in decoder_layers(model):
+        layer.forward = torch.compile(layer.forward)
+
+
 def response_log_probs(logits: torch.Tensor, responses: torch.Tensor, temperature: float, chunk_tokens: int) -> torch.Tensor:
     """float32 ``log softmax(logits / temperature)`` at ``responses``: logits ``[B, R, V]`` (position ``t``
     predicting ``responses[:, t]``) -> ``[B, R]``."""
@@ -385,11 +392,12 @@ class ChunkedHead:
 
 
 @contextlib.contextmanager
-def chunked_head(model: torch.nn.Module, head: ChunkedHead) -> Iterator[None]:
-    """The model's output layer computes ``head`` during the block (its ``forward`` replaced on the instance)."""
+def chunked_head(model: torch.nn.Module, head: ChunkedHead, fused: bool = True) -> Iterator[None]:
+    """The model's output layer computes ``head`` during the block (its ``forward`` replaced on the instance); ``fused``:
+    through :class:`FusedHeadScores` where the layer allows it, else its own forward a chunk at a time, recomputed."""
     layer = model.get_output_embeddings()
     head.forward = layer.forward
-    head.linear = fused_head_layer(layer)
+    head.linear = fused_head_layer(layer) if fused else None
     layer.forward = head
     try:
         yield
@@ -490,6 +498,8 @@ def run_model(
     top_k: int = 0,
     vocabulary_chunk: int | None = None,
     sequence_parallel: Any = None,
+    device: torch.device | None = None,
+    fused_head: bool = True,
 ) -> ModelOutputs:
     """One forward of ``model`` on ``input_ids``, ``attention_mask``, ``position_ids`` and
     ``responses`` (``[B, R]``, the last ``R`` tokens of ``input_ids``). ``top_k``: also the ``k`` largest
@@ -500,7 +510,17 @@ def run_model(
     the model must have passed :func:`enable_packing`). Outputs are
     the same ``[B, R]`` tensors, 0 at response positions that are padding. A ``reward_model`` returns
     ``rm_scores`` [B] instead (:func:`run_reward_model`). ``sequence_parallel`` (packed only): this rank's
-    Ulysses group (:mod:`rlplat_engine_fsdp2.ulysses`); every rank of it gets the same outputs."""
+    Ulysses group (:mod:`rlplat_engine_fsdp2.ulysses`); every rank of it gets the same outputs. ``device``: where the
+    model runs, when the inputs are elsewhere (the engine passes them from host memory, so that a pack is planned
+    there, with no wait on the device, and moved after); None: where the inputs are."""
+    if device is not None:
+        if remove_padding and not reward_model:
+            return run_packed_model(model, inputs, value_model=value_model, temperature=temperature, chunk_tokens=chunk_tokens,
+                                    calculate_entropy=calculate_entropy, gather_ids=gather_ids, top_k=top_k,
+                                    vocabulary_chunk=vocabulary_chunk, sequence_parallel=sequence_parallel, device=device,
+                                    fused_head=fused_head)
+        inputs = {key: value.to(device) for key, value in inputs.items()}
+        gather_ids = None if gather_ids is None else gather_ids.to(device)
     if sequence_parallel is not None and not remove_padding:
         raise ValueError("Ulysses sequence parallelism runs packed micro-batches: it needs remove_padding")
     if reward_model:
@@ -508,7 +528,7 @@ def run_model(
     if remove_padding:
         return run_packed_model(model, inputs, value_model=value_model, temperature=temperature, chunk_tokens=chunk_tokens,
                                 calculate_entropy=calculate_entropy, gather_ids=gather_ids, top_k=top_k, vocabulary_chunk=vocabulary_chunk,
-                                sequence_parallel=sequence_parallel)
+                                sequence_parallel=sequence_parallel, fused_head=fused_head)
     response_length = inputs["responses"].shape[1]
     arguments = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"], use_cache=False)
     if value_model:
@@ -519,7 +539,7 @@ def run_model(
     if chunks_the_head(model, rows, response_length, chunk_tokens):
         head = ChunkedHead(None, inputs["responses"], temperature=temperature, chunk_tokens=chunk_tokens, entropy=calculate_entropy,
                            ids=gather_ids, top_k=top_k, drop_last=True, vocabulary_chunk=vocabulary_chunk)
-        with chunked_head(model, head):
+        with chunked_head(model, head, fused_head):
             scores = model(**arguments, logits_to_keep=response_length + 1).logits
         return scored_outputs(scores, head, temperature, chunk_tokens)
     # Only the logits that predict response tokens: positions T-R-1 .. T-2.
@@ -545,6 +565,8 @@ def run_packed_model(
     top_k: int = 0,
     vocabulary_chunk: int | None = None,
     sequence_parallel: Any = None,
+    device: torch.device | None = None,
+    fused_head: bool = True,
 ) -> ModelOutputs:
     """:func:`run_model` on the rows packed into one row of their valid tokens; with ``sequence_parallel``
     (:class:`rlplat_engine_fsdp2.ulysses.SequenceParallel`) this rank runs its slice of the pack and the outputs
@@ -554,6 +576,9 @@ def run_packed_model(
     packed = packing.pack(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"], inputs["responses"],
                           grouped_attention=grouped and sequence_parallel is None)
     packed_ids = None if gather_ids is None else packed.select(gather_ids)
+    if device is not None:
+        packed = packed.to(device)
+        packed_ids = None if packed_ids is None else packed_ids.to(device)
     arguments, predictors, targets = packed.model_kwargs(), packed.predictors, packed.targets
     place: Callable[[torch.Tensor], torch.Tensor] = packed.unpack
     widest = int(predictors.numel())
@@ -571,7 +596,7 @@ def run_packed_model(
     if chunks_the_head(model, 1, widest, chunk_tokens):
         head = ChunkedHead(None, targets.unsqueeze(0), temperature=temperature, chunk_tokens=chunk_tokens,
                            entropy=calculate_entropy, ids=packed_ids, top_k=top_k, drop_last=False, vocabulary_chunk=vocabulary_chunk)
-        with packing.packed_forward(), chunked_head(model, head):
+        with packing.packed_forward(), chunked_head(model, head, fused_head):
             scores = model(**arguments, logits_to_keep=predictors).logits
         return scored_outputs(scores, head, temperature, chunk_tokens, place=lambda values: place(values[0]))
     with packing.packed_forward():

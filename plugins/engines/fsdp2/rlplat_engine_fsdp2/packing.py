@@ -146,6 +146,17 @@ class Pack:
             arguments["packed_attention_groups"] = self.attention_groups
         return arguments
 
+    def to(self, device: torch.device) -> "Pack":
+        """The pack with its tensors on ``device`` (non-blocking copies: the plan was made on the host)."""
+        groups = self.attention_groups
+        if groups is not None:
+            move = lambda tensor: None if tensor is None else tensor.to(device, non_blocking=True)  # noqa: E731
+            groups = AttentionGroups([group._replace(gather=move(group.gather), keep=move(group.keep)) for group in groups.groups],
+                                     move(groups.restore))
+        tensors = {name: getattr(self, name).to(device, non_blocking=True)
+                   for name in ("input_ids", "position_ids", "cu_seq_lens", "predictors", "targets", "slots")}
+        return dataclasses.replace(self, attention_groups=groups, **tensors)
+
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
         """``[K, ...]`` per-predictor values -> ``[B, R, ...]``, 0 elsewhere (keeps the autograd graph)."""
         trailing = tuple(values.shape[1:])
@@ -274,6 +285,7 @@ def attention_implementation(base: str, sequence_parallel: bool = False) -> str:
             return ulysses.sequence_to_heads(output, sp), weights
         return packed_attention(module, query, key, value, scaling, dropout, kwargs)
 
+    @torch.compiler.disable  # a pack's layout (its groups, its lengths) changes every call: eager, not recompiled
     def packed_attention(module, query, key, value, scaling, dropout, kwargs):
         if flash:
             return unpacked_attention(module, base)(module, query, key, value, None, scaling=scaling, dropout=dropout, **kwargs)

@@ -296,8 +296,42 @@ def test_one_float32_rank_trains_the_plain_module_as_fully_shard_would(tiny_conf
     assert plain_metrics == sharded_metrics
 
 
-def test_mixed_precision_on_one_rank_keeps_fully_shard(tiny_config):
-    assert built(tiny_config, dtype="bfloat16").state()["sharded"]
+@pytest.mark.parametrize("remove_padding", [True, False], ids=["packed", "padded"])
+def test_one_bfloat16_rank_trains_the_plain_module_as_fully_shard_would(tiny_config, batch_of, remove_padding):
+    # One rank in bfloat16: cast copies of the weights per call, float32 gradients accumulated per micro-batch
+    # (ComputeCopies), what FSDP2's MixedPrecisionPolicy computes over one rank: the same steps bit for bit.
+    options = dict(dtype="bfloat16", use_remove_padding=remove_padding, micro_batch_size_per_gpu=2)
+    plain, sharded = built(tiny_config, **options), built(tiny_config, shard_one_rank=True, **options)
+    assert (plain.state()["sharded"], sharded.state()["sharded"]) == (False, True)
+    assert not any(isinstance(parameter, DTensor) for parameter in plain.module.parameters())
+    assert all(parameter.dtype == torch.float32 for parameter in plain.module.parameters())
+    plain_metrics = [plain.train_batch(batch_of(4, seed=seed), SumOfLogProbs()) for seed in range(3)]
+    sharded_metrics = [sharded.train_batch(batch_of(4, seed=seed), SumOfLogProbs()) for seed in range(3)]
+    after_plain, after_sharded = parameters_of(plain), parameters_of(sharded)
+    assert all(torch.equal(after_plain[name], after_sharded[name]) for name in after_plain)
+    assert plain_metrics == sharded_metrics
+    forward = [engine.forward(batch_of(4, seed=9)).batch["log_probs"] for engine in (plain, sharded)]
+    assert forward[0].dtype == torch.float32 and torch.equal(forward[0], forward[1])
+    # between calls the engine holds its float32 weights alone: the copies live inside a call
+    assert all(parameter.dtype == torch.float32 for parameter in plain.module.parameters())
+
+
+def test_compiled_layers_train_as_eager_ones(tiny_config, batch_of):
+    # torch.compile on the decoder layers: fused kernels round float32 differently (a few ulps of values of order
+    # 1-10), so losses, log-probs and gradients agree within 1e-5. Weights are not compared after AdamW steps:
+    # Adam divides each gradient by its own magnitude, so a rounding difference in a near-zero gradient moves that
+    # weight by up to the learning rate.
+    eager, compiled = built(tiny_config), built(tiny_config, compile=True)
+    for seed in range(3):
+        batch = batch_of(4, seed=seed)
+        losses = [engine.forward_backward(batch, SumOfLogProbs()).meta_info["metrics"]["loss"] for engine in (eager, compiled)]
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-5)
+        gradients = [{name: parameter.grad for name, parameter in engine.module.named_parameters()} for engine in (eager, compiled)]
+        assert max_difference(*gradients) <= 1e-5
+        for engine in (eager, compiled):
+            engine.optimizer_step()
+    log_probs = [engine.forward(batch_of(4, seed=9)).batch["log_probs"] for engine in (eager, compiled)]
+    assert torch.allclose(log_probs[0], log_probs[1], atol=1e-5, rtol=0)
 
 
 # -- checkpoints --------------------------------------------------------------------------------------
