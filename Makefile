@@ -123,6 +123,8 @@ bench: $(BENCH_STAMP) $(VLLM_CPU_STAMP) $(SGLANG_CPU_STAMP)
 	$(BENCH_VENV)/bin/python bench/fsdp2_scaling.py
 	$(BENCH_VENV)/bin/python bench/trl_vs_rlplat.py
 	$(BENCH_VENV)/bin/python bench/update_step.py
+	$(BENCH_VENV)/bin/python bench/host_overhead.py
+	$(BENCH_VENV)/bin/python bench/demo_phases.py
 	$(BENCH_VENV)/bin/python bench/agent_tokens.py
 	$(BENCH_VENV)/bin/python bench/grpo_replay.py --steps 50
 	$(BENCH_VENV)/bin/python bench/time_to_accuracy.py --seed 0 --seed 1 --seed 2 --budget 400
