@@ -316,6 +316,7 @@ def test_one_bfloat16_rank_trains_the_plain_module_as_fully_shard_would(tiny_con
     assert all(parameter.dtype == torch.float32 for parameter in plain.module.parameters())
 
 
+@pytest.mark.slow  # compiling takes ~15 s on CPU
 def test_compiled_layers_train_as_eager_ones(tiny_config, batch_of):
     # torch.compile on the decoder layers: fused kernels round float32 differently (a few ulps of values of order
     # 1-10), so losses, log-probs and gradients agree within 1e-5. Weights are not compared after AdamW steps:
