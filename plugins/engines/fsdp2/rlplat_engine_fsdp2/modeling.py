@@ -513,12 +513,8 @@ def run_model(
     Ulysses group (:mod:`rlplat_engine_fsdp2.ulysses`); every rank of it gets the same outputs. ``device``: where the
     model runs, when the inputs are elsewhere (the engine passes them from host memory, so that a pack is planned
     there, with no wait on the device, and moved after); None: where the inputs are."""
-    if device is not None:
-        if remove_padding and not reward_model:
-            return run_packed_model(model, inputs, value_model=value_model, temperature=temperature, chunk_tokens=chunk_tokens,
-                                    calculate_entropy=calculate_entropy, gather_ids=gather_ids, top_k=top_k,
-                                    vocabulary_chunk=vocabulary_chunk, sequence_parallel=sequence_parallel, device=device,
-                                    fused_head=fused_head)
+    packs_on_host = device is not None and remove_padding and not reward_model
+    if device is not None and not packs_on_host:
         inputs = {key: value.to(device) for key, value in inputs.items()}
         gather_ids = None if gather_ids is None else gather_ids.to(device)
     if sequence_parallel is not None and not remove_padding:
@@ -528,7 +524,7 @@ def run_model(
     if remove_padding:
         return run_packed_model(model, inputs, value_model=value_model, temperature=temperature, chunk_tokens=chunk_tokens,
                                 calculate_entropy=calculate_entropy, gather_ids=gather_ids, top_k=top_k, vocabulary_chunk=vocabulary_chunk,
-                                sequence_parallel=sequence_parallel, fused_head=fused_head)
+                                sequence_parallel=sequence_parallel, fused_head=fused_head, device=device)
     response_length = inputs["responses"].shape[1]
     arguments = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"], use_cache=False)
     if value_model:
