@@ -505,8 +505,9 @@ def mfu_figure(figures: dict[str, Any], peak: float, datasheet: tuple[str, float
 
 
 def check_throughput(context: Context) -> list[dict]:
-    """The 0.5B case at 16 x 2048 as the engine runs by default on one GPU (no FSDP2, fused head), then with the
-    decoder layers compiled, then with the unfused head (its loss compared)."""
+    """The 0.5B case at 16 x 2048 as the engine runs by default on one GPU (no FSDP2, fused head, varlen packed
+    attention), then with the decoder layers compiled, with the unfused head (its loss compared) and with grouped
+    packed attention."""
     import torch
 
     peak = matmul_peak(context.size(8192, 256))
@@ -538,6 +539,11 @@ def check_throughput(context: Context) -> list[dict]:
                       f"{difference:.1e} (tolerance {FUSED_HEAD_TOLERANCE:g}); unfused {unfused['step_s']:.3f} s/step, "
                       f"{unfused['step_s'] / default['step_s']:.2f}x the fused step, peak {gib(unfused['peak_memory_bytes'])}",
                       relative_difference=difference, fused=default["losses"], unfused=unfused["losses"], unfused_step_s=unfused["step_s"]))
+    grouped = measure_update(context, model_config, packed_attention="grouped", timed=2, **shape)
+    lines.append(line("throughput", "packed attention: grouped vs the default", None,
+                      f"grouped sub-batches {grouped['step_s']:.3f} s/step, {grouped['step_s'] / default['step_s']:.2f}x the default "
+                      f"step (packed_attention auto: varlen on CUDA in bf16 where torch has it); first loss {grouped['losses'][0]:.6f} "
+                      f"vs {default['losses'][0]:.6f}", grouped_step_s=grouped["step_s"], grouped_losses=grouped["losses"]))
     return lines
 
 

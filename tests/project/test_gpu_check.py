@@ -264,7 +264,8 @@ def test_rollout_sleep_at_toy_sizes_gives_the_same_samples_after_wake_up(tmp_pat
 
 
 def test_throughput_at_toy_sizes_reports_tokens_per_second_and_mfu(tmp_path):
-    throughput, compiled, head = smoke("throughput", tmp_path)
+    throughput, compiled, head, grouped = smoke("throughput", tmp_path)
+    assert grouped["status"] == "info" and grouped["values"]["grouped_step_s"] > 0
     assert throughput["values"]["tokens_per_s"] > 0 and 0 < throughput["values"]["mfu"]
     assert throughput["values"]["sharded"] is False and "model FLOPs" in throughput["figure"]  # the convention, said
     assert compiled["status"] == "info" and compiled["values"]["options"] == {"compile": True}

@@ -23,6 +23,8 @@ from rlplat.kits.engine import engine_config_problems
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 OPTIMIZER_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
 DATA_PARALLEL_MODES = ("shard", "replicate")
+#: Packed attention kernels (``packed_attention``; :mod:`rlplat_engine_fsdp2.packing`).
+PACKED_KERNELS = ("auto", "grouped", "varlen", "flex")
 REDUCE_BUCKET_BYTES = 64 << 20
 """Most bytes one gradient all-reduce (``data_parallel: replicate``) or start-up broadcast carries."""
 
@@ -97,6 +99,15 @@ class FSDP2EngineConfig(EngineBuildConfig):
     attention interface runs padded, with a warning. Measured on CPU (train_batch): 4x faster on a
     long-tail batch (bench/packing.py); on the demo's batch (256 rows of 7 + 4 tokens) as fast within
     noise with no padding, 5% faster with 4% padding, 15-20% faster with 17%."""
+    packed_attention: str = "auto"
+    """Attention of packed micro-batches (``use_remove_padding``) with ``sdpa`` or ``eager``: ``grouped`` gathers
+    sequences of similar length into padded sub-batches, one ``scaled_dot_product_attention`` each (any device);
+    ``varlen`` runs torch's flash-attention varlen kernel over the whole pack (``torch.nn.attention.varlen``: torch
+    2.10 on, CUDA, bf16 / fp16 compute; no padding, one kernel a layer); ``flex`` runs flex attention with a
+    document-causal block mask (compiled; CUDA only, as flex attention has no backward on CPU). ``auto``: ``varlen``
+    where it runs, else ``grouped``. Sequence parallelism runs ``grouped``; ``flash_attention_2`` uses its own varlen
+    path. The same attention to float rounding: flex's forward equals grouped's within 1e-5 in float32 on CPU
+    (tests/test_packing.py); varlen and flex against grouped, forward and gradients, are gpu-marked tests."""
     logprob_chunk_size: int = 4096
     """Tokens (rows x positions) whose logits and float32 log-softmax are computed at once. Where a
     micro-batch's whole float32 logits would exceed 16 MiB, the model's output layer itself runs on the hidden
@@ -167,6 +178,11 @@ class FSDP2EngineConfig(EngineBuildConfig):
             problems.append(f"reduce_dtype {self.reduce_dtype!r} is not one of {list(DTYPES[1:])}")
         if self.optimizer_implementation not in OPTIMIZER_IMPLEMENTATIONS:
             problems.append(f"optimizer_implementation {self.optimizer_implementation!r} is not one of {list(OPTIMIZER_IMPLEMENTATIONS)}")
+        if self.packed_attention not in PACKED_KERNELS:
+            problems.append(f"packed_attention {self.packed_attention!r} is not one of {list(PACKED_KERNELS)}")
+        elif self.packed_attention != "auto" and self.ulysses_sequence_parallel_size > 1 and self.packed_attention != "grouped":
+            problems.append(f"packed_attention {self.packed_attention!r}: Ulysses sequence parallelism runs its packs' "
+                            "attention grouped; set packed_attention: grouped (or auto)")
         if self.ulysses_sequence_parallel_size > 1 and not self.use_remove_padding:
             problems.append(f"ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size} splits packed micro-batches: "
                             "it needs use_remove_padding=True")

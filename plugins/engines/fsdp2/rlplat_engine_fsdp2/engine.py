@@ -62,7 +62,7 @@ from rlplat.kits.engine import WarmupSchedule, check_optimizer_settings, fixed_s
 from rlplat.lora import LoraConfig, read_lora
 from rlplat.protocol import DataProto
 from rlplat.kits.moe import ROUTES
-from rlplat_engine_fsdp2 import checkpoint, data_parallel, lora, modeling, ulysses
+from rlplat_engine_fsdp2 import checkpoint, data_parallel, lora, modeling, packing, ulysses
 from rlplat_engine_fsdp2.config import FSDP2EngineConfig, read_engine_config
 from rlplat_engine_fsdp2.data_parallel import full_tensor
 from rlplat_engine_fsdp2.lora import LoraMethods
@@ -126,6 +126,9 @@ class FSDP2Engine(LoraMethods, Offload, TrainingEngine):
             raise ValueError(f"fsdp2 engine: ulysses_sequence_parallel_size={self.sp_size} splits packed micro-batches, but "
                              f"{type(model).__name__} does not route attention through Hugging Face's attention interface, "
                              "so its rows cannot be packed")
+        if self.remove_padding:
+            packing.set_kernel(model, packing.resolve_kernel(config.packed_attention, self.device.type, self.compute_dtype(),
+                                                             self.sp_size > 1))
         if config.use_remove_padding and not self.remove_padding:
             warnings.warn(
                 f"use_remove_padding: {type(model).__name__} does not route attention through Hugging Face's "

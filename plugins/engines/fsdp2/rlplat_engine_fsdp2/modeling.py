@@ -570,7 +570,8 @@ def run_packed_model(
     grouped = packing.plans_groups(model)
     # with sequence parallelism the groups are those of the padded pack, planned by ulysses.shard
     packed = packing.pack(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"], inputs["responses"],
-                          grouped_attention=grouped and sequence_parallel is None)
+                          grouped_attention=grouped and sequence_parallel is None,
+                          kernel=packing.pack_kernel(model, sequence_parallel is not None))
     packed_ids = None if gather_ids is None else packed.select(gather_ids)
     if device is not None:
         packed = packed.to(device)

@@ -18,6 +18,11 @@ sequences of similar length are gathered into right-padded sub-batches, one ``is
 ``scaled_dot_product_attention`` each. Causality alone keeps every valid query off the padding keys
 (they come after it), so the padding inside attention needs no mask, and its outputs are dropped.
 
+``packed_attention`` picks the kernel of packed calls (:func:`resolve_kernel`): ``grouped`` as above (any device);
+``varlen``, torch's flash-attention varlen kernel over the whole pack from ``cu_seq_lens`` (CUDA, bf16 / fp16; the
+default there); ``flex``, flex attention with a document-causal block mask built once per pack (:class:`DocumentMask`;
+CUDA, compiled). The pack carries its kernel in the call's kwargs.
+
 The dispatch is by the call's kwargs rather than a switch of ``config._attn_implementation`` around
 packed calls, because activation checkpointing re-runs decoder layers in backward, after any such
 switch would have been undone.
@@ -28,11 +33,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import sys
 from typing import Any, Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from rlplat_engine_fsdp2.config import PACKED_KERNELS
 
 PACKED_ATTENTION_PREFIX = "rlplat_packed_"
 
@@ -112,6 +120,120 @@ def plan_attention_groups(lengths: list[int], device: torch.device) -> Attention
     return AttentionGroups(groups, restore)
 
 
+class DocumentMask:
+    """Which sequence each position of a pack belongs to (``sequence``, ``[N]``), and the document-causal flex-attention
+    block mask of it (position ``q`` sees ``k <= q`` of its own sequence), built once per pack on first use and shared
+    by every layer's call."""
+
+    def __init__(self, sequence: torch.Tensor):
+        self.sequence = sequence
+        self._mask: Any = None
+
+    def block_mask(self) -> Any:
+        if self._mask is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            sequence = self.sequence
+
+            def document_causal(batch, head, query, key):
+                return (sequence[query] == sequence[key]) & (query >= key)
+
+            length = len(sequence)
+            self._mask = create_block_mask(document_causal, None, None, length, length, device=sequence.device)
+        return self._mask
+
+
+def varlen_available() -> bool:
+    """Whether this torch has ``torch.nn.attention.varlen.varlen_attn`` (torch 2.10 on) and a CUDA device to run it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def resolve_kernel(kernel: str, device_type: str, dtype: torch.dtype, sequence_parallel: bool) -> str:
+    """The packed attention kernel ``packed_attention: kernel`` gives on ``device_type`` computing in ``dtype``; raises,
+    naming what is missing, where it cannot run."""
+    if kernel not in PACKED_KERNELS:
+        raise ValueError(f"packed_attention {kernel!r} is not one of {list(PACKED_KERNELS)}")
+    half = dtype in (torch.bfloat16, torch.float16)
+    varlen = device_type == "cuda" and half and varlen_available()
+    if kernel == "auto":
+        return "varlen" if varlen and not sequence_parallel else "grouped"
+    if kernel != "grouped" and sequence_parallel:
+        raise ValueError(f"packed_attention {kernel!r}: Ulysses sequence parallelism runs its packs' attention grouped; "
+                         "set packed_attention: grouped (or auto)")
+    if kernel == "varlen" and not varlen:
+        raise ValueError("packed_attention 'varlen' runs torch's flash-attention varlen kernel (torch.nn.attention.varlen), "
+                         f"which needs torch >= 2.10, a CUDA device and bfloat16 or float16 compute; this process has torch "
+                         f"{torch.__version__} on {device_type} computing in {str(dtype).replace('torch.', '')}: use grouped, "
+                         "flex or auto")
+    if kernel == "flex" and device_type != "cuda":
+        raise ValueError(f"packed_attention 'flex': flex attention has no backward on {device_type} (torch "
+                         f"{torch.__version__}); use grouped or auto there")
+    return kernel
+
+
+@functools.lru_cache(maxsize=1)
+def varlen_parameters() -> frozenset[str]:
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor,
+                            max_length: int, scaling: float | None) -> torch.Tensor:
+    """Causal attention within each sequence of a pack through ``varlen_attn``: ``[1, heads, N, d]`` query and
+    ``[1, kv_heads, N, d]`` key / value -> ``[1, N, heads, d]``."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    parameters = varlen_parameters()
+    query, key, value = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # [N, heads, d]
+    options: dict[str, Any] = {}
+    if query.shape[1] != key.shape[1]:
+        if "enable_gqa" in parameters:
+            options["enable_gqa"] = True
+        else:
+            key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+            value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+    if "window_size" in parameters:  # torch 2.11 on: (-1, 0) is causal
+        options["window_size"] = (-1, 0)
+    else:  # torch 2.10
+        options["is_causal"] = True
+    if scaling is not None:
+        if "scale" in parameters:
+            options["scale"] = scaling
+        else:
+            query = query * (scaling * query.shape[-1] ** 0.5)  # the kernel's own 1/sqrt(d), undone
+    cu_seq_lens = cu_seq_lens.to(torch.int32)
+    output = varlen_attn(query, key, value, cu_seq_lens, cu_seq_lens, max_length, max_length, **options)
+    return output.unsqueeze(0)
+
+
+@functools.lru_cache(maxsize=2)
+def flex_function(device_type: str) -> Any:
+    """flex attention, compiled on CUDA (its eager form materialises every score), eager elsewhere."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
+
+
+def flex_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, documents: DocumentMask,
+                          scaling: float | None) -> torch.Tensor:
+    """Causal attention within each sequence of a pack through flex attention with ``documents``' block mask:
+    ``[1, heads, N, d]`` query -> ``[1, N, heads, d]``."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        output = flex_function(query.device.type)(query, key, value, block_mask=documents.block_mask(), scale=scaling,
+                                                  enable_gqa=query.shape[1] != key.shape[1])
+    return output.transpose(1, 2)
+
+
 @dataclasses.dataclass
 class Pack:
     """One micro-batch packed: model inputs ``[1, N]`` and where its per-token outputs go."""
@@ -129,6 +251,10 @@ class Pack:
     """Where each lands in the flattened ``[B, R]`` output: ``[K]``."""
     rows: int
     response_length: int
+    kernel: str = "grouped"
+    """The attention kernel of the pack's calls (:data:`PACKED_KERNELS`)."""
+    documents: DocumentMask | None = None
+    """``flex``: the sequence of every pack position, and the block mask built from it on first use."""
 
     def model_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of a Hugging Face model call on this pack (no attention mask)."""
@@ -144,6 +270,10 @@ class Pack:
         )
         if self.attention_groups is not None:
             arguments["packed_attention_groups"] = self.attention_groups
+        if self.kernel != "grouped":
+            arguments["packed_attention_kernel"] = self.kernel
+        if self.documents is not None:
+            arguments["packed_documents"] = self.documents
         return arguments
 
     def to(self, device: torch.device) -> "Pack":
@@ -155,7 +285,8 @@ class Pack:
                                      move(groups.restore))
         tensors = {name: getattr(self, name).to(device, non_blocking=True)
                    for name in ("input_ids", "position_ids", "cu_seq_lens", "predictors", "targets", "slots")}
-        return dataclasses.replace(self, attention_groups=groups, **tensors)
+        documents = None if self.documents is None else DocumentMask(self.documents.sequence.to(device, non_blocking=True))
+        return dataclasses.replace(self, attention_groups=groups, documents=documents, **tensors)
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
         """``[K, ...]`` per-predictor values -> ``[B, R, ...]``, 0 elsewhere (keeps the autograd graph)."""
@@ -175,9 +306,11 @@ def pack(
     responses: torch.Tensor,
     *,
     grouped_attention: bool,
+    kernel: str = "grouped",
 ) -> Pack:
     """The pack of a padded micro-batch (see the module docstring). ``grouped_attention`` plans the
-    groups :func:`grouped_causal_attention` runs (not needed by flash-attention's varlen kernel)."""
+    groups :func:`grouped_causal_attention` runs (not needed by flash-attention's varlen kernel); ``kernel``: the
+    packed attention the pack's calls run (:data:`PACKED_KERNELS`; ``flex`` gets the pack's document ids)."""
     valid = attention_mask.bool()
     rows, columns = valid.shape
     response_length = responses.shape[1]
@@ -199,6 +332,9 @@ def pack(
         slots=predicted.flatten().nonzero().squeeze(1),
         rows=rows,
         response_length=response_length,
+        kernel=kernel,
+        documents=DocumentMask(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long)).to(input_ids.device))
+        if kernel == "flex" else None,
     )
 
 
@@ -300,6 +436,14 @@ def attention_implementation(base: str, sequence_parallel: bool = False) -> str:
                 f"use_remove_padding: {type(module).__name__} attends with {', '.join(unsupported)}, which packed "
                 f"{base} attention does not implement; set use_remove_padding=False (or use flash_attention_2)"
             )
+        kernel = kwargs.get("packed_attention_kernel", "grouped")
+        if kernel != "grouped" and dropout:
+            raise NotImplementedError(f"use_remove_padding: packed_attention {kernel!r} has no attention dropout "
+                                      f"({type(module).__name__} asks for {dropout}); use packed_attention: grouped")
+        if kernel == "varlen":
+            return varlen_causal_attention(query, key, value, kwargs["cu_seq_lens_q"], kwargs["max_length_q"], scaling), None
+        if kernel == "flex":
+            return flex_causal_attention(query, key, value, kwargs["packed_documents"], scaling), None
         groups = kwargs.get("packed_attention_groups")
         if groups is None:
             lengths = kwargs["cu_seq_lens_q"].diff().tolist()
@@ -314,11 +458,32 @@ def attention_implementation(base: str, sequence_parallel: bool = False) -> str:
     return name
 
 
+def set_kernel(model: torch.nn.Module, kernel: str) -> None:
+    """The packed attention kernel (:func:`resolve_kernel`'s) ``model``'s packed calls run."""
+    model.rlplat_packed_kernel = kernel
+
+
+def packed_kernel(model: torch.nn.Module) -> str:
+    """The kernel :func:`set_kernel` gave ``model`` (``grouped`` when none was given)."""
+    return getattr(model, "rlplat_packed_kernel", "grouped")
+
+
 def plans_groups(model: torch.nn.Module) -> bool:
     """Whether ``model``'s packed calls run :func:`grouped_causal_attention` (and so want their groups planned
-    once per call, not once per layer): its attention is ``rlplat_packed_<base>`` of a base other than flash."""
+    once per call, not once per layer): its attention is ``rlplat_packed_<base>`` of a base other than flash, and its
+    kernel is ``grouped``."""
     name = model.config._attn_implementation
-    return name.startswith(PACKED_ATTENTION_PREFIX) and not name[len(PACKED_ATTENTION_PREFIX):].startswith("flash_attention")
+    packed = name.startswith(PACKED_ATTENTION_PREFIX) and not name[len(PACKED_ATTENTION_PREFIX):].startswith("flash_attention")
+    return packed and packed_kernel(model) == "grouped"
+
+
+def pack_kernel(model: torch.nn.Module, sequence_parallel: bool) -> str:
+    """The kernel a pack of ``model`` is made for: ``grouped`` under sequence parallelism (Ulysses plans its own) and
+    for a flash-attention base (whose own varlen path runs it; the kernel is then unused), else :func:`packed_kernel`."""
+    name = model.config._attn_implementation
+    if sequence_parallel or not name.startswith(PACKED_ATTENTION_PREFIX) or name[len(PACKED_ATTENTION_PREFIX):].startswith("flash_attention"):
+        return "grouped"
+    return packed_kernel(model)
 
 
 def unpacked_attention(module: torch.nn.Module, base: str) -> Any:

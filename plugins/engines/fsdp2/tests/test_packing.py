@@ -231,3 +231,75 @@ def test_a_packed_micro_batch_without_response_tokens_steps_with_a_zero_share(ba
     split = built(packed=True, grad_clip=None, micro_batch_size_per_gpu=1).train_batch(rows, TokenMean())
     whole = built(packed=True, grad_clip=None, micro_batch_size_per_gpu=2).train_batch(rows, TokenMean())
     assert split["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-6) and whole["grad_norm"] > 1e-2
+
+
+# -- packed attention kernels ---------------------------------------------------------------------------
+
+
+def test_flex_document_attention_equals_grouped_attention():
+    from rlplat_engine_fsdp2.packing import DocumentMask, flex_causal_attention, grouped_causal_attention
+
+    lengths = [1, 7, 33, 120, 64, 2, 90]
+    generator = torch.Generator().manual_seed(0)
+    tokens = sum(lengths)
+    query = torch.randn(1, 4, tokens, 8, generator=generator)
+    key, value = (torch.randn(1, 2, tokens, 8, generator=generator) for _ in range(2))
+    documents = DocumentMask(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)))
+    grouped = grouped_causal_attention(torch.nn.Module(), query, key, value, plan_attention_groups(lengths, query.device), 0.3, 0.0)
+    flex = flex_causal_attention(query, key, value, documents, 0.3)
+    assert flex.shape == grouped.shape == (1, tokens, 4, 8)
+    torch.testing.assert_close(flex, grouped, atol=1e-5, rtol=0)
+
+
+def test_a_model_on_flex_attention_gives_the_grouped_log_probs(batch):
+    # flex attention has no backward on CPU, so the engine refuses it there for training; the forward of the same
+    # model through either kernel, on the whole spread batch (2-300 tokens a sequence), agrees to float rounding
+    from rlplat_engine_fsdp2 import packing
+
+    engine = built(packed=True)
+    assert packing.packed_kernel(engine.module) == "grouped"  # auto on CPU
+    expected = engine.forward(batch, calculate_entropy=True).batch
+    packing.set_kernel(engine.module, "flex")
+    actual = engine.forward(batch, calculate_entropy=True).batch
+    mask = batch.batch["response_mask"]
+    assert_equal_where_valid(actual["log_probs"], expected["log_probs"], mask)
+    assert_equal_where_valid(actual["entropy"], expected["entropy"], mask)
+
+
+@pytest.mark.parametrize("kernel, reason", [
+    ("varlen", "needs torch >= 2.10, a CUDA device and bfloat16 or float16 compute; this process has torch"),
+    ("flex", "flex attention has no backward on cpu"),
+])
+def test_packed_kernels_that_cannot_run_here_are_refused_with_the_reason(kernel, reason):
+    with pytest.raises(ValueError, match=reason):
+        built(packed=True, packed_attention=kernel)
+
+
+def test_an_unknown_packed_kernel_is_a_config_error():
+    from rlplat.config_node import ConfigError
+
+    with pytest.raises((ValueError, ConfigError), match="packed_attention 'xformers' is not one of"):
+        built(packed=True, packed_attention="xformers")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel", ["varlen", "flex"])
+def test_cuda_packed_kernels_train_as_grouped_attention(batch, kernel):
+    # bf16 on CUDA: the kernels sum in different orders, so the log-probs agree to bf16 rounding (mean difference
+    # well under 0.01 nats) and the gradients point the same way (cosine > 0.999)
+    from rlplat_engine_fsdp2 import packing
+
+    if kernel == "varlen" and not packing.varlen_available():
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    options = dict(dtype="bfloat16", micro_batch_size_per_gpu=16)
+    engines = {name: built(packed=True, packed_attention=name, **options) for name in ("grouped", kernel)}
+    assert packing.packed_kernel(engines[kernel].module) == kernel
+    mask = batch.batch["response_mask"].bool()
+    log_probs = {name: engine.forward(batch).batch["log_probs"][mask] for name, engine in engines.items()}
+    assert (log_probs[kernel] - log_probs["grouped"]).abs().mean() < 1e-2
+    gradients = {}
+    for name, engine in engines.items():
+        engine.forward_backward(batch, TokenMean(advantages=False))
+        gradients[name] = torch.cat([parameter.grad.flatten().float() for parameter in engine.module.parameters()])
+    assert torch.nn.functional.cosine_similarity(gradients[kernel], gradients["grouped"], dim=0) > 0.999
