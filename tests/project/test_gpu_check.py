@@ -358,3 +358,19 @@ def test_the_datasheet_peak_is_named_by_the_card():
     names = [name for name, _ in gpu_check_cases.DATASHEET_BF16_TFLOPS]
     # a longer name that holds a shorter one is looked up first (H100 PCIe before H100)
     assert all(names.index(long) < names.index(short) for long in names for short in names if short != long and short in long)
+
+
+@pytest.mark.slow
+def test_throughput_reports_a_failing_default_and_measures_grouped_attention_instead(tmp_path, monkeypatch):
+    measure = gpu_check_cases.measure_update
+
+    def default_fails(context, model_config, **options):
+        if not {"packed_attention", "compile", "fused_head"} & set(options):
+            raise RuntimeError("the varlen kernel failed")
+        return measure(context, model_config, **options)
+
+    monkeypatch.setattr(gpu_check_cases, "measure_update", default_fails)
+    lines = gpu_check_cases.check_throughput(gpu_check_cases.Context(device="cpu", work=tmp_path, smoke=True))
+    assert [record["status"] for record in lines[:2]] == ["fail", "pass"]
+    assert "RuntimeError: the varlen kernel failed" in lines[0]["figure"]
+    assert lines[1]["values"]["options"] == {"packed_attention": "grouped"}
