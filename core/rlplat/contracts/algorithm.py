@@ -62,9 +62,11 @@ class PolicyLoss(Protocol):
     ``config.policy_loss`` (a dict, checked at load against the schema its registry entry declares;
     ``rlplat.read_config_node(config.policy_loss, MyKnobs, "actor.loss.policy_loss")`` types it, leaving out
     rlplat's ``loss_mode`` when ``MyKnobs`` does not declare it).
-    Returns a scalar loss and a dict of floats (``actor/pg_clipfrac``, ``actor/ppo_kl``, ...), means
-    over this micro-batch's tokens (the actor loss scales them into contributions). The registered
-    object *is* the function.
+    Returns a scalar loss and a dict of numbers (``actor/pg_clipfrac``, ``actor/ppo_kl``, ...), means
+    over this micro-batch's tokens (the actor loss scales them into contributions): floats, or detached 0-dim
+    tensors (the built-in losses' since plugin API 1.3: the engine reads them after its micro-batch loop, so no
+    metric makes the host wait for the device). A caller that needs a Python number calls ``float()``. The
+    registered object *is* the function.
     """
 
     def __call__(

@@ -99,7 +99,9 @@ class LossFunction(Protocol):
     mini-batch summed over every data-parallel rank) and ``global_sequence_count`` (its rows with at
     least one valid response token, over every rank), so the returned loss can be normalised globally: the engine *sums* gradients over
     micro-batches and ranks, which makes every aggregation mode independent of how the mini-batch was
-    split. Returns ``(loss, metrics)``: a scalar tensor and a dict of floats for logging.
+    split. Returns ``(loss, metrics)``: a scalar tensor and a dict of numbers for logging, each a float or a
+    detached 0-dim tensor; an engine reads tensors once after its micro-batch loop (:func:`float`), so a loss whose
+    metrics are tensors never makes the host wait for the device between micro-batches.
 
     Metrics are contributions, like the loss: the engine *sums* each metric over the micro-batches and
     ranks of a mini-batch (and averages over optimizer steps). A globally normalised quantity (the loss

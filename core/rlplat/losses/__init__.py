@@ -8,7 +8,9 @@
   ``masked_whiten``.
 * **Metric contributions**: an engine *sums* each metric a loss function returns over micro-batches and
   ranks, so a mean over a micro-batch's tokens is reported times the micro-batch's token share
-  (``token_share``, ``as_contributions``); globally normalised values are reported as they are.
+  (``token_share``, ``as_contributions``); globally normalised values are reported as they are. ``metric(value)``
+  gives a float, or inside an engine's ``deferred_metrics()`` a detached 0-dim tensor read after its micro-batch
+  loop, so computing a metric never waits on the device.
 * **Loss functions** (:class:`rlplat.contracts.engine.LossFunction`): :class:`ActorLoss` composes a
   registered policy loss with the KL loss and the entropy bonus; :class:`CriticLoss` is the clipped value
   loss. Both are plain picklable objects, built from the ``actor.loss`` / ``critic.loss`` node
@@ -40,6 +42,8 @@ _LAZY_NAMES: dict[str, str] = {
     "masked_mean": "rlplat.losses.aggregation",
     "masked_var": "rlplat.losses.aggregation",
     "masked_whiten": "rlplat.losses.aggregation",
+    "metric": "rlplat.losses.aggregation",
+    "deferred_metrics": "rlplat.losses.aggregation",
     "ActorLoss": "rlplat.losses.functions",
     "CriticLoss": "rlplat.losses.functions",
     "as_contributions": "rlplat.losses.functions",

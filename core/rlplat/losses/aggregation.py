@@ -29,7 +29,9 @@ fully masked, pass as ``global_sequence_count`` the number of rows with a valid 
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import contextvars
+from typing import Any, Iterator
 
 import torch
 
@@ -137,3 +139,29 @@ def aggregate_with_settings(loss_mat: torch.Tensor, loss_mask: torch.Tensor, los
         global_sequence_count=settings.global_sequence_count,
         loss_scale_factor=settings.loss_scale_factor,
     )
+
+
+_DEFERRED_METRICS = contextvars.ContextVar("rlplat_deferred_metrics", default=False)
+
+
+@contextlib.contextmanager
+def deferred_metrics() -> Iterator[None]:
+    """Inside, :func:`metric` gives detached 0-dim tensors instead of floats: an engine enters it around its
+    micro-batch loop and reads the metrics once after it (``float()``), so no loss makes the host wait for the
+    device between micro-batches. Outside (a loss called on its own), metrics are floats, as they always were."""
+    token = _DEFERRED_METRICS.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED_METRICS.reset(token)
+
+
+def metrics_deferred() -> bool:
+    """Whether this call runs inside :func:`deferred_metrics`."""
+    return _DEFERRED_METRICS.get()
+
+
+def metric(value: torch.Tensor) -> Any:
+    """A loss's metric from a 0-dim tensor: detached, a tensor inside :func:`deferred_metrics`, else ``float``."""
+    value = value.detach()
+    return value if _DEFERRED_METRICS.get() else float(value)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, TypeVar
 import torch
 
 from rlplat.config_node import ConfigError, read_config_node
-from rlplat.losses.aggregation import aggregate_with_settings
+from rlplat.losses.aggregation import aggregate_with_settings, metric, metrics_deferred
 from rlplat.losses.config import ENGINE_SET_KEYS, PolicyLossConfig, ValueLossConfig
 from rlplat.losses.kl import kl_loss
 from rlplat.losses.value import value_loss
@@ -43,6 +43,15 @@ def sequence_share(response_mask: torch.Tensor, global_sequence_count: Any) -> f
     if not global_sequence_count:
         return 1.0
     return float((response_mask.sum(-1) > 0).sum()) / float(global_sequence_count)
+
+
+def metric_share(response_mask: torch.Tensor, global_token_count: Any) -> Any:
+    """:func:`token_share`, inside :func:`~rlplat.losses.aggregation.deferred_metrics` as a 0-dim float64 tensor on the
+    mask's device (no wait on it); a metric times it is what it is times :func:`token_share`, to the last bit (the
+    count is exact in float64, the division float64 either way)."""
+    if not global_token_count or not metrics_deferred():
+        return token_share(response_mask, global_token_count)
+    return response_mask.sum().double() / float(global_token_count)
 
 
 def as_contributions(metrics: Mapping[str, float], additive: set[str], share: float) -> dict[str, float]:
@@ -132,7 +141,7 @@ class ActorLoss:
                 batch["old_log_probs"], log_prob, batch["advantages"], response_mask, settings.loss_agg_mode, weighted
             )
         if settings.policy_loss_coef != 0:
-            metrics = {**metrics, "actor/pg_loss": float(loss.detach().item())}
+            metrics = {**metrics, "actor/pg_loss": metric(loss)}
             loss = loss * settings.policy_loss_coef
         term_metrics: dict[str, float] = {}
         for function, coef, knobs in self.terms:  # each normalised over its own mask: contributions as they are
@@ -143,14 +152,14 @@ class ActorLoss:
         if settings.entropy_coeff != 0:
             entropy = aggregate_with_settings(outputs["entropy"], response_mask, settings.loss_agg_mode, settings)
             loss = loss - settings.entropy_coeff * entropy
-            metrics["actor/entropy"] = float(entropy.detach().item())
+            metrics["actor/entropy"] = metric(entropy)
         if settings.use_kl_loss:
             kl, kl_metrics = kl_loss(log_prob, batch["ref_log_prob"], response_mask, settings.loss_agg_mode, settings)
             loss = loss + settings.kl_loss_coef * kl
             metrics.update(kl_metrics)
             metrics["actor/kl_coef"] = float(settings.kl_loss_coef)
         additive = {"actor/pg_loss", "actor/entropy", "actor/kl_loss"}
-        return loss, {**as_contributions(metrics, additive, token_share(response_mask, settings.global_token_count)),
+        return loss, {**as_contributions(metrics, additive, metric_share(response_mask, settings.global_token_count)),
                       **correction_metrics, **term_metrics}
 
     def bypass_policy_term(self, settings: PolicyLossConfig, batch: Any,
@@ -219,7 +228,7 @@ class CriticLoss:
         batch = micro_batch.batch
         loss, metrics = value_loss(outputs["values"], batch["returns"], batch["values"], batch["response_mask"], None, settings)
         additive = {"critic/vf_loss"}
-        return loss, as_contributions(metrics, additive, token_share(batch["response_mask"], settings.global_token_count))
+        return loss, as_contributions(metrics, additive, metric_share(batch["response_mask"], settings.global_token_count))
 
 
 def loss_needs(functions: Any) -> tuple[tuple[str, ...], str | None]:

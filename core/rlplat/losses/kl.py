@@ -23,7 +23,7 @@ import torch
 
 from rlplat.config_node import read_config_node
 from rlplat.contracts.algorithm import AlgorithmConfig, KLControlConfig
-from rlplat.losses.aggregation import aggregate_with_settings, masked_mean
+from rlplat.losses.aggregation import aggregate_with_settings, masked_mean, metric
 from rlplat.losses.config import PolicyLossConfig
 
 KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
@@ -128,4 +128,4 @@ def kl_loss(
     settings = read_config_node(config, PolicyLossConfig, "actor.loss")
     per_token = kl_estimate(log_prob, ref_log_prob, settings.kl_loss_type)
     loss = aggregate_with_settings(per_token, response_mask, loss_agg_mode, settings)
-    return loss, {"actor/kl_loss": loss.detach().item()}
+    return loss, {"actor/kl_loss": metric(loss)}

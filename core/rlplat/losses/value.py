@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from rlplat.config_node import read_config_node
-from rlplat.losses.aggregation import aggregate_with_settings, masked_mean
+from rlplat.losses.aggregation import aggregate_with_settings, masked_mean, metric
 from rlplat.losses.config import ValueLossConfig
 
 
@@ -35,4 +35,4 @@ def value_loss(
     clipped_losses = (clipped_vpreds - returns) ** 2
     loss = 0.5 * aggregate_with_settings(torch.max(unclipped_losses, clipped_losses), response_mask, mode, settings)
     clipfrac = masked_mean(torch.gt(clipped_losses, unclipped_losses).float(), response_mask)
-    return loss, {"critic/vf_loss": float(loss.detach().item()), "critic/vf_clipfrac": float(clipfrac.item())}
+    return loss, {"critic/vf_loss": metric(loss), "critic/vf_clipfrac": metric(clipfrac)}

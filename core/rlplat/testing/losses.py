@@ -72,7 +72,13 @@ class PolicyLossConformance:
         assert isinstance(metrics, dict)
         for key, value in metrics.items():
             assert isinstance(key, str)
-            assert isinstance(value, (int, float)), f"metric {key!r} is {type(value).__name__}, not a float"
+            # a number: a float, or a detached 0-dim tensor (read by the engine after its micro-batch loop)
+            if isinstance(value, torch.Tensor):
+                assert value.dim() == 0 and not value.requires_grad and bool(torch.isfinite(value)), (
+                    f"metric {key!r} is a tensor of shape {tuple(value.shape)}{' with gradient' if value.requires_grad else ''}: "
+                    "a metric is a float or a detached, finite 0-dim tensor")
+            else:
+                assert isinstance(value, (int, float)), f"metric {key!r} is {type(value).__name__}, not a number"
 
     @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
     def test_masked_tokens_get_no_gradient(self, policy_loss, policy_loss_config, mode, loss_agg_modes, plugin_api):

@@ -75,26 +75,36 @@ class OldLogProbsFromForward:
         self.needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
         self.count_masks = getattr(loss_fn, "count_masks", ())
         self.gather_ids = getattr(loss_fn, "gather_ids", None)
+        # kept where the engine computes (no wait on the device between micro-batches), read by result()
         self.old_log_probs: torch.Tensor | None = None
-        self.seen = torch.zeros(rows, dtype=torch.bool)
+        self.seen: torch.Tensor | None = None
         self.rows = rows
-        self.entropy_sum = self.entropy_tokens = 0.0
+        self.entropy_sum: Any = 0.0
+        self.entropy_tokens: Any = 0.0
 
     def __call__(self, outputs: Any, micro_batch: DataProto) -> Any:
         log_probs = outputs["log_probs"].detach()
+        rows = micro_batch.batch[ROW_INDEX].to(log_probs.device)
+        if self.old_log_probs is None:
+            self.old_log_probs = torch.zeros(self.rows, log_probs.shape[1], dtype=log_probs.dtype, device=log_probs.device)
+            self.seen = torch.zeros(self.rows, dtype=torch.bool, device=log_probs.device)
+        fresh = ~self.seen[rows]  # the first forward of a row counts (an engine may repeat a stand-in row)
         if self.needs_entropy:  # computed for the loss anyway: report it as the separate pass would (actor/entropy)
             mask = micro_batch.batch["response_mask"].to(log_probs.dtype)
-            first = (~self.seen[micro_batch.batch[ROW_INDEX].cpu()]).to(mask.device, mask.dtype)[:, None]
-            self.entropy_sum += float((outputs["entropy"].detach() * mask * first).sum())
-            self.entropy_tokens += float((mask * first).sum())
+            first = fresh.to(mask.device, mask.dtype)[:, None]
+            # each micro-batch's sum as before, added in float64 as Python floats were
+            self.entropy_sum = self.entropy_sum + (outputs["entropy"].detach() * mask * first).sum().double()
+            self.entropy_tokens = self.entropy_tokens + (mask * first).sum().double()
         micro_batch.batch["old_log_probs"] = log_probs
-        rows = micro_batch.batch[ROW_INDEX].cpu()
-        if self.old_log_probs is None:
-            self.old_log_probs = torch.zeros(self.rows, log_probs.shape[1], dtype=log_probs.dtype)
-        fresh = ~self.seen[rows]  # the first forward of a row counts (an engine may repeat a stand-in row)
-        self.old_log_probs[rows[fresh]] = log_probs.cpu()[fresh]
+        # rows not yet seen take this forward's values (an index_put with a mask: no host-side selection)
+        self.old_log_probs[rows] = torch.where(fresh[:, None], log_probs, self.old_log_probs[rows])
         self.seen[rows] = True
         return self.loss_fn(outputs, micro_batch)
+
+    def entropy(self) -> float | None:
+        """The mean entropy of the rows' first forwards (None when the loss did not ask for entropy)."""
+        tokens = float(self.entropy_tokens)
+        return float(self.entropy_sum) / tokens if tokens else None
 
     def result(self) -> torch.Tensor:
         if self.old_log_probs is None or not bool(self.seen.all()):
@@ -104,7 +114,7 @@ class OldLogProbsFromForward:
                 "function, so their old_log_probs are unknown; run compute_log_prob before update_actor "
                 "(actor.recompute_old_log_prob=always)"
             )
-        return self.old_log_probs
+        return self.old_log_probs.cpu()
 
 
 class ActorRolloutRefWorker(Worker):
@@ -387,8 +397,9 @@ class ActorRolloutRefWorker(Worker):
         metrics.update({"async/update_start": window_start, "async/update_end": time.time()})
         if from_forward is None:
             return DataProto(meta_info={"metrics": metrics})
-        if from_forward.entropy_tokens and "actor/entropy" not in metrics:
-            metrics["actor/entropy"] = from_forward.entropy_sum / from_forward.entropy_tokens
+        entropy = from_forward.entropy()
+        if entropy is not None and "actor/entropy" not in metrics:
+            metrics["actor/entropy"] = entropy
         if not self.dispatch_info()[2]:
             # The driver takes this data-parallel group's output from another rank: an engine's rank that
             # computes no loss (a pipeline stage before the last) never sees the log-probs.

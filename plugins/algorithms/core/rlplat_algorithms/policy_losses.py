@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from rlplat.config_node import read_config_node
-from rlplat.losses.aggregation import aggregate_with_settings, masked_mean
+from rlplat.losses.aggregation import aggregate_with_settings, masked_mean, metric
 from rlplat.losses.config import LOSS_AGG_MODES, PolicyLossConfig
 from rlplat_algorithms.config import LossModeConfig
 
@@ -42,8 +42,6 @@ def _knobs(settings: PolicyLossConfig) -> LossModeConfig:
     return read_config_node(settings.policy_loss, LossModeConfig, "actor.loss.policy_loss")
 
 
-def _float(value: torch.Tensor) -> float:
-    return float(value.detach().item())
 
 
 def vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None):
@@ -67,9 +65,9 @@ def vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="to
     pg_losses = torch.where(advantages < 0, dual_clipped, surrogate)
     loss = aggregate_with_settings(pg_losses, response_mask, loss_agg_mode, settings)
     metrics = {
-        "actor/pg_clipfrac": _float(masked_mean(torch.gt(clipped, unclipped).float(), response_mask)),
-        "actor/ppo_kl": _float(masked_mean(-log_ratio, response_mask)),
-        "actor/pg_clipfrac_lower": _float(
+        "actor/pg_clipfrac": metric(masked_mean(torch.gt(clipped, unclipped).float(), response_mask)),
+        "actor/ppo_kl": metric(masked_mean(-log_ratio, response_mask)),
+        "actor/pg_clipfrac_lower": metric(
             masked_mean(torch.gt(surrogate, dual_bound).float() * (advantages < 0).float(), response_mask)
         ),
     }
@@ -96,8 +94,8 @@ def gspo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="seq-m
     pg_losses = torch.maximum(unclipped, clipped)
     loss = aggregate_with_settings(pg_losses, response_mask, loss_agg_mode, settings)
     metrics = {
-        "actor/pg_clipfrac": _float(masked_mean(torch.gt(clipped, unclipped).float(), response_mask)),
-        "actor/ppo_kl": _float(masked_mean(-log_ratio, response_mask)),
+        "actor/pg_clipfrac": metric(masked_mean(torch.gt(clipped, unclipped).float(), response_mask)),
+        "actor/ppo_kl": metric(masked_mean(-log_ratio, response_mask)),
         "actor/pg_clipfrac_lower": 0.0,
     }
     return loss, metrics
@@ -114,8 +112,8 @@ def cispo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="toke
     pg_losses = -clipped_ratio.detach() * advantages * log_prob
     loss = aggregate_with_settings(pg_losses, response_mask, loss_agg_mode, settings)
     metrics = {
-        "actor/pg_clipfrac": _float(masked_mean((ratio != clipped_ratio).float(), response_mask)),
-        "actor/ppo_kl": _float(masked_mean(-log_ratio, response_mask)),
+        "actor/pg_clipfrac": metric(masked_mean((ratio != clipped_ratio).float(), response_mask)),
+        "actor/ppo_kl": metric(masked_mean(-log_ratio, response_mask)),
         "actor/pg_clipfrac_lower": 0.0,
     }
     return loss, metrics
@@ -153,8 +151,8 @@ def clip_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="t
     pg_losses = torch.maximum(unclipped, clipped) * keep_gradient
     loss = aggregate_with_settings(pg_losses, response_mask, loss_agg_mode, settings)
     metrics = {
-        "actor/pg_clipfrac": _float(masked_mean((keep_gradient == 0).float(), response_mask)),
-        "actor/ppo_kl": _float(masked_mean(-log_ratio, response_mask)),
+        "actor/pg_clipfrac": metric(masked_mean((keep_gradient == 0).float(), response_mask)),
+        "actor/ppo_kl": metric(masked_mean(-log_ratio, response_mask)),
     }
     return loss, metrics
 
@@ -183,7 +181,7 @@ def kl_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="tok
         selected[valid_positions[largest.to(valid_positions.device)]] = True
     pg_losses = torch.where(selected.reshape(advantages.shape), with_kl, surrogate)
     loss = aggregate_with_settings(pg_losses, response_mask, loss_agg_mode, settings)
-    return loss, {"actor/ppo_kl": _float(masked_mean(log_ratio.abs(), response_mask))}
+    return loss, {"actor/ppo_kl": metric(masked_mean(log_ratio.abs(), response_mask))}
 
 
 def reinforce(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None):
@@ -192,4 +190,4 @@ def reinforce(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="
     settings = _settings(config, loss_agg_mode)
     pg_losses = -advantages * log_prob
     loss = aggregate_with_settings(pg_losses, response_mask, loss_agg_mode, settings)
-    return loss, {"actor/ppo_kl": _float(masked_mean(-(log_prob - old_log_prob), response_mask))}
+    return loss, {"actor/ppo_kl": metric(masked_mean(-(log_prob - old_log_prob), response_mask))}

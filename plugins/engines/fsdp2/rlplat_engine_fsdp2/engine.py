@@ -60,6 +60,7 @@ from torch.distributed.tensor import DTensor
 from rlplat.contracts.engine import DataParallelInfo, LossFunction, TrainingEngine
 from rlplat.kits.engine import WarmupSchedule, check_optimizer_settings, fixed_size_partition, token_budget_partition, tokenizer_folder, weight_buckets
 from rlplat.lora import LoraConfig, read_lora
+from rlplat.losses.aggregation import deferred_metrics
 from rlplat.protocol import DataProto
 from rlplat.kits.moe import ROUTES
 from rlplat_engine_fsdp2 import checkpoint, data_parallel, lora, modeling, packing, ulysses
@@ -399,7 +400,7 @@ class FSDP2Engine(LoraMethods, Offload, TrainingEngine):
         loss_total, loss_metrics, kept = torch.zeros((), dtype=torch.float64, device=self.device), [], {}
         gather_ids = getattr(loss_fn, "gather_ids", None)
         groups = self.plan_micro_batches(mini_batch, self.config.micro_batch_size_per_gpu)
-        with self.computing():
+        with self.computing(), deferred_metrics():
             for index, rows in enumerate(groups):
                 if self.sharded and not self.config.gradient_sync_every_micro_batch:
                     self.module.set_requires_gradient_sync(index == len(groups) - 1)

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import torch
 
-from rlplat.losses.aggregation import aggregate_loss, masked_sum
+from rlplat.losses.aggregation import aggregate_loss, masked_sum, metric
 from rlplat.losses.config import LOSS_AGG_MODES
 
 
@@ -50,7 +50,7 @@ class NLLLoss:
         loss = nll_loss(log_probs, mask, self.loss_agg_mode, global_token_count=meta.get("global_token_count"),
                         global_sequence_count=meta.get("global_sequence_count"))
         nll_sum = masked_sum(-log_probs.detach(), mask.to(log_probs.device))
-        return loss, {"sft/loss": float(loss.detach()), "sft/nll_sum": float(nll_sum), "sft/tokens": float(mask.sum())}
+        return loss, {"sft/loss": metric(loss), "sft/nll_sum": metric(nll_sum), "sft/tokens": metric(mask.sum().double())}
 
     def __repr__(self) -> str:
         return f"NLLLoss(loss_agg_mode={self.loss_agg_mode!r})"
