@@ -577,12 +577,13 @@ def run_packed_model(
         packed = packed.to(device)
         packed_ids = None if packed_ids is None else packed_ids.to(device)
     arguments, predictors, targets = packed.model_kwargs(), packed.predictors, packed.targets
+    arguments["attention_mask"] = packing.no_masks(model)
     place: Callable[[torch.Tensor], torch.Tensor] = packed.unpack
     widest = int(predictors.numel())
     if sequence_parallel is not None:
         shard = ulysses.shard(packed, sequence_parallel, grouped_attention=grouped)
         mine, predictors, counts = shard.local(packed.predictors)
-        arguments, targets, widest = shard.kwargs, packed.targets[mine], max(counts)
+        arguments, targets, widest = {**shard.kwargs, "attention_mask": arguments["attention_mask"]}, packed.targets[mine], max(counts)
         packed_ids = None if packed_ids is None else packed_ids[mine]
         place = lambda values: packed.unpack(shard.gather(values, counts))  # noqa: E731
     packed_ids = None if packed_ids is None else packed_ids.unsqueeze(0)

@@ -458,6 +458,32 @@ def attention_implementation(base: str, sequence_parallel: bool = False) -> str:
     return name
 
 
+#: Attention layer kinds of Hugging Face decoders, the keys of the mask mapping a model's forward accepts in place of
+#: ``attention_mask`` (``causal_mask_mapping := attention_mask, dict`` in their modeling files).
+MASK_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
+
+
+@functools.lru_cache(maxsize=None)
+def takes_mask_mapping(model_class: type) -> bool:
+    """Whether the decoder inside ``model_class`` takes a ready mapping of masks as its ``attention_mask`` (read from
+    its modeling file): then a packed call hands it masks of None and Hugging Face skips building them, and its
+    search of the position ids for packed sequences, which reads a device tensor on the host every call."""
+    import inspect
+
+    module = sys.modules.get(model_class.__module__)
+    try:
+        source = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return False
+    return "causal_mask_mapping := attention_mask, dict" in source
+
+
+def no_masks(model: torch.nn.Module) -> dict[str, None] | None:
+    """The ``attention_mask`` of a packed call of ``model``: masks of None for every layer kind (:func:`takes_mask_mapping`),
+    or None where the model builds its masks itself (the packing mask function then returns None)."""
+    return dict.fromkeys(MASK_KINDS) if takes_mask_mapping(type(model)) else None
+
+
 def set_kernel(model: torch.nn.Module, kernel: str) -> None:
     """The packed attention kernel (:func:`resolve_kernel`'s) ``model``'s packed calls run."""
     model.rlplat_packed_kernel = kernel

@@ -3,6 +3,7 @@ config errors, registration, checkpoint details, loading from a local Hugging Fa
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
@@ -432,3 +433,65 @@ def test_an_engine_built_from_a_local_directory_exports_model_and_tokenizer(tiny
                                rtol=1e-5, atol=1e-5)
     loaded.export_hf(str(tmp_path / "exported"))
     assert AutoTokenizer.from_pretrained(str(tmp_path / "exported"))("12+3=")["input_ids"] == [5, 6, 14, 7, 15]
+
+
+#: Where the micro-batch loop may read tensor values on the host: the host copy of a micro-batch, before it moves
+#: (selecting its rows, planning its pack).
+HOST_SIDE = {("engine.py", "micro_batch"), ("packing.py", "pack"), ("packing.py", "plan_attention_groups")}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nothing_in_the_micro_batch_loop_waits_for_the_device(tiny_config, batch_of, dtype, monkeypatch):
+    # A read of a tensor's value on the host (.item(), float(), int(), bool(), .tolist()) stalls a GPU's host until
+    # the device catches up. Inside an update's micro-batch loop (packed, the default) only the host copy of each
+    # micro-batch may be read: the GRPO actor loss (its metrics deferred), old log-probs taken from the update's
+    # forwards, entropy, two micro-batches. (Padded micro-batches still meet Hugging Face's own mask check.)
+    import traceback
+
+    from rlplat.losses import ActorLoss
+    from rlplat.workers.actor_rollout_ref import ROW_INDEX, OldLogProbsFromForward
+
+    engine = built(tiny_config, dtype=dtype)
+    batch = batch_of(4, seed=1)
+    batch.batch["advantages"] = torch.randn(batch.batch["responses"].shape)
+    batch.batch[ROW_INDEX] = torch.arange(len(batch))
+    loss = OldLogProbsFromForward(ActorLoss({"entropy_coeff": 0.01, "use_kl_loss": False}), len(batch))
+    inside, reads = [False], []
+
+    def watched(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if inside[0]:
+                frames = {(frame.filename.rsplit("/", 1)[-1], frame.name) for frame in traceback.extract_stack()}
+                if not frames & HOST_SIDE:
+                    reads.append(f"{name}: " + " <- ".join(f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
+                                                           for frame in traceback.extract_stack()[-4:-1]))
+            return original(self, *args, **kwargs)
+        return read
+
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, watched(name))
+    computing = engine.computing
+
+    @contextlib.contextmanager
+    def flagged():
+        with computing():
+            inside[0] = True
+            try:
+                yield
+            finally:
+                inside[0] = False
+
+    monkeypatch.setattr(engine, "computing", flagged)
+    metrics = engine.train_batch(batch, loss)
+    assert not reads, reads
+    assert math.isfinite(metrics["actor/pg_loss"]) and loss.entropy() is not None and loss.result().device.type == "cpu"
+
+    # the check itself: a loss that reads a metric on the host inside the loop is caught
+    class Reading:
+        def __call__(self, outputs, micro_batch):
+            return outputs["log_probs"].sum() * 0.0, {"value": float(outputs["log_probs"].sum())}
+
+    engine.train_batch(batch, Reading())
+    assert reads and reads[0].startswith("__float__")
