@@ -481,7 +481,9 @@ def takes_mask_mapping(model_class: type) -> bool:
 def no_masks(model: torch.nn.Module) -> dict[str, None] | None:
     """The ``attention_mask`` of a packed call of ``model``: masks of None for every layer kind (:func:`takes_mask_mapping`),
     or None where the model builds its masks itself (the packing mask function then returns None)."""
-    return dict.fromkeys(MASK_KINDS) if takes_mask_mapping(type(model)) else None
+    if not takes_mask_mapping(type(model)):
+        return None
+    return dict.fromkeys([*MASK_KINDS, *(getattr(model.config, "layer_types", None) or ())])
 
 
 def set_kernel(model: torch.nn.Module, kernel: str) -> None:
