@@ -15,8 +15,8 @@ Contenders, each in both compute dtypes of the check (bfloat16, the GPU's; float
 - ``compiled``: ``plain`` with ``compile=True`` (the decoder layers under ``torch.compile``; the first steps compile).
 
 Printed per contender: aten operators in one profiled step (the profiler's ``aten::`` events, nested ones included),
-the median wall time of a step (interleaved repetitions, after warm-up), and the host's milliseconds: that profiled
-step's time outside the matmul and attention kernels (on CPU in bfloat16 most of a step's wall time is the CPU's bf16
+the median wall time of a step (interleaved repetitions, after warm-up), and the host's milliseconds: the median over
+five profiled steps of their time outside the matmul and attention kernels (on CPU in bfloat16 most of a step's wall time is the CPU's bf16
 attention-backward kernel, arithmetic that a GPU does elsewhere; a compiled graph's call counts as host time although
 it holds the fused elementwise arithmetic, so its figure is an upper bound).
 
@@ -72,18 +72,24 @@ ARITHMETIC = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product
               "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
+PROFILED_STEPS = 5
+
+
 def profiled(step) -> tuple[int, float]:
-    """aten operators of one step, and the milliseconds of it spent outside the matmul and attention kernels
-    (profiler self times; compiled graphs count as outside, though they hold arithmetic too)."""
+    """aten operators of a step, and the milliseconds of it spent outside the matmul and attention kernels (profiler
+    self times; compiled graphs count as outside, though they hold arithmetic too): medians of PROFILED_STEPS steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as profiler:
-        step()
-    operators = sum(1 for event in profiler.events() if event.name.startswith("aten::"))
-    averages = profiler.key_averages()
-    total = sum(event.self_cpu_time_total for event in averages)
-    arithmetic = sum(event.self_cpu_time_total for event in averages if event.key in ARITHMETIC)
-    return operators, (total - arithmetic) / 1e3
+    counts, hosts = [], []
+    for _ in range(PROFILED_STEPS):
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            step()
+        counts.append(sum(1 for event in profiler.events() if event.name.startswith("aten::")))
+        averages = profiler.key_averages()
+        total = sum(event.self_cpu_time_total for event in averages)
+        arithmetic = sum(event.self_cpu_time_total for event in averages if event.key in ARITHMETIC)
+        hosts.append((total - arithmetic) / 1e3)
+    return statistics.median(counts), statistics.median(hosts)
 
 
 def main() -> None:
@@ -113,7 +119,7 @@ def main() -> None:
             rows.append([dtype, name, f"{operators:,}", f"{operators / base_ops:.2f}", f"{ms:.0f}", f"{ms / base_ms:.2f}",
                          f"{host:.0f}", f"{host / base_host:.2f}", f"{first_losses[name]:.6f}"])
         del built, steps
-    notes.append("host ms: one profiled step's time outside the matmul and attention kernels (profiler self times)")
+    notes.append("host ms: a profiled step's time outside the matmul and attention kernels (profiler self times; median of 5)")
     notes.append("ratios are to fsdp2 (one rank in fully_shard) of the same dtype; first loss: the first step's, from the same "
                  "weights (equal for fsdp2 and plain: the same arithmetic)")
     print_table("fsdp2 update at the GPU check's 24-layer structure, tiny dims, CPU",

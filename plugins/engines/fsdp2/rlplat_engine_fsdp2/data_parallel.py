@@ -127,9 +127,9 @@ class ComputeCopies:
                 handle.remove()
 
     def accumulate(self, master: torch.nn.Parameter, copy: torch.nn.Parameter) -> None:
-        gradient = copy.grad.to(self.reduce_dtype).to(master.dtype)
+        gradient = copy.grad if self.reduce_dtype == master.dtype else copy.grad.to(self.reduce_dtype)
         copy.grad = None
         if master.grad is None:
-            master.grad = gradient
-        else:
+            master.grad = gradient.to(master.dtype)
+        else:  # adds in float32: the compute-dtype value widens exactly, as a cast first would give
             master.grad.add_(gradient)
