@@ -73,14 +73,18 @@ ARITHMETIC = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product
 
 
 PROFILED_STEPS = 5
+#: The profiler's name of a call into a compiled graph: its self time is the generated kernels' (the arithmetic
+#: fused into them; a GPU runs them on the device), apart from their launch.
+COMPILED_GRAPH = "## Call CompiledFxGraph"
 
 
-def profiled(step) -> tuple[int, float]:
+def profiled(step) -> tuple[int, float, float]:
     """aten operators of a step, and the milliseconds of it spent outside the matmul and attention kernels (profiler
-    self times; compiled graphs count as outside, though they hold arithmetic too): medians of PROFILED_STEPS steps."""
+    self times; compiled graphs count as outside, though they hold arithmetic too), and of those the compiled graphs'
+    own: medians of PROFILED_STEPS steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    counts, hosts = [], []
+    counts, hosts, graphs = [], [], []
     for _ in range(PROFILED_STEPS):
         with profile(activities=[ProfilerActivity.CPU]) as profiler:
             step()
@@ -89,7 +93,8 @@ def profiled(step) -> tuple[int, float]:
         total = sum(event.self_cpu_time_total for event in averages)
         arithmetic = sum(event.self_cpu_time_total for event in averages if event.key in ARITHMETIC)
         hosts.append((total - arithmetic) / 1e3)
-    return statistics.median(counts), statistics.median(hosts)
+        graphs.append(sum(event.self_cpu_time_total for event in averages if event.key.startswith(COMPILED_GRAPH)) / 1e3)
+    return statistics.median(counts), statistics.median(hosts), statistics.median(graphs)
 
 
 def main() -> None:
@@ -112,19 +117,22 @@ def main() -> None:
                 steps[name]()
                 seconds[name].append(time.perf_counter() - started)
         measured = {name: profiled(step) for name, step in steps.items()}
-        base_ms, (base_ops, base_host) = statistics.median(seconds["fsdp2"]) * 1e3, measured["fsdp2"]
+        base_ms, (base_ops, base_host, _) = statistics.median(seconds["fsdp2"]) * 1e3, measured["fsdp2"]
         for name in names:
             ms = statistics.median(seconds[name]) * 1e3
-            operators, host = measured[name]
+            operators, host, graphs = measured[name]
+            lower = f"{host - graphs:.0f} ({(host - graphs) / base_host:.2f})" if graphs else ""
             rows.append([dtype, name, f"{operators:,}", f"{operators / base_ops:.2f}", f"{ms:.0f}", f"{ms / base_ms:.2f}",
-                         f"{host:.0f}", f"{host / base_host:.2f}", f"{first_losses[name]:.6f}"])
+                         f"{host:.0f}", f"{host / base_host:.2f}", lower, f"{first_losses[name]:.6f}"])
         del built, steps
     notes.append("host ms: a profiled step's time outside the matmul and attention kernels (profiler self times; median of 5)")
+    notes.append("host ms, graphs as arithmetic: the same less the compiled graphs' own time (their fused kernels); the "
+                 "compiled contender's host time lies between the two")
     notes.append("ratios are to fsdp2 (one rank in fully_shard) of the same dtype; first loss: the first step's, from the same "
                  "weights (equal for fsdp2 and plain: the same arithmetic)")
     print_table("fsdp2 update at the GPU check's 24-layer structure, tiny dims, CPU",
                 ["dtype", "contender", "aten ops/step", "ops ratio", "step ms (median)", "time ratio", "host ms", "host ratio",
-                 "first loss"], rows, notes)
+                 "host ms, graphs as arithmetic", "first loss"], rows, notes)
     print(describe_environment({"torch threads": str(args.torch_threads), "repetitions": str(args.repetitions)}))
 
 
