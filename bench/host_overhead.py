@@ -99,8 +99,13 @@ def profiled(step) -> tuple[int, float, float]:
 
 def main() -> None:
     args = parse_arguments()
-    names = [name for name in CONTENDERS if not (args.no_compile and name == "compiled")]
+    from rlplat_engine_fsdp2.modeling import compile_problem
+
     rows, notes = [], []
+    problem = compile_problem("cpu")
+    if problem is not None:
+        notes.append(f"compiled contender left out: {problem}")
+    names = [name for name in CONTENDERS if not ((args.no_compile or problem) and name == "compiled")]
     for dtype in ("bfloat16", "float32"):
         built = {name: build(dtype, CONTENDERS[name]) for name in names}
         steps = {name: (lambda engine=engine, batch=batch, loss=loss: engine.train_batch(batch, loss)) for name, (engine, batch, loss) in built.items()}

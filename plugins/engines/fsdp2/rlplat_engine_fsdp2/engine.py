@@ -164,7 +164,7 @@ class FSDP2Engine(LoraMethods, Offload, TrainingEngine):
             if self.replicated:  # the ranks built the same weights from the same seed or files; rank 0's are the truth
                 data_parallel.broadcast_from_rank0([*model.parameters(), *model.buffers()])
         if config.compile:
-            modeling.compile_layers(model)
+            modeling.compile_layers(model, self.device.type)
         self.module = model
         self.persistent_buffer_names: set[str] | None = None
         # The parameters the optimizer updates (FSDP2's shards, or the plain module's own); between a forward

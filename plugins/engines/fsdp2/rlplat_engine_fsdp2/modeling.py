@@ -141,9 +141,25 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def compile_layers(model: torch.nn.Module) -> None:
+def compile_problem(device_type: str) -> str | None:
+    """Why ``torch.compile`` cannot build kernels for ``device_type`` here, or None. On CPU it compiles C++ that links
+    against torch's own libraries, and torch's builder passes their folder unquoted: a path with a space breaks the
+    link (measured with torch 2.13 in a clone under "a clone/")."""
+    folder = os.path.dirname(torch.__file__)
+    if device_type == "cpu" and any(character.isspace() for character in folder):
+        return (f"compile=true on CPU: torch.compile builds C++ kernels linked against torch's libraries in {folder!r}, and "
+                f"torch {torch.__version__}'s builder does not quote a path with a space, so the link fails; install the "
+                "environment at a path without spaces, or leave compile off on CPU")
+    return None
+
+
+def compile_layers(model: torch.nn.Module, device_type: str) -> None:
     """``torch.compile`` on the ``forward`` of every decoder layer (:func:`decoder_layers`), in place: hooks on the
-    layer (FSDP2's gathers, the MoE routing's records) run around the compiled code, not inside it."""
+    layer (FSDP2's gathers, the MoE routing's records) run around the compiled code, not inside it. Refused, with
+    :func:`compile_problem`'s reason, where the kernels cannot be built."""
+    problem = compile_problem(device_type)
+    if problem is not None:
+        raise ValueError(f"fsdp2 engine: {problem}")
     for layer in decoder_layers(model):
         layer.forward = torch.compile(layer.forward)
 

@@ -323,6 +323,10 @@ def test_compiled_layers_train_as_eager_ones(tiny_config, batch_of):
     # 1-10), so losses, log-probs and gradients agree within 1e-5. Weights are not compared after AdamW steps:
     # Adam divides each gradient by its own magnitude, so a rounding difference in a near-zero gradient moves that
     # weight by up to the learning rate.
+    from rlplat_engine_fsdp2 import modeling
+
+    if modeling.compile_problem("cpu") is not None:
+        pytest.skip(modeling.compile_problem("cpu"))  # the refusal itself: test_compile_where_it_cannot_build_is_refused
     eager, compiled = built(tiny_config), built(tiny_config, compile=True)
     for seed in range(3):
         batch = batch_of(4, seed=seed)
@@ -495,3 +499,13 @@ def test_nothing_in_the_micro_batch_loop_waits_for_the_device(tiny_config, batch
 
     engine.train_batch(batch, Reading())
     assert reads and reads[0].startswith("__float__")
+
+
+def test_compile_where_it_cannot_build_is_refused(tiny_config, monkeypatch):
+    from rlplat_engine_fsdp2 import modeling
+
+    monkeypatch.setattr(torch, "__file__", "/opt/a venv/lib/python3.11/site-packages/torch/__init__.py")
+    assert "does not quote a path with a space" in modeling.compile_problem("cpu")
+    assert modeling.compile_problem("cuda") is None
+    with pytest.raises(ValueError, match="compile=true on CPU: .*'/opt/a venv/lib/python3.11/site-packages/torch'"):
+        built(tiny_config, compile=True)
